@@ -1,0 +1,54 @@
+# Two commands do everything on a fresh machine: `make run` and `make test`.
+# Each creates .venv if missing, installs the pinned environment, and makes the
+# embedded models; a second run reuses all of it.
+
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+LOCK := requirements/cpu.lock.txt
+MODELS := .cache/models
+PROTO_OUT := common
+
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export VLLM_TARGET_DEVICE ?= cpu
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: run test install proto proto-check models bench lint clean compose-check
+
+run: install models
+	$(PY) -m tools.run_demo --model $(MODELS)/tiny-llama $(RUN_ARGS)
+
+test: install models
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+install: $(STAMP)
+
+$(STAMP): $(LOCK) pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "Installing the pinned environment into $(VENV) (first run: a few minutes, ~3.5 GB)..."
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet --no-deps -r $(LOCK)
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	@touch $(STAMP)
+
+models: install $(MODELS)/tiny-llama/config.json $(MODELS)/tiny-qwen3/config.json
+
+$(MODELS)/%/config.json:
+	$(PY) -m common.embedded_model --arch $* --out $(MODELS)/$*
+
+# Regenerates the checked-in stubs. tests/test_proto_stubs.py fails when they are stale.
+proto: install
+	$(PY) -m common.protogen
+
+bench: install models
+	$(PY) -m bench.router_throughput
+	$(PY) -m bench.capture_overhead --model $(MODELS)/tiny-llama
+
+compose-check:
+	docker-compose -f compose.yaml config --quiet
+
+clean:
+	rm -rf $(VENV) .cache

@@ -1,0 +1,158 @@
+"""Activation records in memory and on the wire.
+
+A record is keyed by (request_id, point, layer, token_position, is_generated).
+Records travel packed: one ActivationBlock holds every row of one (point,
+layer) in a step, with the keys in parallel arrays. This module is the one
+place that converts between blocks and ActivationBatch messages, and that
+defines the forward-pass order (token_position, layer) a probe sees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from common import tensor_codec
+from undercurrent.v1 import undercurrent_pb2 as pb
+
+
+@dataclass
+class Block:
+    """All rows of one (point, layer) in one step, ordered by (request, position)."""
+
+    point: str
+    tensor_type: int  # pb.TensorType value
+    layer: int
+    rows: np.ndarray  # [n, hidden]
+    request_ids: list[str]
+    token_positions: np.ndarray  # int64 [n]
+    is_generated: np.ndarray  # bool [n]
+    wire_dtype: str | None = None  # e.g. "bfloat16"; default: rows.dtype
+
+    def __post_init__(self) -> None:
+        n = self.rows.shape[0]
+        if not (len(self.request_ids) == len(self.token_positions) == len(self.is_generated) == n):
+            raise ValueError(
+                f"block {self.point}@{self.layer}: {n} rows but {len(self.request_ids)} request ids, "
+                f"{len(self.token_positions)} positions, {len(self.is_generated)} flags"
+            )
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.rows.shape[0])
+
+    def select(self, mask: np.ndarray) -> "Block":
+        idx = np.flatnonzero(mask)
+        return Block(
+            self.point,
+            self.tensor_type,
+            self.layer,
+            self.rows[idx],
+            [self.request_ids[i] for i in idx],
+            self.token_positions[idx],
+            self.is_generated[idx],
+            self.wire_dtype,
+        )
+
+
+@dataclass(frozen=True)
+class Record:
+    """One row, for consumers that walk records one by one in forward order."""
+
+    request_id: str
+    point: str
+    tensor_type: int
+    layer: int
+    token_position: int
+    is_generated: bool
+    vector: np.ndarray = field(compare=False, repr=False)
+
+
+def to_batch(blocks: list[Block], step: int = 0) -> pb.ActivationBatch:
+    """Packs blocks into one message; request ids are interned in a table."""
+    table: dict[str, int] = {}
+    batch = pb.ActivationBatch(step=step)
+    for block in blocks:
+        indexes = [table.setdefault(r, len(table)) for r in block.request_ids]
+        batch.blocks.append(
+            pb.ActivationBlock(
+                point=block.point,
+                tensor_type=block.tensor_type,
+                layer=block.layer,
+                rows=tensor_codec.encode(block.rows, block.wire_dtype),
+                request_index=indexes,
+                token_positions=block.token_positions.tolist(),
+                is_generated=block.is_generated.tolist(),
+            )
+        )
+    batch.request_ids.extend(table)
+    return batch
+
+
+class BatchDecodeError(ValueError):
+    """An ActivationBatch whose parts do not agree; names the block and field."""
+
+
+def from_batch(batch: pb.ActivationBatch, as_float32: bool = True) -> list[Block]:
+    """Unpacks and checks a message; raises BatchDecodeError naming the bad field."""
+    blocks = []
+    for i, msg in enumerate(batch.blocks):
+        where = f"blocks[{i}] ({msg.point}@{msg.layer})"
+        try:
+            rows = tensor_codec.decode(msg.rows, as_float32=as_float32)
+        except tensor_codec.TensorDecodeError as err:
+            raise BatchDecodeError(f"{where}.rows: {err}") from err
+        if rows.ndim != 2:
+            raise BatchDecodeError(f"{where}.rows: shape {list(rows.shape)} is not [rows, hidden]")
+        n = rows.shape[0]
+        for name in ("request_index", "token_positions", "is_generated"):
+            if len(getattr(msg, name)) != n:
+                raise BatchDecodeError(
+                    f"{where}.{name}: {len(getattr(msg, name))} entries for {n} rows"
+                )
+        try:
+            request_ids = [batch.request_ids[j] for j in msg.request_index]
+        except IndexError:
+            raise BatchDecodeError(
+                f"{where}.request_index: index out of range of {len(batch.request_ids)} request ids"
+            ) from None
+        blocks.append(
+            Block(
+                msg.point,
+                msg.tensor_type,
+                msg.layer,
+                rows,
+                request_ids,
+                np.asarray(msg.token_positions, dtype=np.int64),
+                np.asarray(msg.is_generated, dtype=bool),
+                msg.rows.dtype,
+            )
+        )
+    return blocks
+
+
+def forward_order(blocks: list[Block]) -> Iterator[Record]:
+    """Every row as a Record, per request in forward-pass order (token_position, layer).
+
+    A point whose layers sit on different pipeline stages arrives as separate
+    blocks; this interleaves them the way the forward pass computed them.
+    """
+    keyed = []
+    for b, block in enumerate(blocks):
+        for i in range(block.num_rows):
+            keyed.append(
+                ((block.request_ids[i], int(block.token_positions[i]), block.layer, b, i), block)
+            )
+    keyed.sort(key=lambda item: item[0])
+    for (request_id, position, layer, _, i), block in keyed:
+        yield Record(
+            request_id,
+            block.point,
+            block.tensor_type,
+            layer,
+            position,
+            bool(block.is_generated[i]),
+            block.rows[i],
+        )

@@ -1,0 +1,93 @@
+"""What every Undercurrent gRPC server has: explicit message-size limits,
+keepalive, the error-mapping interceptor, grpc.health.v1 and reflection."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import grpc
+from grpc import aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from common.errors import ErrorMappingInterceptor
+from undercurrent.v1 import undercurrent_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+# Both sides set the same explicit limit; larger engine steps are split.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+SERVICE_FULL_NAMES = {
+    name: service.full_name for name, service in pb.DESCRIPTOR.services_by_name.items()
+}
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+class PortInUse(RuntimeError):
+    pass
+
+
+@dataclass
+class ServerHandle:
+    server: aio.Server
+    health: health.aio.HealthServicer
+    port: int
+    services: list[str]
+
+    async def set_serving(self, serving: bool) -> None:
+        status = SERVING if serving else NOT_SERVING
+        await self.health.set("", status)
+        for name in self.services:
+            await self.health.set(name, status)
+
+
+async def start_server(
+    registrations: list[tuple[object, object, str]],
+    host: str,
+    port: int,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
+) -> ServerHandle:
+    """registrations: (add_XServicer_to_server, servicer, full service name) triples.
+
+    Starts NOT_SERVING; the caller flips health when its dependencies are ready.
+    """
+    server = aio.server(
+        interceptors=[ErrorMappingInterceptor()],
+        options=channel_options(max_message_bytes) + [("grpc.so_reuseport", 0)],
+    )
+    names = []
+    for add, servicer, full_name in registrations:
+        add(servicer, server)
+        names.append(full_name)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+        server,
+    )
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as err:
+        raise PortInUse(f"cannot listen on {host}:{port}: {err}") from None
+    if bound == 0:
+        raise PortInUse(f"cannot listen on {host}:{port}: the port is in use or not allowed")
+    await server.start()
+    handle = ServerHandle(server, health_servicer, bound, names)
+    await handle.set_serving(False)
+    log.info("listening on %s:%d (%s)", host, bound, ", ".join(names))
+    return handle

@@ -1,0 +1,1 @@
+"""Generated from proto/undercurrent; regenerate with `make proto`."""
