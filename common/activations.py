@@ -97,40 +97,40 @@ class BatchDecodeError(ValueError):
 
 def from_batch(batch: pb.ActivationBatch, as_float32: bool = True) -> list[Block]:
     """Unpacks and checks a message; raises BatchDecodeError naming the bad field."""
-    blocks = []
-    for i, msg in enumerate(batch.blocks):
-        where = f"blocks[{i}] ({msg.point}@{msg.layer})"
-        try:
-            rows = tensor_codec.decode(msg.rows, as_float32=as_float32)
-        except tensor_codec.TensorDecodeError as err:
-            raise BatchDecodeError(f"{where}.rows: {err}") from err
-        if rows.ndim != 2:
-            raise BatchDecodeError(f"{where}.rows: shape {list(rows.shape)} is not [rows, hidden]")
-        n = rows.shape[0]
-        for name in ("request_index", "token_positions", "is_generated"):
-            if len(getattr(msg, name)) != n:
-                raise BatchDecodeError(
-                    f"{where}.{name}: {len(getattr(msg, name))} entries for {n} rows"
-                )
-        try:
-            request_ids = [batch.request_ids[j] for j in msg.request_index]
-        except IndexError:
-            raise BatchDecodeError(
-                f"{where}.request_index: index out of range of {len(batch.request_ids)} request ids"
-            ) from None
-        blocks.append(
-            Block(
-                msg.point,
-                msg.tensor_type,
-                msg.layer,
-                rows,
-                request_ids,
-                np.asarray(msg.token_positions, dtype=np.int64),
-                np.asarray(msg.is_generated, dtype=bool),
-                msg.rows.dtype,
-            )
-        )
-    return blocks
+    return [decode_block(batch, i, as_float32) for i in range(len(batch.blocks))]
+
+
+def decode_block(batch: pb.ActivationBatch, i: int, as_float32: bool = True) -> Block:
+    """Unpacks and checks blocks[i] alone, so a receiver can reject one bad block
+    and keep the others; raises BatchDecodeError naming the bad field."""
+    msg = batch.blocks[i]
+    where = f"blocks[{i}] ({msg.point}@{msg.layer})"
+    try:
+        rows = tensor_codec.decode(msg.rows, as_float32=as_float32)
+    except tensor_codec.TensorDecodeError as err:
+        raise BatchDecodeError(f"{where}.rows: {err}") from err
+    if rows.ndim != 2:
+        raise BatchDecodeError(f"{where}.rows: shape {list(rows.shape)} is not [rows, hidden]")
+    n = rows.shape[0]
+    for name in ("request_index", "token_positions", "is_generated"):
+        if len(getattr(msg, name)) != n:
+            raise BatchDecodeError(f"{where}.{name}: {len(getattr(msg, name))} entries for {n} rows")
+    try:
+        request_ids = [batch.request_ids[j] for j in msg.request_index]
+    except IndexError:
+        raise BatchDecodeError(
+            f"{where}.request_index: index out of range of {len(batch.request_ids)} request ids"
+        ) from None
+    return Block(
+        msg.point,
+        msg.tensor_type,
+        msg.layer,
+        rows,
+        request_ids,
+        np.asarray(msg.token_positions, dtype=np.int64),
+        np.asarray(msg.is_generated, dtype=bool),
+        msg.rows.dtype,
+    )
 
 
 def forward_order(blocks: list[Block]) -> Iterator[Record]:
