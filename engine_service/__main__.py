@@ -1,0 +1,95 @@
+"""python -m engine_service --model PATH [--router ADDRS|dns:NAME:PORT] [--port N] [vLLM flags]
+
+Every vLLM engine argument (--tensor-parallel-size, --pipeline-parallel-size,
+--distributed-executor-backend, --max-model-len, ...) passes through unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
+
+from common.cli import fail, setup_logging
+
+PROG = "engine_service"
+log = logging.getLogger(PROG)
+
+
+def build_parser():
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    class Parser(FlexibleArgumentParser):
+        def error(self, message):
+            self.exit(2, f"{PROG}: error: {message} (see --help)\n")
+
+    parser = Parser(prog=PROG, description=__doc__.splitlines()[0])
+    ours = parser.add_argument_group("Undercurrent")
+    ours.add_argument("--host", default="0.0.0.0", help="gRPC listen address")
+    ours.add_argument("--port", type=int, default=50051, help="gRPC port (0 picks a free one)")
+    ours.add_argument(
+        "--router",
+        default="",
+        help="router replicas: host:port[,host:port...] or dns:NAME:PORT (re-resolved)",
+    )
+    ours.add_argument(
+        "--routers-optional",
+        action="store_true",
+        help="report SERVING without a router session (probes then fail per policy)",
+    )
+    ours.add_argument(
+        "--failure-policy",
+        choices=["fail_closed", "fail_open"],
+        default="fail_closed",
+        help="default for bindings that set none",
+    )
+    ours.add_argument("--router-timeout", type=float, default=3.0, help="seconds")
+    ours.add_argument(
+        "--overflow-policy",
+        choices=["drop_oldest", "drop_newest", "backpressure"],
+        default="drop_oldest",
+    )
+    ours.add_argument("--send-queue", type=int, default=256, help="batches per router replica")
+    ours.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
+    ours.add_argument(
+        "--on-shutdown",
+        choices=["finish", "abort"],
+        default="finish",
+        help="what SIGTERM does to running requests",
+    )
+    ours.add_argument("--grace-period", type=float, default=30.0, help="seconds")
+    ours.add_argument(
+        "--allow-unsupported-vllm",
+        action="store_true",
+        help="start even if this vLLM version is not one the capture code supports",
+    )
+    ours.add_argument("--log-level", default="INFO")
+    AsyncEngineArgs.add_cli_args(parser)
+    return parser
+
+
+def check_model_path(model: str) -> None:
+    if Path(model).exists():
+        return
+    if os.environ.get("HF_HUB_OFFLINE") == "1" or "/" in model and Path(model).parent.exists():
+        fail(PROG, f"--model: {model!r} does not exist (no model hub here; pass a local directory)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level)
+    check_model_path(args.model)
+    from engine_service.app import run
+
+    try:
+        return asyncio.run(run(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

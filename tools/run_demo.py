@@ -1,0 +1,136 @@
+"""`make run`: a router and an engine as two real processes on loopback.
+
+Waits until both report SERVING on gRPC health, sends one Generate request
+with a probe bound, prints the streamed text and probe events, then keeps
+both running until Ctrl-C (or exits with --exit-after-demo).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.grpc_server import channel_options
+from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def wait_serving(address: str, process: subprocess.Popen, name: str, timeout: float):
+    deadline = time.monotonic() + timeout
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise SystemExit(f"run_demo: error: {name} exited with code {process.returncode}")
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.5)
+    raise SystemExit(f"run_demo: error: {name} not SERVING after {timeout:.0f} s")
+
+
+async def demo(engine_address: str, prompt: str, max_tokens: int, probe: str | None) -> None:
+    async with grpc.aio.insecure_channel(engine_address, options=channel_options()) as channel:
+        engine = pb_grpc.EngineStub(channel)
+        info = await engine.GetModelInfo(pb.GetModelInfoRequest())
+        print(
+            f"model {info.architecture}: {info.num_layers} layers, hidden {info.hidden_size}, "
+            f"{info.dtype}, TP={info.tensor_parallel_size} PP={info.pipeline_parallel_size}"
+        )
+        request = pb.GenerateRequest(
+            text=prompt,
+            sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0),
+        )
+        if probe:
+            request.probes.add(probe=probe, failure_policy=pb.FAIL_OPEN)
+        print(f"prompt: {prompt!r}\n--- streamed text ---")
+        async for response in engine.Generate(request):
+            kind = response.WhichOneof("event")
+            if kind == "tokens":
+                print(response.tokens.text, end="", flush=True)
+            elif kind == "probe_event":
+                scores = response.probe_event.scores
+                print(f"\n[probe {scores.probe}: max score {max(scores.scores):.3f}]", end="")
+            elif kind == "finished":
+                done = response.finished
+                print(
+                    f"\n--- finished: {pb.FinishReason.Name(done.finish_reason)}, "
+                    f"{done.generated_tokens} tokens ---"
+                )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--prompt", default="The quick brown fox")
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--exit-after-demo", action="store_true")
+    parser.add_argument("--startup-timeout", type=float, default=300)
+    args = parser.parse_args(argv)
+    if not Path(args.model).is_dir():
+        raise SystemExit(f"run_demo: error: --model {args.model!r} is not a directory")
+
+    from tools.demo_probe import write_demo_probe
+
+    probes_dir = REPO / ".cache" / "demo_probes"
+    probe_name = write_demo_probe(probes_dir, Path(args.model))
+    router_port, engine_port = free_port(), free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    router = subprocess.Popen(
+        [sys.executable, "-m", "router_service", "--host", "127.0.0.1",
+         "--port", str(router_port), "--probes", str(probes_dir)],
+        env=env,
+    )
+    engine = subprocess.Popen(
+        [sys.executable, "-m", "engine_service", "--host", "127.0.0.1",
+         "--port", str(engine_port), "--router", f"127.0.0.1:{router_port}",
+         "--model", args.model, "--max-model-len", "512", "--dtype", "float32",
+         "--log-level", "WARNING", "--disable-log-stats"],
+        env=env,
+    )
+    try:
+        asyncio.run(wait_serving(f"127.0.0.1:{router_port}", router, "router", 60))
+        print(f"router SERVING on 127.0.0.1:{router_port}", flush=True)
+        asyncio.run(wait_serving(f"127.0.0.1:{engine_port}", engine, "engine", args.startup_timeout))
+        print(f"engine SERVING on 127.0.0.1:{engine_port}", flush=True)
+        asyncio.run(demo(f"127.0.0.1:{engine_port}", args.prompt, args.max_tokens, probe_name))
+        if not args.exit_after_demo:
+            print("Both services keep running; Ctrl-C stops them.", flush=True)
+            signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for process in (engine, router):
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in (engine, router):
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
