@@ -1,0 +1,72 @@
+"""Shared by the router-link tests: fast timings, an event collector, block builders."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+from common.activations import Block
+from engine_service.router_link import LinkEvent
+from undercurrent.v1 import undercurrent_pb2 as pb
+
+MODEL = pb.ModelInfo(model="tiny", num_layers=2, hidden_size=8, dtype="float32")
+HIDDEN = 8
+
+# Fast timings so failures are detected in tens of milliseconds.
+FAST = dict(
+    heartbeat_interval_s=0.05,
+    heartbeat_timeout_s=0.5,
+    reconnect_base_s=0.02,
+    reconnect_max_s=0.1,
+    router_timeout_s=0.2,
+    close_timeout_s=1.0,
+)
+
+
+class EventLog:
+    """Collects link events; lets a test await the one it expects."""
+
+    def __init__(self) -> None:
+        self.events: list[LinkEvent] = []
+        self._changed = asyncio.Event()
+
+    def __call__(self, event: LinkEvent) -> None:
+        self.events.append(event)
+        self._changed.set()
+
+    def of(self, kind, request_id: str | None = None) -> list:
+        return [
+            e for e in self.events
+            if isinstance(e, kind) and (request_id is None or e.request_id == request_id)
+        ]
+
+    async def wait_for(self, predicate, timeout: float = 5.0) -> None:
+        async with asyncio.timeout(timeout):
+            while not predicate():
+                self._changed.clear()
+                await self._changed.wait()
+
+
+def step(rows_by_request: dict[str, list[int]], first: float = 0.0, point: str = "p", layer: int = 0) -> Block:
+    """One block whose rows are (request, position) pairs; every row's first element is `first`."""
+    request_ids = [r for r, positions in rows_by_request.items() for _ in positions]
+    positions = [p for ps in rows_by_request.values() for p in ps]
+    rows = np.zeros((len(positions), HIDDEN), dtype=np.float32)
+    rows[:, 0] = first
+    rows[:, 1] = positions  # lets a test check which row arrived where
+    return Block(
+        point,
+        pb.RESIDUAL_STREAM,
+        layer,
+        rows,
+        request_ids,
+        np.asarray(positions, dtype=np.int64),
+        np.zeros(len(positions), dtype=bool),
+    )
+
+
+async def until(predicate, timeout: float = 5.0, interval: float = 0.01) -> None:
+    """Polls a condition that no event announces (e.g. a replica's liveness)."""
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(interval)

@@ -1,0 +1,187 @@
+"""A small but honest ProbeRouter for the router-link tests.
+
+It speaks the Session protocol the real router speaks: hello answered with its
+probes, catalog pushes, scores and aborts for step N before the ack of step N,
+in-band RequestErrors, echoed and own heartbeats, and drain. Its one probe
+rule: a request's score per row is the row's first element; any score above
+`threshold` aborts the request (once). It records everything it receives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from common.activations import from_batch
+from common.grpc_server import SERVICE_FULL_NAMES, ServerHandle, start_server
+from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import undercurrent_pb2_grpc
+
+PROBE = pb.ProbeInfo(name="first_element", kind="threshold", tensor_type=pb.RESIDUAL_STREAM, layers=[0])
+
+
+@dataclass
+class Received:
+    """What one request looked like from this router."""
+
+    starts: list[pb.RequestStart] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)  # every row's token position, in order
+    steps: list[int] = field(default_factory=list)
+    ended: bool = False
+
+
+class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServicer):
+    def __init__(
+        self, name: str, probes=(PROBE,), threshold: float = 100.0, heartbeat_s: float = 0.1
+    ) -> None:
+        self.name = name
+        self.probes = list(probes)
+        self.threshold = threshold
+        self.heartbeat_s = heartbeat_s
+        self.silent = False  # stops every outgoing message, acks and heartbeats included
+        self.requests: dict[str, Received] = {}
+        self.log: list[tuple[str, str]] = []  # (kind, request_id) in arrival order
+        self.batches: list[pb.ActivationBatch] = []
+        self.hellos: list[pb.SessionHello] = []
+        self._outboxes: list[asyncio.Queue] = []
+        self._aborted: set[str] = set()
+        self.handle: ServerHandle | None = None
+        self.port = 0
+        self.changed = asyncio.Event()
+
+    async def start(self, port: int = 0) -> "RouterDouble":
+        self.handle = await start_server(
+            [(undercurrent_pb2_grpc.add_ProbeRouterServicer_to_server, self, SERVICE_FULL_NAMES["ProbeRouter"])],
+            "127.0.0.1",
+            port,
+        )
+        self.port = self.handle.port
+        return self
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def kill(self) -> None:
+        """Ends every stream abruptly, as a crash would."""
+        await self.handle.server.stop(grace=None)
+
+    def push(self, message: pb.RouterMessage) -> None:
+        for outbox in self._outboxes:
+            outbox.put_nowait(message)
+
+    def drain(self, reason: str = "shutting down") -> None:
+        self.push(pb.RouterMessage(drain=pb.Drain(reason=reason)))
+
+    def set_probes(self, probes) -> None:
+        self.probes = list(probes)
+        self.push(pb.RouterMessage(catalog=pb.ProbeCatalog(probes=self.probes)))
+
+    async def wait_for(self, predicate, timeout: float = 5.0) -> None:
+        async with asyncio.timeout(timeout):
+            while not predicate():
+                self.changed.clear()
+                await self.changed.wait()
+
+    async def Session(self, request_iterator, context):
+        outbox: asyncio.Queue = asyncio.Queue()
+        self._outboxes.append(outbox)
+        reader = asyncio.create_task(self._read(request_iterator, outbox))
+        beater = asyncio.create_task(self._beat(outbox))
+        try:
+            while True:
+                message = await outbox.get()
+                if message is None:
+                    return
+                if not self.silent:
+                    yield message
+        finally:
+            self._outboxes.remove(outbox)
+            reader.cancel()
+            beater.cancel()
+
+    async def _beat(self, outbox: asyncio.Queue) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            outbox.put_nowait(pb.RouterMessage(heartbeat=pb.Heartbeat(sent_unix_nanos=time.time_ns())))
+
+    async def _read(self, request_iterator, outbox: asyncio.Queue) -> None:
+        async for message in request_iterator:
+            for reply in self._handle(message):
+                outbox.put_nowait(reply)
+            self.changed.set()
+        outbox.put_nowait(None)  # the engine half-closed: end the stream too
+
+    def _handle(self, message: pb.EngineMessage) -> list[pb.RouterMessage]:
+        kind = message.WhichOneof("message")
+        if kind == "hello":
+            self.hellos.append(message.hello)
+            return [pb.RouterMessage(hello=pb.RouterHello(router_id=self.name, probes=self.probes))]
+        if kind == "heartbeat":
+            return [message]  # echo: EngineMessage.heartbeat and RouterMessage.heartbeat share a type
+        if kind == "request_start":
+            start = message.request_start
+            self.requests.setdefault(start.request_id, Received()).starts.append(start)
+            self.log.append(("start", start.request_id))
+            known = {p.name for p in self.probes}
+            return [
+                pb.RouterMessage(
+                    error=pb.RequestError(
+                        request_id=start.request_id,
+                        probe=b.probe,
+                        code="NOT_FOUND",
+                        message=f"probe {b.probe!r} is not loaded",
+                    )
+                )
+                for b in start.probes
+                if b.probe not in known
+            ]
+        if kind == "request_end":
+            self.requests[message.request_end.request_id].ended = True
+            self.log.append(("end", message.request_end.request_id))
+            return []
+        if kind == "batch":
+            return self._score(message.batch)
+        return []
+
+    def _score(self, batch: pb.ActivationBatch) -> list[pb.RouterMessage]:
+        self.batches.append(batch)
+        per_request: dict[str, list[tuple[int, float]]] = {}
+        for block in from_batch(batch):
+            for i, request_id in enumerate(block.request_ids):
+                position = int(block.token_positions[i])
+                per_request.setdefault(request_id, []).append((position, float(block.rows[i, 0])))
+        replies = []
+        for request_id, scored in per_request.items():
+            received = self.requests[request_id]  # KeyError: a batch before request_start
+            received.positions.extend(p for p, _ in scored)
+            received.steps.append(batch.step)
+            self.log.append(("batch", request_id))
+            replies.append(
+                pb.RouterMessage(
+                    scores=pb.ProbeScores(
+                        request_id=request_id,
+                        probe=PROBE.name,
+                        token_positions=[p for p, _ in scored],
+                        scores=[s for _, s in scored],
+                    )
+                )
+            )
+            over = [(p, s) for p, s in scored if s > self.threshold]
+            if over and request_id not in self._aborted:
+                self._aborted.add(request_id)
+                position, score = over[0]
+                replies.append(
+                    pb.RouterMessage(
+                        abort=pb.Verdict(
+                            request_id=request_id,
+                            probe=PROBE.name,
+                            score=score,
+                            token_position=position,
+                            reason="first element over threshold",
+                        )
+                    )
+                )
+        replies.append(pb.RouterMessage(ack=pb.StepAck(step=batch.step)))
+        return replies
