@@ -1,0 +1,265 @@
+"""Extraction points: what to capture, where in the model, and for which tokens.
+
+Plain data and validation, shared by the engine (which captures) and anything
+that builds requests. Token positions follow one convention everywhere:
+prompt tokens are positions [0, prompt_len); generated token g (0-based) is
+position prompt_len + g. The last sampled token of a request is never fed
+back through the model, so it has no activations: a request that generates
+N tokens yields activations for generated indexes 0..N-2 only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Iterable
+
+import numpy as np
+
+from common.errors import InvalidArgument
+from undercurrent.v1 import undercurrent_pb2 as pb
+
+TENSOR_TYPES = ("residual_stream", "attn_out", "mlp_out", "final_norm")
+
+_TENSOR_TYPE_TO_PROTO = {
+    "residual_stream": pb.RESIDUAL_STREAM,
+    "attn_out": pb.ATTN_OUT,
+    "mlp_out": pb.MLP_OUT,
+    "final_norm": pb.FINAL_NORM,
+}
+_TENSOR_TYPE_FROM_PROTO = {v: k for k, v in _TENSOR_TYPE_TO_PROTO.items()}
+
+
+def tensor_type_to_proto(name: str) -> int:
+    return _TENSOR_TYPE_TO_PROTO[name]
+
+
+def tensor_type_from_proto(value: int) -> str:
+    return _TENSOR_TYPE_FROM_PROTO[value]
+
+
+class Scope(str, Enum):
+    """What a selector's indexes count: prompt tokens, generated tokens, or positions."""
+
+    PROMPT = "prompt"
+    GENERATED = "generated"
+    ALL = "all"
+
+
+_SCOPE_FROM_PROTO = {
+    pb.TokenSelector.SCOPE_UNSPECIFIED: Scope.ALL,
+    pb.TokenSelector.PROMPT: Scope.PROMPT,
+    pb.TokenSelector.GENERATED: Scope.GENERATED,
+    pb.TokenSelector.ALL: Scope.ALL,
+}
+_SCOPE_TO_PROTO = {
+    Scope.PROMPT: pb.TokenSelector.PROMPT,
+    Scope.GENERATED: pb.TokenSelector.GENERATED,
+    Scope.ALL: pb.TokenSelector.ALL,
+}
+
+
+@dataclass(frozen=True)
+class TokenSelector:
+    """Token positions of one request, as the proto's TokenSelector defines them.
+
+    `indexes` and `ranges` count within `scope`: PROMPT indexes may be negative
+    (-1 is the last prompt token), GENERATED index 0 is the first generated
+    token, ALL indexes are absolute positions. A range is [start, stop); stop
+    None runs to the end of the scope (for generated tokens: until generation
+    ends). No indexes and no ranges selects the whole scope.
+    """
+
+    scope: Scope = Scope.ALL
+    indexes: tuple[int, ...] = ()
+    ranges: tuple[tuple[int, int | None], ...] = ()
+
+    def validate(self, where: str) -> None:
+        """Refuses what cannot be resolved while streaming; `where` prefixes messages."""
+        for i, index in enumerate(self.indexes):
+            if index < 0 and self.scope is not Scope.PROMPT:
+                raise InvalidArgument(
+                    f"{where}: tokens.indexes[{i}]={index} is negative, which only "
+                    f"scope PROMPT allows (the number of generated tokens is unknown "
+                    f"while streaming, and absolute positions start at 0)"
+                )
+        for i, (start, stop) in enumerate(self.ranges):
+            if self.scope is not Scope.PROMPT and (start < 0 or (stop is not None and stop < 0)):
+                raise InvalidArgument(
+                    f"{where}: tokens.ranges[{i}]=[{start}, {_fmt(stop)}) has a negative "
+                    f"bound, which only scope PROMPT allows"
+                )
+            if stop is not None and (start >= 0) == (stop >= 0) and stop <= start:
+                raise InvalidArgument(
+                    f"{where}: tokens.ranges[{i}]=[{start}, {stop}) is empty (stop <= start)"
+                )
+
+    def check_prompt_length(self, where: str, prompt_len: int) -> None:
+        """Refuses PROMPT indexes that fall outside a prompt of this length."""
+        if self.scope is not Scope.PROMPT:
+            return
+        for i, index in enumerate(self.indexes):
+            if not -prompt_len <= index < prompt_len:
+                raise InvalidArgument(
+                    f"{where}: tokens.indexes[{i}]={index} is outside the prompt of "
+                    f"{prompt_len} tokens"
+                )
+
+    def mask(self, positions: np.ndarray, prompt_len: int) -> np.ndarray:
+        """Which of these absolute token positions the selector picks (vectorised)."""
+        positions = np.asarray(positions, dtype=np.int64)
+        if self.scope is Scope.PROMPT:
+            in_scope = positions < prompt_len
+            local = positions
+        elif self.scope is Scope.GENERATED:
+            in_scope = positions >= prompt_len
+            local = positions - prompt_len
+        else:
+            in_scope = np.ones(positions.shape, dtype=bool)
+            local = positions
+        if not self.indexes and not self.ranges:
+            return in_scope
+        picked = np.zeros(positions.shape, dtype=bool)
+        if self.indexes:
+            picked |= np.isin(local, [self._resolve(i, prompt_len) for i in self.indexes])
+        for start, stop in self.ranges:
+            start = self._resolve(start, prompt_len)
+            inside = local >= start
+            if stop is not None:
+                inside &= local < self._resolve(stop, prompt_len)
+            picked |= inside
+        return in_scope & picked
+
+    def _resolve(self, index: int, prompt_len: int) -> int:
+        return prompt_len + index if index < 0 and self.scope is Scope.PROMPT else index
+
+    def needs_prompt_positions(self, prompt_len: int) -> bool:
+        """True when the selector picks some prompt position of a prompt this long."""
+        return bool(self.mask(np.arange(prompt_len), prompt_len).any())
+
+    @classmethod
+    def from_proto(cls, msg: pb.TokenSelector) -> "TokenSelector":
+        return cls(
+            scope=_SCOPE_FROM_PROTO[msg.scope],
+            indexes=tuple(int(i) for i in msg.indexes),
+            ranges=tuple(
+                (int(r.start), int(r.stop) if r.HasField("stop") else None) for r in msg.ranges
+            ),
+        )
+
+    def to_proto(self) -> pb.TokenSelector:
+        msg = pb.TokenSelector(scope=_SCOPE_TO_PROTO[self.scope], indexes=list(self.indexes))
+        for start, stop in self.ranges:
+            r = msg.ranges.add(start=start)
+            if stop is not None:
+                r.stop = stop
+        return msg
+
+
+@dataclass(frozen=True)
+class ExtractionPoint:
+    """A named place in the forward pass, on one or several layers, for some tokens.
+
+    `layers` is empty for final_norm, whose records carry layer index num_layers.
+    """
+
+    name: str
+    tensor_type: str
+    layers: tuple[int, ...] = ()
+    tokens: TokenSelector = field(default_factory=TokenSelector)
+    stream_to_client: bool = False
+
+    def capture_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The layer indexes records of this point carry."""
+        return (num_layers,) if self.tensor_type == "final_norm" else self.layers
+
+    def validate(self, where: str, num_layers: int | None = None) -> None:
+        """Checks the point on its own; with num_layers also the layer range."""
+        if not self.name:
+            raise InvalidArgument(f"{where}: name is empty")
+        label = f'{where} "{self.name}"'
+        if self.tensor_type not in TENSOR_TYPES:
+            raise InvalidArgument(
+                f"{label}: tensor_type {self.tensor_type!r} is not one of {list(TENSOR_TYPES)}"
+            )
+        if self.tensor_type == "final_norm":
+            if self.layers:
+                raise InvalidArgument(
+                    f"{label}: layers must be empty for final_norm (its records carry "
+                    f"layer index num_layers), got {list(self.layers)}"
+                )
+        elif not self.layers:
+            raise InvalidArgument(f"{label}: layers is empty; {self.tensor_type} needs at least one")
+        seen: set[int] = set()
+        for i, layer in enumerate(self.layers):
+            if layer in seen:
+                raise InvalidArgument(f"{label}: layers[{i}]={layer} is repeated")
+            seen.add(layer)
+            if num_layers is not None and not 0 <= layer < num_layers:
+                raise InvalidArgument(
+                    f"{label}: layers[{i}]={layer} is out of range [0, {num_layers})"
+                )
+        self.tokens.validate(label)
+
+    @classmethod
+    def from_proto(cls, msg: pb.ExtractionPoint, where: str = "extraction_point") -> "ExtractionPoint":
+        """Parses one message; raises InvalidArgument for an unknown tensor type."""
+        if msg.tensor_type not in _TENSOR_TYPE_FROM_PROTO:
+            known = msg.tensor_type in pb.TensorType.values()
+            name = pb.TensorType.Name(msg.tensor_type) if known else str(msg.tensor_type)
+            raise InvalidArgument(
+                f'{where} "{msg.name}": tensor_type {name} is not one of '
+                f"{[pb.TensorType.Name(v) for v in _TENSOR_TYPE_FROM_PROTO]}"
+            )
+        return cls(
+            name=msg.name,
+            tensor_type=_TENSOR_TYPE_FROM_PROTO[msg.tensor_type],
+            layers=tuple(int(layer) for layer in msg.layers),
+            tokens=TokenSelector.from_proto(msg.tokens),
+            stream_to_client=msg.stream_to_client,
+        )
+
+    def to_proto(self) -> pb.ExtractionPoint:
+        return pb.ExtractionPoint(
+            name=self.name,
+            tensor_type=_TENSOR_TYPE_TO_PROTO[self.tensor_type],
+            layers=list(self.layers),
+            tokens=self.tokens.to_proto(),
+            stream_to_client=self.stream_to_client,
+        )
+
+
+def parse_points(
+    messages: Iterable[pb.ExtractionPoint], num_layers: int | None = None
+) -> list[ExtractionPoint]:
+    """Parses and validates a request's points; errors name `extraction_points[i]`."""
+    points = [
+        ExtractionPoint.from_proto(msg, f"extraction_points[{i}]") for i, msg in enumerate(messages)
+    ]
+    validate_points(points, num_layers)
+    return points
+
+
+def validate_points(points: list[ExtractionPoint], num_layers: int | None = None) -> None:
+    """Validates each point and the set: point names must be unique (they key records)."""
+    names: dict[str, int] = {}
+    for i, point in enumerate(points):
+        where = f"extraction_points[{i}]"
+        point.validate(where, num_layers)
+        if point.name in names:
+            raise InvalidArgument(
+                f'{where} "{point.name}": name is already used by '
+                f"extraction_points[{names[point.name]}]"
+            )
+        names[point.name] = i
+
+
+def needs_prompt_positions(points: Iterable[ExtractionPoint], prompt_len: int) -> bool:
+    """True when some point captures prompt tokens: the engine must then compute the
+    whole prompt (SamplingParams(skip_reading_prefix_cache=True)), because positions
+    served from the prefix cache never pass through the model."""
+    return any(point.tokens.needs_prompt_positions(prompt_len) for point in points)
+
+
+def _fmt(stop: int | None) -> str:
+    return "end" if stop is None else str(stop)

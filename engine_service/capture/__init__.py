@@ -1,0 +1,8 @@
+"""Activation capture inside vLLM workers, and its driver side.
+
+Pure modules (no vLLM import): `row_mapping` (which batch rows to copy each
+step), `merge` (combining every worker's shipment into ordered blocks, exactly
+once) and `topology` (which rank owns which layer; request validation).
+vLLM-facing modules: `worker_extension` (runs in each worker process) and
+`controller` (runs next to AsyncLLM).
+"""

@@ -1,0 +1,228 @@
+"""Driver side of capture, next to vLLM's AsyncLLM.
+
+    kwargs = capture_engine_kwargs(model=..., tensor_parallel_size=2)
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+    controller = CaptureController(engine)
+    await controller.start()                 # before the first generate()
+    controller.validate(points)              # InvalidArgument names the point
+    params = require_prompt_computation(params, points, prompt_len)
+    await controller.register(request_id, points, prompt_len)
+    ... engine.generate(prompt, params, request_id) ...
+    blocks = await controller.drain()        # after every step
+    await controller.unregister(request_id)  # when the request ends
+
+Every call fans out to every worker with one collective_rpc, which vLLM runs
+between engine steps, so a drain never races a forward pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from common.activations import Block
+from common.capture_spec import ExtractionPoint, needs_prompt_positions
+from common.errors import FailedPrecondition
+from engine_service.capture.merge import DeliveredPositions, decode_part, merge_blocks
+from engine_service.capture.topology import RankTopology, Topology
+from undercurrent.v1 import undercurrent_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "engine_service.capture.worker_extension.CaptureWorkerExtension"
+# vLLM minor versions whose internals (request-id suffixes, V1 runner batch
+# layout, worker extension mixing) this capture was verified against.
+SUPPORTED_VLLM_VERSIONS = ("0.32",)
+ALLOW_UNTESTED_VLLM_ENV = "UNDERCURRENT_ALLOW_UNTESTED_VLLM"
+
+
+class CaptureUnavailable(FailedPrecondition):
+    """The engine's configuration cannot be captured faithfully."""
+
+
+def check_vllm_version(version: str | None = None, allow_untested: bool = False) -> str:
+    """Refuses a vLLM version capture was not verified on, unless explicitly overridden."""
+    if version is None:
+        import vllm
+
+        version = vllm.__version__
+    minor = ".".join(version.split("+")[0].split(".")[:2])
+    if minor in SUPPORTED_VLLM_VERSIONS:
+        return version
+    if allow_untested or os.environ.get(ALLOW_UNTESTED_VLLM_ENV) == "1":
+        log.warning(
+            "capture: vLLM %s is untested (supported: %s); running because the override is set",
+            version,
+            ", ".join(f"{v}.x" for v in SUPPORTED_VLLM_VERSIONS),
+        )
+        return version
+    raise CaptureUnavailable(
+        f"vLLM {version} is not supported for activation capture; supported versions: "
+        f"{', '.join(f'{v}.x' for v in SUPPORTED_VLLM_VERSIONS)}. Set "
+        f"{ALLOW_UNTESTED_VLLM_ENV}=1 to run anyway."
+    )
+
+
+def capture_engine_kwargs(allow_untested_vllm: bool = False, **user_kwargs: Any) -> dict:
+    """AsyncEngineArgs keyword arguments with capture switched on.
+
+    Refuses what would make hooks see wrong rows or no rows, rather than
+    letting capture be silently wrong.
+    """
+    check_vllm_version(allow_untested=allow_untested_vllm)
+    kwargs = dict(user_kwargs)
+    if kwargs.get("speculative_config"):
+        raise CaptureUnavailable(
+            "speculative decoding is not supported with activation capture: draft rows in "
+            "the batch may be rejected, and their activations would reach probes"
+        )
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").lower() in ("1", "true"):
+        raise CaptureUnavailable(
+            "VLLM_USE_V2_MODEL_RUNNER is set: the V2 model runner lays out batch rows "
+            "differently and is not supported by activation capture; unset it"
+        )
+    extension = kwargs.get("worker_extension_cls")
+    if extension and extension != WORKER_EXTENSION:
+        raise CaptureUnavailable(
+            f"worker_extension_cls is already set to {extension!r}; capture needs {WORKER_EXTENSION!r}"
+        )
+    kwargs["worker_extension_cls"] = WORKER_EXTENSION
+    if not kwargs.get("enforce_eager"):
+        log.info(
+            "capture: setting enforce_eager=True: compiled and graph-captured models do not "
+            "run forward hooks registered after start-up"
+        )
+    kwargs["enforce_eager"] = True
+    return kwargs
+
+
+def require_prompt_computation(sampling_params, points: list[ExtractionPoint], prompt_len: int):
+    """Makes vLLM compute every prompt position when a point captures prompt tokens.
+
+    Prompt positions served from the prefix cache never pass through the
+    model, so no hook would see them. Returns the (mutated) SamplingParams.
+    """
+    if needs_prompt_positions(points, prompt_len):
+        sampling_params.skip_reading_prefix_cache = True
+    return sampling_params
+
+
+class CaptureController:
+    """Registers requests on every worker and drains their captured rows.
+
+    Call start() once before the first generate(); it also allocates the
+    pipeline buffers later PP stages need on CPU.
+    """
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self._topology: Topology | None = None
+        self._vllm_version = ""
+        self._registered: set[str] = set()
+        # Unregistered since the last drain: their last rows may still be buffered.
+        self._ending: set[str] = set()
+        self._delivered = DeliveredPositions()
+        self._request_errors: dict[str, str] = {}
+
+    async def start(self) -> pb.ModelInfo:
+        import vllm
+
+        self._vllm_version = vllm.__version__
+        vllm_config = getattr(self.engine, "vllm_config", None)
+        if vllm_config is not None:
+            if vllm_config.parallel_config.worker_extension_cls != WORKER_EXTENSION:
+                raise CaptureUnavailable(
+                    "the engine was not built with capture_engine_kwargs(): "
+                    f"worker_extension_cls is {vllm_config.parallel_config.worker_extension_cls!r}"
+                )
+            if vllm_config.use_v2_model_runner:
+                raise CaptureUnavailable(
+                    "the engine uses the V2 model runner, which activation capture does not support"
+                )
+        try:
+            reports = await self.engine.collective_rpc("undercurrent_start")
+        except Exception as exc:  # the worker's reason travels in the message
+            raise CaptureUnavailable(f"capture could not start on every worker: {exc}") from exc
+        self._topology = Topology(tuple(RankTopology.from_dict(r) for r in reports))
+        info = self.model_info()
+        log.info(
+            "capture: %s, %d layers, ranks %s, tensor types %s",
+            info.architecture,
+            info.num_layers,
+            [(r.rank, r.tp_rank, r.pp_rank, r.start_layer, r.end_layer) for r in info.ranks],
+            list(self._topology.tensor_types),
+        )
+        return info
+
+    @property
+    def topology(self) -> Topology:
+        if self._topology is None:
+            raise FailedPrecondition("capture controller is not started; await start() first")
+        return self._topology
+
+    def model_info(self) -> pb.ModelInfo:
+        return self.topology.model_info(self._vllm_version)
+
+    def validate(self, points: list[ExtractionPoint], prompt_len: int | None = None) -> None:
+        """Raises InvalidArgument naming the point that this engine cannot serve."""
+        self.topology.validate(points)
+        if prompt_len is not None:
+            for i, point in enumerate(points):
+                point.tokens.check_prompt_length(f'extraction_points[{i}] "{point.name}"', prompt_len)
+
+    async def register(self, request_id: str, points: list[ExtractionPoint], prompt_len: int) -> None:
+        """Validates, then tells every worker; await it before generate()."""
+        self.validate(points, prompt_len)
+        if request_id in self._registered:
+            raise FailedPrecondition(f"request {request_id!r} is already registered for capture")
+        payload = [p.to_proto().SerializeToString() for p in points]
+        await self.engine.collective_rpc(
+            "undercurrent_register", args=(request_id, payload, int(prompt_len))
+        )
+        self._registered.add(request_id)
+        self._ending.discard(request_id)
+
+    async def unregister(self, request_id: str) -> None:
+        """Stops capture for a request; its last rows arrive with the next drain()."""
+        if request_id not in self._registered:
+            return
+        await self.engine.collective_rpc("undercurrent_unregister", args=(request_id,))
+        self._registered.discard(request_id)
+        self._ending.add(request_id)
+
+    async def drain(self) -> list[Block]:
+        """Every worker's new rows, merged, exactly once, in (point, layer) blocks.
+
+        Costs nothing when no request is registered or ending.
+        """
+        if not self._registered and not self._ending:
+            return []
+        ending = set(self._ending)
+        shipments = await self.engine.collective_rpc("undercurrent_drain")
+        errors = [f"rank {s['rank']}: {e}" for s in shipments for e in s["errors"]]
+        for shipment in shipments:
+            for request_id, point, start, stop in shipment["gaps"]:
+                self._request_errors.setdefault(
+                    request_id,
+                    f'point "{point}": positions [{start}, {stop}) were served from the prefix '
+                    f"cache and never computed, so they have no activations; register with "
+                    f"skip_reading_prefix_cache=True",
+                )
+        blocks = merge_blocks([decode_part(p) for s in shipments for p in s["parts"]])
+        blocks = self._delivered.filter(blocks)
+        self._delivered.forget(ending)
+        self._ending -= ending
+        if errors:
+            raise CaptureUnavailable("capture failed on a worker: " + "; ".join(errors))
+        return blocks
+
+    @property
+    def recomputed_rows_dropped(self) -> int:
+        """Rows dropped because an earlier drain delivered their key (preemption)."""
+        return self._delivered.dropped
+
+    def pop_request_errors(self) -> dict[str, str]:
+        """Per-request problems found while capturing (record id -> message)."""
+        errors, self._request_errors = self._request_errors, {}
+        return errors

@@ -1,0 +1,168 @@
+"""Driver-side merge: every worker's drained rows -> ordered blocks, exactly once.
+
+Each worker ships plain bytes per (point, layer). The driver takes the union,
+drops duplicate keys (TP ranks hold identical values; only tp_rank 0 of each
+pipeline stage ships, and this dedup is the guard), drops keys an earlier
+drain already delivered (a preempted request recomputes its positions), and
+orders everything: blocks by (point, layer), rows by (request, position).
+`common.activations.forward_order` then yields (token_position, layer) order
+even when one point's layers live on different pipeline stages, which drain
+at different times within a step. No vLLM import: tested without vLLM.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+from common import tensor_codec
+from common.activations import Block
+from common.capture_spec import tensor_type_to_proto
+from engine_service.capture.row_mapping import parent_request_id
+
+# What a worker returns per (point, layer); plain values so any RPC can carry it.
+WirePart = dict[str, Any]
+
+
+class ShapeMismatch(ValueError):
+    """Rows of one (point, layer) whose widths disagree across workers."""
+
+
+def encode_part(
+    point: str,
+    tensor_type: str,
+    layer: int,
+    rows: np.ndarray,
+    wire_dtype: str,
+    request_ids: list[str],
+    positions: np.ndarray,
+    is_generated: np.ndarray,
+) -> WirePart:
+    """Packs one (point, layer)'s rows as bytes. bfloat16 rows arrive as uint16 bits."""
+    return {
+        "point": point,
+        "tensor_type": tensor_type,
+        "layer": int(layer),
+        "dtype": wire_dtype,
+        "shape": [int(d) for d in rows.shape],
+        "rows": np.ascontiguousarray(rows).tobytes(),
+        "request_ids": list(request_ids),
+        "positions": np.ascontiguousarray(positions, dtype="<i8").tobytes(),
+        "is_generated": np.ascontiguousarray(is_generated, dtype=bool).tobytes(),
+    }
+
+
+_STORAGE = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2", "float64": "<f8"}
+
+
+def decode_part(part: WirePart) -> Block:
+    """One shipped (point, layer) as a Block; bfloat16 widens exactly to float32."""
+    rows = np.frombuffer(part["rows"], dtype=_STORAGE[part["dtype"]]).reshape(part["shape"])
+    if part["dtype"] == "bfloat16":
+        rows = tensor_codec.bfloat16_bits_to_float32(rows)
+    return Block(
+        point=part["point"],
+        tensor_type=tensor_type_to_proto(part["tensor_type"]),
+        layer=part["layer"],
+        rows=rows,
+        request_ids=list(part["request_ids"]),
+        token_positions=np.frombuffer(part["positions"], dtype="<i8").astype(np.int64),
+        is_generated=np.frombuffer(part["is_generated"], dtype=bool).copy(),
+        wire_dtype=part["dtype"],
+    )
+
+
+def merge_blocks(blocks: list[Block]) -> list[Block]:
+    """Union of blocks from any workers and steps, one block per (point, layer).
+
+    Duplicate (request, position) keys keep their first copy. Blocks come out
+    ordered by (point, layer), rows by (request, position).
+    """
+    groups: dict[tuple[str, int], list[Block]] = defaultdict(list)
+    for block in blocks:
+        groups[(block.point, block.layer)].append(block)
+    merged = []
+    for (point, layer), parts in sorted(groups.items()):
+        widths = {p.rows.shape[1:] for p in parts}
+        if len(widths) > 1:
+            raise ShapeMismatch(
+                f"point {point!r} layer {layer}: workers shipped rows of shapes "
+                f"{sorted(list(w) for w in widths)}"
+            )
+        request_ids = [r for p in parts for r in p.request_ids]
+        positions = np.concatenate([p.token_positions for p in parts])
+        is_generated = np.concatenate([p.is_generated for p in parts])
+        rows = np.concatenate([p.rows for p in parts]) if len(parts) > 1 else parts[0].rows
+        codes = _request_codes(request_ids)
+        # Stable sort by (request, position); the first copy of a key stays first.
+        order = np.lexsort((np.arange(len(positions)), positions, codes))
+        codes, positions_sorted = codes[order], positions[order]
+        first = np.ones(len(order), dtype=bool)
+        first[1:] = (codes[1:] != codes[:-1]) | (positions_sorted[1:] != positions_sorted[:-1])
+        keep = order[first]
+        merged.append(
+            Block(
+                point=point,
+                tensor_type=parts[0].tensor_type,
+                layer=layer,
+                rows=rows[keep],
+                request_ids=[request_ids[i] for i in keep],
+                token_positions=positions[keep],
+                is_generated=is_generated[keep],
+                wire_dtype=parts[0].wire_dtype,
+            )
+        )
+    return merged
+
+
+def _request_codes(request_ids: list[str]) -> np.ndarray:
+    """Integer codes that sort like the request ids."""
+    index = {name: i for i, name in enumerate(sorted(set(request_ids)))}
+    return np.fromiter((index[r] for r in request_ids), dtype=np.int64, count=len(request_ids))
+
+
+class DeliveredPositions:
+    """Exactly-once across drains: remembers, per (request, point, layer), the
+    highest position already delivered.
+
+    Within one request the model computes positions in increasing order,
+    except after a preemption, which restarts from an earlier position and
+    recomputes keys that were already delivered. A high-water mark is enough
+    to drop those and costs O(1) per key.
+    """
+
+    def __init__(self) -> None:
+        self._high: dict[tuple[str, str, int], int] = {}
+        self.dropped = 0
+
+    def filter(self, blocks: list[Block]) -> list[Block]:
+        """Drops rows at or below their key's mark; expects merge_blocks() output."""
+        kept_blocks = []
+        for block in blocks:
+            keep = np.ones(block.num_rows, dtype=bool)
+            start = 0
+            while start < block.num_rows:
+                request_id = block.request_ids[start]
+                stop = start
+                while stop < block.num_rows and block.request_ids[stop] == request_id:
+                    stop += 1
+                key = (request_id, block.point, block.layer)
+                high = self._high.get(key, -1)
+                positions = block.token_positions[start:stop]
+                keep[start:stop] = positions > high
+                self._high[key] = max(high, int(positions.max()))
+                start = stop
+            self.dropped += int((~keep).sum())
+            if keep.all():
+                kept_blocks.append(block)
+            elif keep.any():
+                kept_blocks.append(block.select(keep))
+        return kept_blocks
+
+    def forget(self, request_ids: set[str]) -> None:
+        """Frees the marks of finished requests (including their n>1 children)."""
+        self._high = {
+            k: v for k, v in self._high.items() if parent_request_id(k[0], request_ids) not in request_ids
+        }

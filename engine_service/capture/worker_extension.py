@@ -1,0 +1,270 @@
+"""The capture extension vLLM mixes into every worker process.
+
+Pass `engine_service.capture.worker_extension.CaptureWorkerExtension` as
+`worker_extension_cls`; vLLM appends it to the worker class's bases in each
+worker process, and the driver calls its `undercurrent_*` methods through
+`collective_rpc`. All mutable state lives in one `_CaptureState` instance per
+worker, created by `undercurrent_start`.
+
+Each step, a pre-hook on the model maps the flat batch to capture keys
+(`row_mapping.RowMapper`); forward hooks on the decoder layers, `self_attn`,
+`mlp` and the final norm then copy only the selected rows. vLLM's norms work
+in place on the tensors a hook sees, so rows are copied at once and never
+referenced later. Only tp_rank 0 of each pipeline stage installs hooks: every
+TP rank holds the same all-reduced values, so one copy per stage is enough.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from common.capture_spec import ExtractionPoint
+from engine_service.capture.merge import WirePart, encode_part
+from engine_service.capture.row_mapping import Registration, RowMapper, Selection
+from undercurrent.v1 import undercurrent_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+# Architectures whose module layout and residual semantics were checked against
+# transformers (tests/capture/test_oracle.py).
+VERIFIED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+
+
+class UnsupportedModel(RuntimeError):
+    """The model cannot be captured faithfully; the message names what is missing."""
+
+
+class CaptureWorkerExtension:
+    """RPC surface on each worker. Method names carry a prefix so they never
+    collide with the worker class's own attributes (vLLM asserts on that)."""
+
+    def undercurrent_start(self) -> dict:
+        """Installs hooks once and reports this rank's topology."""
+        if getattr(self, "_undercurrent", None) is None:
+            self._undercurrent = _CaptureState(self)
+        return self._undercurrent.topology
+
+    def undercurrent_register(self, request_id: str, points: list[bytes], prompt_len: int) -> None:
+        parsed = tuple(
+            ExtractionPoint.from_proto(pb.ExtractionPoint.FromString(p)) for p in points
+        )
+        self._undercurrent.mapper.register(Registration(request_id, parsed, int(prompt_len)))
+
+    def undercurrent_unregister(self, request_id: str) -> None:
+        """Stops capturing new rows; rows already buffered go out with the next drain."""
+        self._undercurrent.mapper.unregister(request_id)
+
+    def undercurrent_drain(self) -> dict:
+        return self._undercurrent.drain()
+
+
+class _CaptureState:
+    """Everything one worker keeps: registrations, this step's plan, buffers, hooks."""
+
+    def __init__(self, worker) -> None:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        runner = worker.model_runner
+        if not isinstance(runner, GPUModelRunner):
+            raise UnsupportedModel(
+                f"model runner {type(runner).__name__} is not vLLM's V1 runner: the V2 "
+                f"runner lays out batch rows differently and capture would map them wrongly; "
+                f"set VLLM_USE_V2_MODEL_RUNNER=0"
+            )
+        if runner.speculative_config is not None:
+            raise UnsupportedModel(
+                "speculative decoding puts draft rows that may be rejected into the batch; "
+                "capture refuses it rather than ship activations of rejected tokens"
+            )
+        vllm_config = worker.vllm_config
+        model_config = vllm_config.model_config
+        parallel = vllm_config.parallel_config
+        architecture = model_config.architecture
+        if architecture not in VERIFIED_ARCHITECTURES:
+            raise UnsupportedModel(
+                f"architecture {architecture} is not supported for capture; supported: "
+                f"{list(VERIFIED_ARCHITECTURES)}"
+            )
+        self.runner = runner
+        model = runner.get_model()
+        decoder = _find(model, "model", architecture)
+        layers = _find(decoder, "layers", architecture, "model.")
+        start_layer, end_layer = int(decoder.start_layer), int(decoder.end_layer)
+        pp_group, tp_group = get_pp_group(), get_tp_group()
+        tp_size = parallel.tensor_parallel_size
+        num_layers = model_config.get_total_num_hidden_layers()
+        has_final_norm = pp_group.is_last_rank
+        for i in range(start_layer, end_layer):
+            _find(layers[i], "self_attn", architecture, f"model.layers[{i}].")
+            _find(layers[i], "mlp", architecture, f"model.layers[{i}].")
+        norm = _find(decoder, "norm", architecture, "model.") if has_final_norm else None
+
+        self.ships = tp_group.rank_in_group == 0
+        self.mapper = RowMapper(range(start_layer, end_layer), num_layers, has_final_norm)
+        self.plan: dict[tuple[str, int], list[Selection]] = {}
+        self.buffers: dict[tuple[str, int], list[tuple[Selection, np.ndarray, str]]] = (
+            defaultdict(list)
+        )
+        self.errors: list[str] = []
+        self.topology = dict(
+            rank=int(worker.rank),
+            tp_rank=int(tp_group.rank_in_group),
+            pp_rank=int(pp_group.rank_in_group),
+            tp_size=int(tp_size),
+            pp_size=int(parallel.pipeline_parallel_size),
+            start_layer=start_layer,
+            end_layer=end_layer,
+            has_final_norm=bool(has_final_norm),
+            num_layers=int(num_layers),
+            hidden_size=int(model_config.get_hidden_size()),
+            vocab_size=int(model_config.get_vocab_size()),
+            max_model_len=int(model_config.max_model_len),
+            architecture=architecture,
+            model=str(model_config.served_model_name or model_config.model),
+            dtype=str(model_config.dtype).removeprefix("torch."),
+            tensor_types=self._full_tensor_types(layers, start_layer, end_layer, tp_size),
+            ships=self.ships,
+        )
+        self._allocate_pipeline_buffer(pp_group.is_first_rank)
+        if self.ships:
+            self._install_hooks(model, layers, norm, start_layer, end_layer)
+
+    @staticmethod
+    def _full_tensor_types(layers, start_layer: int, end_layer: int, tp_size: int) -> list[str]:
+        """attn_out/mlp_out are full only if their row-parallel layer all-reduces inside
+        forward(); a layer built with reduce_results=False leaves a partial sum per rank."""
+        types = ["residual_stream"]
+        for tensor_type, module, linear in (("attn_out", "self_attn", "o_proj"), ("mlp_out", "mlp", "down_proj")):
+            reduced = all(
+                getattr(getattr(getattr(layers[i], module), linear, None), "reduce_results", False)
+                for i in range(start_layer, end_layer)
+            )
+            if tp_size == 1 or reduced:
+                types.append(tensor_type)
+        types.append("final_norm")
+        return types
+
+    def _allocate_pipeline_buffer(self, is_first_stage: bool) -> None:
+        """With enforce_eager the CPU runner skips the warm-up that allocates the
+        buffer later stages receive activations in, and the first step fails in
+        sync_and_gather_intermediate_tensors. Allocate it as that warm-up would."""
+        runner = self.runner
+        if is_first_stage or runner.intermediate_tensors is not None:
+            return
+        runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
+            batch_size=runner.max_num_tokens,
+            dtype=runner.model_config.dtype,
+            device=runner.device,
+        )
+
+    def _install_hooks(self, model, layers, norm, start_layer: int, end_layer: int) -> None:
+        model.register_forward_pre_hook(self._plan_step, with_kwargs=True)
+        for i in range(start_layer, end_layer):
+            layers[i].register_forward_hook(self._residual_hook(i))
+            layers[i].self_attn.register_forward_hook(self._output_hook("attn_out", i), with_kwargs=True)
+            layers[i].mlp.register_forward_hook(self._output_hook("mlp_out", i), with_kwargs=True)
+        if norm is not None:
+            num_layers = self.mapper.num_layers
+            norm.register_forward_hook(self._output_hook("final_norm", num_layers), with_kwargs=True)
+
+    def _plan_step(self, module, args, kwargs) -> None:
+        if not self.mapper.registrations:
+            self.plan = {}
+            return
+        batch = self.runner.input_batch
+        num_reqs = batch.num_reqs
+        query_start_loc = self.runner.query_start_loc.np[: num_reqs + 1]
+        positions = kwargs["positions"] if "positions" in kwargs else args[1]
+        num_rows = int(query_start_loc[-1]) if num_reqs else 0
+        self.plan = self.mapper.plan(
+            batch.req_ids[:num_reqs],
+            query_start_loc,
+            positions[:num_rows].cpu().numpy(),
+        )
+
+    def _residual_hook(self, layer: int):
+        key = ("residual_stream", layer)
+
+        def hook(module, args, output) -> None:
+            selections = self.plan.get(key)
+            if not selections:
+                return
+            hidden, residual = output
+            if residual is None or hidden.shape != residual.shape:
+                self._fail(
+                    f"layer {layer}: decoder layer returned hidden_states "
+                    f"{tuple(hidden.shape)} and residual "
+                    f"{None if residual is None else tuple(residual.shape)}; refusing to sum them"
+                )
+                return
+            for selection in selections:
+                rows = torch.from_numpy(selection.row_indices)
+                self._keep(selection, hidden[rows] + residual[rows])
+
+        return hook
+
+    def _output_hook(self, tensor_type: str, layer: int):
+        key = (tensor_type, layer)
+
+        def hook(module, args, kwargs, output) -> None:
+            selections = self.plan.get(key)
+            if not selections:
+                return
+            tensor = output[0] if isinstance(output, tuple) else output
+            for selection in selections:
+                self._keep(selection, tensor[torch.from_numpy(selection.row_indices)])
+
+        return hook
+
+    def _keep(self, selection: Selection, rows: torch.Tensor) -> None:
+        """Buffers a fresh copy (indexing copies) as numpy; bfloat16 as its bits."""
+        rows = rows.detach().cpu()
+        if rows.dtype == torch.bfloat16:
+            array, dtype = rows.view(torch.int16).numpy().view(np.uint16), "bfloat16"
+        else:
+            array = rows.numpy()
+            dtype = array.dtype.name
+        self.buffers[(selection.point, selection.layer)].append((selection, array, dtype))
+
+    def _fail(self, message: str) -> None:
+        if message not in self.errors:
+            log.error("capture: %s", message)
+            self.errors.append(message)
+
+    def drain(self) -> dict:
+        """Everything buffered since the last drain, as plain values and bytes."""
+        parts: list[WirePart] = []
+        for (point, layer), chunks in self.buffers.items():
+            selections = [c[0] for c in chunks]
+            parts.append(
+                encode_part(
+                    point=point,
+                    tensor_type=selections[0].tensor_type,
+                    layer=layer,
+                    rows=np.concatenate([c[1] for c in chunks]),
+                    wire_dtype=chunks[0][2],
+                    request_ids=[s.request_id for s in selections for _ in range(len(s.positions))],
+                    positions=np.concatenate([s.positions for s in selections]),
+                    is_generated=np.concatenate([s.is_generated for s in selections]),
+                )
+            )
+        self.buffers.clear()
+        gaps = [(g.request_id, g.point, g.start, g.stop) for g in self.mapper.take_gaps()]
+        errors, self.errors = self.errors, []
+        return {"rank": self.topology["rank"], "parts": parts, "gaps": gaps, "errors": errors}
+
+
+def _find(module, name: str, architecture: str, path: str = ""):
+    """A required submodule, or UnsupportedModel naming the path that is missing."""
+    child = getattr(module, name, None)
+    if child is None or type(child).__name__ == "PPMissingLayer":
+        raise UnsupportedModel(
+            f"{architecture}: module {path}{name} not found; capture needs Llama/Qwen3 "
+            f"naming (model.layers[i].self_attn, model.layers[i].mlp, model.norm)"
+        )
+    return child

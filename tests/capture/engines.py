@@ -1,0 +1,114 @@
+"""Starting real AsyncLLM engines with capture, and running requests through the
+controller exactly as the engine service does: register, generate, drain after
+steps, unregister."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from common.activations import Block, forward_order
+from common.capture_spec import ExtractionPoint
+from engine_service.capture.controller import (
+    CaptureController,
+    capture_engine_kwargs,
+    require_prompt_computation,
+)
+
+
+@asynccontextmanager
+async def capture_engine(model: str, tp: int = 1, pp: int = 1, stat_loggers=None, **engine_kwargs):
+    """An AsyncLLM with capture started; shut down on exit."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    workers = tp * pp
+    if workers > 1:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % 2) for i in range(workers))
+    kwargs = capture_engine_kwargs(
+        model=model,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        dtype="float32",
+        max_model_len=256,
+        seed=0,
+        **engine_kwargs,
+    )
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=stat_loggers)
+    try:
+        controller = CaptureController(engine)
+        await controller.start()
+        yield engine, controller
+    finally:
+        engine.shutdown()
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    points: list[ExtractionPoint]
+    max_tokens: int = 6
+
+
+@dataclass
+class CaptureRun:
+    """What a run produced: tokens per request and every record, in arrival order."""
+
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    blocks: list[Block] = field(default_factory=list)
+
+    def records(self) -> dict[tuple, np.ndarray]:
+        """Key (request, point, layer, position) -> row; asserts each key arrives once."""
+        out: dict[tuple, np.ndarray] = {}
+        for block in self.blocks:
+            for i in range(block.num_rows):
+                key = (block.request_ids[i], block.point, block.layer, int(block.token_positions[i]))
+                assert key not in out, f"key {key} delivered twice"
+                out[key] = block.rows[i]
+        return out
+
+    def arrival_order(self, request_id: str, point: str) -> list[tuple[int, int]]:
+        """(position, layer) of one point's records, in the order a probe reads them."""
+        return [
+            (r.token_position, r.layer)
+            for block in self.blocks
+            for r in forward_order([block])
+            if r.request_id == request_id and r.point == point
+        ]
+
+
+async def run_requests(engine, controller: CaptureController, requests: list[Request]) -> CaptureRun:
+    """Runs requests concurrently (greedy) while draining after steps, like the engine."""
+    from vllm import SamplingParams
+
+    run = CaptureRun()
+    running = len(requests)
+
+    async def one(req: Request) -> None:
+        nonlocal running
+        params = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
+        require_prompt_computation(params, req.points, len(req.prompt_token_ids))
+        await controller.register(req.request_id, req.points, len(req.prompt_token_ids))
+        try:
+            async for out in engine.generate(
+                {"prompt_token_ids": req.prompt_token_ids}, params, req.request_id
+            ):
+                run.tokens[req.request_id] = list(out.outputs[0].token_ids)
+        finally:
+            await controller.unregister(req.request_id)
+            running -= 1
+
+    async def drain_loop() -> None:
+        while running:
+            await asyncio.sleep(0.002)
+            run.blocks.extend(await controller.drain())
+        run.blocks.extend(await controller.drain())
+
+    await asyncio.gather(drain_loop(), *(one(r) for r in requests))
+    return run
