@@ -47,15 +47,21 @@ class EventLog:
                 await self._changed.wait()
 
 
-def step(rows_by_request: dict[str, list[int]], first: float = 0.0, point: str = "p", layer: int = 0) -> Block:
-    """One block whose rows are (request, position) pairs; every row's first element is `first`."""
+def step(
+    rows_by_request: dict[str, list[int]],
+    first: float | dict[str, float] = 0.0,
+    layer: int = 0,
+    hidden: int = HIDDEN,
+) -> Block:
+    """One block of (request, position) rows. Each row's first element is `first`
+    (or first[request]), which the router double scores; the second is its position."""
     request_ids = [r for r, positions in rows_by_request.items() for _ in positions]
     positions = [p for ps in rows_by_request.values() for p in ps]
-    rows = np.zeros((len(positions), HIDDEN), dtype=np.float32)
-    rows[:, 0] = first
-    rows[:, 1] = positions  # lets a test check which row arrived where
+    rows = np.zeros((len(positions), hidden), dtype=np.float32)
+    rows[:, 0] = [first.get(r, 0.0) for r in request_ids] if isinstance(first, dict) else first
+    rows[:, 1] = positions
     return Block(
-        point,
+        "p",
         pb.RESIDUAL_STREAM,
         layer,
         rows,

@@ -44,6 +44,7 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServicer):
         self.log: list[tuple[str, str]] = []  # (kind, request_id) in arrival order
         self.batches: list[pb.ActivationBatch] = []
         self.hellos: list[pb.SessionHello] = []
+        self.half_closed = 0  # sessions the engine ended gracefully
         self._outboxes: list[asyncio.Queue] = []
         self._aborted: set[str] = set()
         self.handle: ServerHandle | None = None
@@ -111,6 +112,7 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServicer):
             for reply in self._handle(message):
                 outbox.put_nowait(reply)
             self.changed.set()
+        self.half_closed += 1
         outbox.put_nowait(None)  # the engine half-closed: end the stream too
 
     def _handle(self, message: pb.EngineMessage) -> list[pb.RouterMessage]:

@@ -1,0 +1,363 @@
+"""RouterLink against real grpc.aio router doubles on loopback."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import prometheus_client
+import pytest
+
+from common.activations import Block
+from engine_service import routing
+from engine_service.router_link import (
+    Abort,
+    Processed,
+    RequestFailed,
+    RequestStats,
+    RouterLink,
+    RouterLinkConfig,
+    Scores,
+    StateReset,
+    Unavailable,
+)
+from undercurrent.v1 import undercurrent_pb2 as pb
+
+from .helpers import FAST, MODEL, until, step
+
+BINDING = [pb.ProbeBinding(probe="first_element", failure_policy=pb.FAIL_OPEN)]
+
+
+def metric(link: RouterLink, name: str, **labels) -> float:
+    return link.registry.get_sample_value(f"undercurrent_router_link_{name}", labels) or 0.0
+
+
+async def test_two_replicas_split_requests_and_each_request_stays_on_one(routers, links):
+    a, b = await routers(), await routers()
+    by_address = {a.address: a, b.address: b}
+    link, events = links(f"{a.address},{b.address}")
+    await link.start()
+    await link.wait_ready(2, timeout=5)
+    ids = [f"req-{i}" for i in range(12)]
+    for request_id in ids:
+        link.start_request(request_id, BINDING, prompt_length=2)
+    owners = {r: link.replica_of(r) for r in ids}
+    assert owners == {r: routing.pick_replica(r, [a.address, b.address]) for r in ids}
+    assert set(owners.values()) == {a.address, b.address}
+    for position in range(4):
+        link.send_step([step({r: [position] for r in ids}, layer=0), step({r: [position] for r in ids}, layer=1)])
+    for request_id in ids:
+        assert link.end_request(request_id, pb.STOP) == RequestStats(0, 0)
+    for router in (a, b):
+        mine = [r for r in ids if owners[r] == router.address]
+        await router.wait_for(lambda: all(router.requests.get(r) and router.requests[r].ended for r in mine))
+        # One batch per engine step and replica, numbered per session.
+        assert [batch.step for batch in router.batches] == [1, 2, 3, 4]
+        assert set(router.requests) == set(mine)
+        for request_id in mine:
+            assert router.requests[request_id].positions == [0, 0, 1, 1, 2, 2, 3, 3]
+            kinds = [k for k, r in router.log if r == request_id]
+            assert kinds == ["start", "batch", "batch", "batch", "batch", "end"]
+    assert metric(link, "batches_sent_total", replica=a.address) == 4
+    assert metric(link, "replicas_up") == 2
+    assert {e.replica for e in events.of(Processed)} == {a.address, b.address}
+    assert all(by_address[e.replica].requests[e.request_id] for e in events.of(Scores))
+
+
+async def test_acks_become_processed_positions_and_verdicts_reach_their_request(routers, links):
+    router = await routers(threshold=1.0)
+    link, events = links(router.address)
+    await link.start()
+    await link.wait_ready(timeout=5)
+    link.start_request("calm", BINDING, prompt_length=2)
+    link.start_request("hot", BINDING, prompt_length=2)
+    link.send_step([step({"calm": [0, 1], "hot": [0, 1]}, first={"hot": 0.5})])
+    link.send_step([step({"calm": [2], "hot": [2]}, first={"hot": 5.0})])
+    await events.wait_for(lambda: len(events.of(Processed)) == 4)
+
+    assert [e.token_position for e in events.of(Processed, "calm")] == [1, 2]
+    assert [e.token_position for e in events.of(Processed, "hot")] == [1, 2]
+    assert link.processed_position("calm") == 2
+    assert [list(e.scores.token_positions) for e in events.of(Scores, "calm")] == [[0, 1], [2]]
+    assert events.of(Abort, "calm") == []
+    [abort] = events.of(Abort, "hot")
+    assert (abort.verdict.token_position, abort.verdict.score) == (2, 5.0)
+    # The verdict of step 2 arrives before the ack that releases step 2's tokens.
+    hot_processed_2 = next(e for e in events.of(Processed, "hot") if e.token_position == 2)
+    assert events.events.index(abort) < events.events.index(hot_processed_2)
+    assert metric(link, "ack_latency_seconds_count") == 2
+
+
+async def test_in_band_error_leaves_the_stream_up(routers, links):
+    router = await routers()
+    link, events = links(router.address)
+    await link.start()
+    await link.wait_ready(timeout=5)
+    link.start_request("bad", [pb.ProbeBinding(probe="missing")], prompt_length=1)
+    link.start_request("good", BINDING, prompt_length=1)
+    link.send_step([step({"good": [0]})])
+    await events.wait_for(lambda: events.of(Processed, "good"))
+    [failed] = events.of(RequestFailed)
+    assert (failed.request_id, failed.error.code, failed.error.probe) == ("bad", "NOT_FOUND", "missing")
+    assert link.replicas_up() == [router.address]
+
+
+async def test_killed_replica_rehomes_its_requests_then_reconnects_on_the_same_port(routers, links):
+    a, b = await routers(), await routers()
+    link, events = links(f"{a.address},{b.address}")
+    await link.start()
+    await link.wait_ready(2, timeout=5)
+    ids = [f"req-{i}" for i in range(16)]
+    for request_id in ids:
+        link.start_request(request_id, BINDING, prompt_length=1)
+    on_a = [r for r in ids if link.replica_of(r) == a.address]
+    on_b = [r for r in ids if link.replica_of(r) == b.address]
+    assert on_a and on_b
+    link.send_step([step({r: [0] for r in ids})])
+    await events.wait_for(lambda: len(events.of(Processed)) == len(ids))
+
+    await a.kill()
+    await events.wait_for(lambda: len(events.of(StateReset)) == len(on_a))
+    assert sorted(e.request_id for e in events.of(StateReset)) == sorted(on_a)
+    assert {(e.old_replica, e.new_replica) for e in events.of(StateReset)} == {(a.address, b.address)}
+    assert all(link.replica_of(r) == b.address for r in ids)
+
+    link.send_step([step({r: [1] for r in ids})])
+    await b.wait_for(lambda: all(r in b.requests and b.requests[r].positions[-1:] == [1] for r in ids))
+    assert all(b.requests[r].starts[-1].state_reset for r in on_a)
+    assert not any(s.state_reset for r in on_b for s in b.requests[r].starts)
+    assert all(b.requests[r].positions == [1] for r in on_a)  # step 0 of these went to a
+
+    a_again = await routers(port=a.port)
+    await link.wait_ready(2, timeout=5)
+    assert metric(link, "reconnects_total", replica=a.address) == 1
+    assert all(link.replica_of(r) == b.address for r in ids)  # no reshuffle on return
+    assert a_again.requests == {}
+    fresh = [f"fresh-{i}" for i in range(8)]
+    for request_id in fresh:
+        link.start_request(request_id, BINDING, prompt_length=1)
+    assert {link.replica_of(r) for r in fresh} == {a.address, b.address}
+
+
+async def test_dns_target_resolves_localhost(routers, links):
+    router = await routers()
+    link, events = links(f"dns:localhost:{router.port}")
+    await link.start()
+    await link.wait_ready(timeout=5)
+    assert link.replicas_up() == [router.address]
+    link.start_request("r", BINDING, prompt_length=1)
+    link.send_step([step({"r": [0]})])
+    await events.wait_for(lambda: events.of(Processed, "r"))
+    assert router.hellos[0].engine_id == "engine-test"
+
+
+async def test_dns_membership_changes_live(routers, links):
+    a, b = await routers(), await routers()
+    resolved = [a.address]
+    failing = False
+    calls = 0
+
+    async def resolver(host: str, port: int) -> list[str]:
+        nonlocal calls
+        calls += 1
+        assert (host, port) == ("routers.test", 50051)
+        if failing:
+            raise OSError("resolver unreachable")
+        return list(resolved)
+
+    link, events = links("dns:routers.test:50051", resolver=resolver, dns_refresh_s=0.02)
+    await link.start()
+    await link.wait_ready(timeout=5)
+    ids = [f"req-{i}" for i in range(10)]
+    for request_id in ids:
+        link.start_request(request_id, BINDING, prompt_length=1)
+    assert {link.replica_of(r) for r in ids} == {a.address}
+
+    resolved.append(b.address)
+    await link.wait_ready(2, timeout=5)
+    assert {link.replica_of(r) for r in ids} == {a.address}  # a request keeps its replica
+
+    failing = True  # a resolver outage keeps the replicas it knew
+    calls_before = calls
+    await until(lambda: calls >= calls_before + 2)
+    assert link.replicas_up() == sorted([a.address, b.address])
+    failing = False
+    resolved.remove(a.address)
+    await events.wait_for(lambda: len(events.of(StateReset)) == len(ids))
+    assert link.replicas_up() == [b.address]
+    assert {link.replica_of(r) for r in ids} == {b.address}
+    assert all("removed" in e.reason for e in events.of(StateReset))
+
+
+@pytest.mark.parametrize(
+    "policy, delivered",
+    [("drop_oldest", [3, 4, 5]), ("drop_newest", [0, 1, 2]), ("backpressure", [0, 1, 2])],
+)
+async def test_overflow_policies_count_drops_per_request(routers, links, policy, delivered):
+    router = await routers()
+    link, events = links(router.address, queue_max_batches=3, overflow_policy=policy)
+    await link.start()
+    await link.wait_ready(timeout=5)
+    link.start_request("r1", BINDING, prompt_length=1)
+    link.start_request("r2", BINDING, prompt_length=1)
+    # No await in between: the writer cannot run, so the queue fills exactly.
+    full_before = []
+    for position in range(6):
+        full_before.append(link.is_backpressured("r1"))
+        link.send_step([step({"r1": [position], "r2": [position, position]}, layer=0)])
+    assert full_before == [False, False, False, True, True, True]
+    assert (link.dropped_records("r1"), link.dropped_records("r2")) == (3, 6)
+    assert metric(link, "dropped_batches_total", reason=policy) == 3
+    assert metric(link, "dropped_records_total", reason=policy) == 9
+
+    await router.wait_for(lambda: len(router.batches) == 3)
+    assert router.requests["r1"].positions == delivered
+    assert router.requests["r2"].positions == [p for p in delivered for _ in range(2)]
+    await events.wait_for(lambda: link.processed_position("r1") == delivered[-1])
+    assert not link.is_backpressured("r1")
+    assert link.end_request("r1", pb.STOP) == RequestStats(dropped_records=3, unprobed_tokens=0)
+
+
+async def test_a_step_over_the_message_limit_is_split(routers, links):
+    router = await routers()
+    limit = 16_000
+    link, events = links(router.address, max_message_bytes=limit)
+    await link.start()
+    await link.wait_ready(timeout=5)
+    link.start_request("big", BINDING, prompt_length=100)
+    block = step({"big": list(range(100))}, hidden=64)  # ~26 KB of rows
+    link.send_step([block])
+    await events.wait_for(lambda: link.processed_position("big") == 99)
+    assert len(router.batches) >= 2
+    assert [b.step for b in router.batches] == list(range(1, len(router.batches) + 1))
+    assert all(pb.EngineMessage(batch=b).ByteSize() <= limit for b in router.batches)
+    assert router.requests["big"].positions == list(range(100))
+
+
+async def test_a_silent_replica_is_marked_down_by_the_heartbeat_timeout(routers, links):
+    a, b = await routers(), await routers()
+    link, events = links(f"{a.address},{b.address}", heartbeat_timeout_s=0.3)
+    await link.start()
+    await link.wait_ready(2, timeout=5)
+    ids = [f"req-{i}" for i in range(8)]
+    for request_id in ids:
+        link.start_request(request_id, BINDING, prompt_length=1)
+    on_a = [r for r in ids if link.replica_of(r) == a.address]
+    assert on_a
+    a.silent = True  # the stream stays open; nothing comes back
+    silenced = time.monotonic()
+    await events.wait_for(lambda: len(events.of(StateReset)) == len(on_a), timeout=3)
+    assert time.monotonic() - silenced >= 0.25
+    assert link.replicas_up() == [b.address]
+    assert all("no message" in e.reason for e in events.of(StateReset))
+
+
+async def test_no_reachable_replica_counts_unprobed_tokens_and_signals_unavailability(routers, links):
+    router = await routers()
+    link, events = links(router.address, router_timeout_s=0.2)
+    await link.start()
+    await link.wait_ready(timeout=5)
+    link.start_request("r", BINDING, prompt_length=1)
+    link.send_step([step({"r": [0]})])
+    await events.wait_for(lambda: events.of(Processed, "r"))
+
+    await router.kill()
+    await until(lambda: link.unavailable_since("r") is not None)
+    lost_at = link.unavailable_since("r")
+    for position in (1, 2):  # two layers per token: rows 4, tokens 2
+        link.send_step([step({"r": [position]}, layer=0), step({"r": [position]}, layer=1)])
+    assert link.unprobed_tokens("r") == 2
+    assert metric(link, "unprobed_tokens_total") == 2
+    await events.wait_for(lambda: events.of(Unavailable, "r"), timeout=3)
+    [unavailable] = events.of(Unavailable, "r")
+    assert unavailable.since == lost_at
+    assert time.monotonic() - lost_at >= 0.2
+
+    back = await routers(port=router.port)
+    await events.wait_for(lambda: events.of(StateReset, "r"), timeout=5)
+    [reset] = events.of(StateReset, "r")
+    assert (reset.old_replica, reset.new_replica) == (router.address, router.address)
+    await back.wait_for(lambda: "r" in back.requests)
+    assert [s.state_reset for s in back.requests["r"].starts] == [True]
+    assert link.unavailable_since("r") is None
+    assert len(events.of(Unavailable)) == 1
+    assert link.end_request("r", pb.STOP) == RequestStats(dropped_records=0, unprobed_tokens=2)
+
+
+async def test_a_request_started_before_any_replica_is_up_starts_clean(routers, links):
+    router = await routers()
+    link, events = links(router.address)
+    link.start_request("early", BINDING, prompt_length=3)  # before start(): nothing is up
+    assert link.unavailable_since("early") is not None
+    await link.start()
+    await link.wait_ready(timeout=5)
+    await router.wait_for(lambda: "early" in router.requests)
+    assert [s.state_reset for s in router.requests["early"].starts] == [False]
+    assert events.of(StateReset) == []
+
+
+async def test_drain_moves_requests_away_and_drops_its_probes_from_the_catalog(routers, links):
+    only_a = pb.ProbeInfo(name="only_on_a", tensor_type=pb.MLP_OUT, layers=[1])
+    a = await routers(probes=[only_a])
+    b = await routers()
+    link, events = links(f"{a.address},{b.address}")
+    await link.start()
+    await link.wait_ready(2, timeout=5)
+    assert sorted(link.catalog()) == ["first_element", "only_on_a"]
+    ids = [f"req-{i}" for i in range(10)]
+    for request_id in ids:
+        link.start_request(request_id, BINDING, prompt_length=1)
+    on_a = [r for r in ids if link.replica_of(r) == a.address]
+    assert on_a
+
+    a.drain()
+    await events.wait_for(lambda: len(events.of(StateReset)) == len(on_a))
+    await a.wait_for(lambda: all(a.requests[r].ended for r in on_a))
+    await b.wait_for(lambda: all(r in b.requests for r in on_a))
+    assert all(b.requests[r].starts[-1].state_reset for r in on_a)
+    assert sorted(link.catalog()) == ["first_element"]
+    assert a.address in link.replicas_up()  # draining, not down
+    for request_id in (f"new-{i}" for i in range(8)):
+        link.start_request(request_id, BINDING, prompt_length=1)
+        assert link.replica_of(request_id) == b.address
+
+
+async def test_catalog_follows_router_pushes(routers, links):
+    router = await routers()
+    link, _ = links(router.address)
+    await link.start()
+    await link.wait_ready(timeout=5)
+    assert list(link.catalog()) == ["first_element"]
+    router.set_probes([pb.ProbeInfo(name="second", tensor_type=pb.ATTN_OUT, layers=[0, 1])])
+    await until(lambda: list(link.catalog()) == ["second"])
+    assert list(link.catalog()["second"].layers) == [0, 1]
+
+
+async def test_close_ends_streams_gracefully(routers, links):
+    router = await routers()
+    link, _ = links(router.address)
+    await link.start()
+    await link.wait_ready(timeout=5)
+    link.start_request("r", BINDING, prompt_length=1)
+    link.send_step([step({"r": [0]})])
+    await link.close()
+    assert router.half_closed == 1
+    assert router.requests["r"].positions == [0]  # the queue was flushed first
+
+
+def test_links_can_share_the_default_registry():
+    config = RouterLinkConfig(targets="127.0.0.1:1", **FAST)
+    first = RouterLink(config, MODEL, print, registry=prometheus_client.REGISTRY)
+    second = RouterLink(config, MODEL, print, registry=prometheus_client.REGISTRY)
+    assert first._metrics is second._metrics
+    own = RouterLink(config, MODEL, print)
+    assert own.registry is not prometheus_client.REGISTRY
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="host:port"):
+        RouterLinkConfig(targets="nope")
+    with pytest.raises(ValueError):
+        RouterLinkConfig(targets="a:1", overflow_policy="drop_everything")
+    with pytest.raises(ValueError, match="heartbeat_timeout_s"):
+        RouterLinkConfig(targets="a:1", heartbeat_interval_s=2, heartbeat_timeout_s=1)
