@@ -1,0 +1,161 @@
+"""Probe files on disk and inline: a JSON manifest plus safetensors weights.
+
+Layouts accepted by `load_probe_path`:
+  - a directory holding `manifest.json` and `weights.safetensors` (weights may be
+    left out when the kind needs none, e.g. a plain norm monitor);
+  - a single `.safetensors` file whose header metadata holds the manifest JSON
+    under the key `undercurrent.manifest`.
+`--probes DIR` loads DIR itself if it holds a manifest.json, else every such
+subdirectory and every top-level `.safetensors` file, in name order.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import safetensors
+
+from common import tensor_codec
+from undercurrent.v1 import undercurrent_pb2 as pb
+from router_service.manifest import ManifestError, manifest_from_dict, parse_manifest
+from router_service.probes import Probe, build_probe
+
+MANIFEST_FILE = "manifest.json"
+WEIGHTS_FILE = "weights.safetensors"
+METADATA_KEY = "undercurrent.manifest"
+
+_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+_SAFETENSORS_CODES = {name: code for code, name in _SAFETENSORS_DTYPES.items()}
+
+
+class ProbeFileError(ValueError):
+    """A probe file that cannot be loaded; names the file and the field."""
+
+
+def load_probe_path(path: str | Path) -> Probe:
+    path = Path(path)
+    try:
+        if path.is_dir():
+            manifest_path = path / MANIFEST_FILE
+            if not manifest_path.is_file():
+                raise ProbeFileError(f"{path}: no {MANIFEST_FILE} in the probe directory")
+            weights_path = path / WEIGHTS_FILE
+            weights = weights_path.read_bytes() if weights_path.is_file() else None
+            return load_probe_bytes(manifest_path.read_text(), weights, source=str(path))
+        if path.is_file() and path.suffix == ".safetensors":
+            data = path.read_bytes()
+            manifest_json = _metadata(data).get(METADATA_KEY)
+            if manifest_json is None:
+                raise ProbeFileError(f"{path}: no {METADATA_KEY!r} entry in the safetensors metadata")
+            return load_probe_bytes(manifest_json, data, source=str(path))
+        if not path.exists():
+            raise ProbeFileError(f"{path}: no such file or directory")
+        raise ProbeFileError(f"{path}: expected a probe directory or a .safetensors file")
+    except (ManifestError, ProbeFileError) as err:
+        message = str(err)
+        raise ProbeFileError(message if message.startswith(str(path)) else f"{path}: {message}") from None
+    except OSError as err:
+        raise ProbeFileError(f"{path}: {err.strerror or err}") from None
+
+
+def load_probe_bytes(manifest_json: str | bytes, weights: bytes | None, source: str = "inline") -> Probe:
+    """Parses and checks a manifest and its weights (safetensors bytes, or None)."""
+    manifest = parse_manifest(manifest_json)
+    tensors = read_safetensors(weights, manifest.dtype) if weights else {}
+    return build_probe(manifest, tensors, source=source)
+
+
+def probe_paths(directory: str | Path) -> list[Path]:
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ProbeFileError(f"{directory}: not a directory")
+    if (directory / MANIFEST_FILE).is_file():
+        return [directory]
+    return sorted(
+        p
+        for p in directory.iterdir()
+        if (p.is_dir() and (p / MANIFEST_FILE).is_file()) or p.suffix == ".safetensors"
+    )
+
+
+def read_safetensors(data: bytes, expected_dtype: str) -> dict[str, np.ndarray]:
+    """Tensors as float32 arrays; each must be stored in the manifest's dtype."""
+    try:
+        entries = safetensors.deserialize(bytes(data))
+    except Exception as err:  # the Rust reader raises its own error types
+        raise ManifestError(f"weights: not a valid safetensors file: {err}") from None
+    tensors = {}
+    for name, entry in entries:
+        dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+        if dtype != expected_dtype:
+            raise ManifestError(
+                f"weights: tensor {name!r} is stored as {entry['dtype']}, but manifest.dtype is "
+                f"{expected_dtype!r} ({_SAFETENSORS_CODES[expected_dtype]})"
+            )
+        tensor = pb.Tensor(dtype=dtype, shape=entry["shape"], data=bytes(entry["data"]))
+        tensors[name] = tensor_codec.decode(tensor)
+    return tensors
+
+
+def encode_safetensors(
+    tensors: dict[str, np.ndarray], dtype: str, metadata: dict[str, str] | None = None
+) -> bytes:
+    """Writes float tensors in `dtype` (bfloat16 rounds to nearest even)."""
+    keep_alive, specs = [], {}
+    for name, value in tensors.items():
+        wire = tensor_codec.encode(np.asarray(value, dtype=np.float32), dtype)
+        buffer = np.frombuffer(wire.data, dtype=np.uint8)
+        keep_alive.append(buffer)
+        specs[name] = safetensors.TensorSpec(
+            dtype=dtype, shape=list(wire.shape), data_ptr=buffer.ctypes.data, data_len=buffer.nbytes
+        )
+    return bytes(safetensors.serialize(specs, metadata=metadata))
+
+
+def write_probe(
+    directory: str | Path,
+    manifest: dict[str, Any],
+    tensors: dict[str, np.ndarray] | None = None,
+    check: bool = True,
+) -> Path:
+    """Writes a probe directory (manifest.json + weights.safetensors).
+
+    Tensors are float arrays, stored in manifest["dtype"] (default float32). With
+    check, the written probe is loaded back so a bad one fails here, not in a router.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+    (directory / WEIGHTS_FILE).write_bytes(
+        encode_safetensors(tensors or {}, manifest.get("dtype", "float32"))
+    )
+    if check:
+        load_probe_path(directory)
+    return directory
+
+
+def write_probe_file(
+    path: str | Path, manifest: dict[str, Any], tensors: dict[str, np.ndarray] | None = None
+) -> Path:
+    """Writes a single-file probe: weights with the manifest in the safetensors metadata."""
+    path = Path(path)
+    manifest_from_dict(manifest)
+    metadata = {METADATA_KEY: json.dumps(manifest)}
+    path.write_bytes(encode_safetensors(tensors or {}, manifest.get("dtype", "float32"), metadata))
+    load_probe_path(path)
+    return path
+
+
+def _metadata(data: bytes) -> dict[str, str]:
+    if len(data) < 8:
+        raise ProbeFileError("not a safetensors file (too short)")
+    (length,) = struct.unpack("<Q", data[:8])
+    try:
+        header = json.loads(data[8 : 8 + length])
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ProbeFileError("not a safetensors file (bad header)") from None
+    return header.get("__metadata__") or {}

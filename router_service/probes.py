@@ -1,0 +1,308 @@
+"""Probe math, vectorised with numpy over all rows of a batch.
+
+Every kind splits into two stages so that one batch costs one matrix product:
+  1. a stateless per-row *form* (a linear form x.w + b, optionally through a
+     sigmoid, or an L2 norm). The forms of every probe reading one block are
+     stacked into one matrix and applied to all rows at once (`ProjectionPlan`);
+  2. a per-request *score* over the form values in forward order, which carries
+     trajectory state (EMA, rolling windows, counts) from batch to batch.
+A binding's decision rule (threshold, min_tokens, patience) runs on the scores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy.signal import lfilter
+
+from router_service.manifest import AggregationSpec, Manifest, ManifestError, ScorerSpec
+
+
+@dataclass(frozen=True)
+class LinearForm:
+    """x.weight + bias, with any standardisation (x - mean) / std folded in."""
+
+    weight: np.ndarray  # float32 [hidden]
+    bias: float
+    sigmoid: bool
+
+
+@dataclass(frozen=True)
+class NormForm:
+    """||x - center||_2."""
+
+    center: np.ndarray | None
+
+
+Form = LinearForm | NormForm
+
+
+def sigmoid(z: np.ndarray) -> np.ndarray:
+    # exp of a negative magnitude never overflows.
+    e = np.exp(-np.abs(z))
+    return np.where(z >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+# ---------------------------------------------------------------------------
+# Trajectory aggregations: vectorised within a batch, state carried across.
+# ---------------------------------------------------------------------------
+
+
+class Aggregation:
+    def __init__(self, spec: AggregationSpec):
+        self.spec = spec
+
+    def new_state(self) -> dict:
+        return {"last": None, "tail": np.zeros(0), "max": -np.inf, "count": 0}
+
+    def apply(self, x: np.ndarray, state: dict) -> np.ndarray:
+        """Running aggregate of x (one request's values in forward order)."""
+        x = np.asarray(x, dtype=np.float64)
+        if x.size == 0:
+            return x
+        kind = self.spec.kind
+        if kind == "ema":
+            return self._ema(x, state)
+        if kind == "rolling_mean":
+            return self._rolling_mean(x, state)
+        if kind == "max_rolling_mean":
+            running = np.maximum.accumulate(np.maximum(self._rolling_mean(x, state), state["max"]))
+            state["max"] = running[-1]
+            return running
+        counts = state["count"] + np.cumsum(x >= self.spec.over)
+        state["count"] = int(counts[-1])
+        return counts.astype(np.float64)
+
+    def _ema(self, x: np.ndarray, state: dict) -> np.ndarray:
+        """y[i] = alpha * x[i] + (1 - alpha) * y[i-1]; the first value starts at x[0]."""
+        alpha = self.spec.alpha
+        previous = x[0] if state["last"] is None else state["last"]
+        y, _ = lfilter([alpha], [1.0, alpha - 1.0], x, zi=[(1.0 - alpha) * previous])
+        state["last"] = y[-1]
+        return y
+
+    def _rolling_mean(self, x: np.ndarray, state: dict) -> np.ndarray:
+        """Mean of the last `window` values (fewer at the start of a request)."""
+        window = self.spec.window
+        history = np.concatenate([state["tail"], x])
+        sums = np.concatenate([[0.0], np.cumsum(history)])
+        ends = np.arange(len(state["tail"]), len(history)) + 1
+        starts = np.maximum(ends - window, 0)
+        means = (sums[ends] - sums[starts]) / (ends - starts)
+        state["tail"] = history[len(history) - (window - 1) :] if window > 1 else np.zeros(0)
+        return means
+
+
+# ---------------------------------------------------------------------------
+# Probes
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Member:
+    threshold: float
+    aggregation: Aggregation | None
+
+
+@dataclass(eq=False)
+class Probe:
+    """A loaded probe: its manifest, its per-row forms and how forms become a score.
+
+    The registry keeps the rest: requests bound to it, an unload waiting for them,
+    and `retired` once a forced unload took it from requests still bound to it.
+    """
+
+    manifest: Manifest
+    forms: list[Form]
+    members: list[_Member]  # one per form; a cascade has several
+    cascade_k: int = 0
+    active_requests: int = 0
+    unloading: bool = False
+    retired: bool = False
+    source: str = field(default="", compare=False)
+
+    @property
+    def name(self) -> str:
+        return self.manifest.name
+
+    def new_state(self) -> list[dict | None]:
+        return [m.aggregation.new_state() if m.aggregation else None for m in self.members]
+
+    def score(self, values: np.ndarray, state: list[dict | None]) -> np.ndarray:
+        """Scores of one request's rows (values: [rows, len(forms)], forward order)."""
+        per_member = [
+            m.aggregation.apply(values[:, j], state[j]) if m.aggregation else values[:, j]
+            for j, m in enumerate(self.members)
+        ]
+        if not self.cascade_k:
+            return np.asarray(per_member[0], dtype=np.float64)
+        agree = np.zeros(values.shape[0], dtype=np.float64)
+        for member, scores in zip(self.members, per_member):
+            agree += scores >= member.threshold
+        return agree
+
+
+def build_probe(manifest: Manifest, tensors: dict[str, np.ndarray], source: str = "") -> Probe:
+    """Checks the weights against the manifest and folds them into forms."""
+    used: set[str] = set()
+    spec = manifest.scorer
+    if spec.kind == "cascade":
+        forms, members = [], []
+        for member in spec.members:
+            form, aggregation = _form_and_aggregation(member.scorer, tensors, manifest, used)
+            forms.append(form)
+            members.append(_Member(member.threshold, aggregation))
+        k = spec.k
+    else:
+        form, aggregation = _form_and_aggregation(spec, tensors, manifest, used)
+        forms, members, k = [form], [_Member(manifest.threshold, aggregation)], 0
+    unused = sorted(set(tensors) - used)
+    if unused:
+        raise ManifestError(f"weights: tensor(s) {unused} are not used by a {manifest.kind} probe")
+    return Probe(manifest, forms, members, cascade_k=k, source=source)
+
+
+def _form_and_aggregation(
+    spec: ScorerSpec, tensors: dict[str, np.ndarray], manifest: Manifest, used: set[str]
+) -> tuple[Form, Aggregation | None]:
+    if spec.kind == "trajectory":
+        form, _ = _form_and_aggregation(spec.base, tensors, manifest, used)
+        return form, Aggregation(spec.aggregation)
+    hidden = manifest.hidden_size
+
+    def vector(name: str, required: bool) -> np.ndarray | None:
+        key = spec.prefix + name
+        if key not in tensors:
+            if required:
+                raise ManifestError(f"weights: tensor {key!r} is missing for a {spec.kind} probe")
+            return None
+        used.add(key)
+        value = np.asarray(tensors[key], dtype=np.float64)
+        if value.shape not in ((hidden,), (1, hidden)):
+            raise ManifestError(
+                f"weights: tensor {key!r} has shape {list(value.shape)}, expected [{hidden}] "
+                f"(manifest.hidden_size)"
+            )
+        if not np.isfinite(value).all():
+            raise ManifestError(f"weights: tensor {key!r} has NaN or Inf values")
+        return value.reshape(hidden)
+
+    if spec.kind == "norm":
+        center = vector("center", required=False)
+        return NormForm(None if center is None else center.astype(np.float32)), None
+    if spec.kind == "mean_difference":
+        direction = vector("direction", required=True)
+        length = np.linalg.norm(direction)
+        if length == 0:
+            raise ManifestError(f"weights: tensor {spec.prefix + 'direction'!r} is all zeros")
+        unit = direction / length
+        center = vector("center", required=False)
+        bias = 0.0 if center is None else -float(center @ unit)
+        return LinearForm(unit.astype(np.float32), bias, sigmoid=False), None
+    weight = vector("weight", required=True)
+    bias = _scalar(tensors, spec.prefix + "bias", used)
+    mean, std = vector("mean", required=False), vector("std", required=False)
+    if (mean is None) != (std is None):
+        raise ManifestError(
+            f"weights: standardisation needs both {spec.prefix + 'mean'!r} and {spec.prefix + 'std'!r}"
+        )
+    if std is not None:
+        if (std <= 0).any():
+            raise ManifestError(f"weights: tensor {spec.prefix + 'std'!r} has values <= 0")
+        # ((x - mean) / std).w + b == x.(w / std) + (b - mean.(w / std))
+        weight = weight / std
+        bias -= float(mean @ weight)
+    return LinearForm(weight.astype(np.float32), bias, sigmoid=spec.output == "sigmoid"), None
+
+
+def _scalar(tensors: dict[str, np.ndarray], key: str, used: set[str]) -> float:
+    if key not in tensors:
+        return 0.0
+    used.add(key)
+    value = np.asarray(tensors[key], dtype=np.float64)
+    if value.size != 1:
+        raise ManifestError(f"weights: tensor {key!r} has shape {list(value.shape)}, expected [] or [1]")
+    if not np.isfinite(value).all():
+        raise ManifestError(f"weights: tensor {key!r} is NaN or Inf")
+    return float(value.reshape(()))
+
+
+# ---------------------------------------------------------------------------
+# One matrix product per block for every probe that reads it
+# ---------------------------------------------------------------------------
+
+
+class ProjectionPlan:
+    """The forms of several probes stacked so one block costs one matrix product."""
+
+    def __init__(self, probes: tuple[Probe, ...]):
+        self.probes = probes
+        self.columns: dict[int, slice] = {}  # id(probe) -> its columns in the output
+        linear: list[LinearForm] = []
+        self.norms: list[tuple[int, NormForm]] = []
+        slots = []
+        for probe in probes:
+            start = len(slots)
+            for form in probe.forms:
+                if isinstance(form, LinearForm):
+                    slots.append(("linear", len(linear)))
+                    linear.append(form)
+                else:
+                    slots.append(("norm", len(self.norms)))
+                    self.norms.append((len(slots) - 1, form))
+            self.columns[id(probe)] = slice(start, len(slots))
+        self.width = len(slots)
+        self.linear_columns = np.array([i for i, s in enumerate(slots) if s[0] == "linear"], dtype=np.int64)
+        if linear:
+            self.weight = np.stack([f.weight for f in linear], axis=1)  # [hidden, L]
+            self.bias = np.array([f.bias for f in linear], dtype=np.float32)
+            self.sigmoid = np.array([f.sigmoid for f in linear])
+        self.has_linear = bool(linear)
+
+    def apply(self, rows: np.ndarray) -> np.ndarray:
+        """[n, hidden] float32 -> [n, width] float64 form values."""
+        out = np.empty((rows.shape[0], self.width), dtype=np.float64)
+        if self.has_linear:
+            z = (rows @ self.weight + self.bias).astype(np.float64)
+            if self.sigmoid.any():
+                z[:, self.sigmoid] = sigmoid(z[:, self.sigmoid])
+            out[:, self.linear_columns] = z
+        for column, form in self.norms:
+            centred = rows if form.center is None else rows - form.center
+            out[:, column] = np.sqrt(np.einsum("ij,ij->i", centred, centred, dtype=np.float64))
+        return out
+
+
+# ---------------------------------------------------------------------------
+# Decision rule
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class RuleState:
+    seen: int = 0  # rows scored so far
+    streak: int = 0  # consecutive rows at or above threshold, up to now
+
+
+def first_firing(
+    scores: np.ndarray, threshold: float, min_tokens: int, patience: int, state: RuleState
+) -> int | None:
+    """Index of the first row where the rule fires, or None; advances state.
+
+    Fires at row i when scores[i] >= threshold, the last `patience` rows (this one
+    included, across batches) all were, and at least `min_tokens` rows were scored.
+    """
+    n = scores.shape[0]
+    if n == 0:
+        return None
+    above = scores >= threshold
+    index = np.arange(n)
+    last_below = np.maximum.accumulate(np.where(above, -1, index))
+    streak = np.where(last_below >= 0, index - last_below, index + 1 + state.streak)
+    seen = state.seen + index + 1
+    fires = above & (streak >= patience) & (seen >= min_tokens)
+    state.seen += n
+    state.streak = int(streak[-1])
+    hits = np.flatnonzero(fires)
+    return int(hits[0]) if hits.size else None

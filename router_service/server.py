@@ -1,0 +1,126 @@
+"""A running router: registry, servicers, gRPC server, health and shutdown.
+
+Health is NOT_SERVING until start-up loading finished, and afterwards SERVING
+exactly while at least one probe is loaded and the router is not draining.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.grpc_server import SERVICE_FULL_NAMES, ServerHandle, start_server
+from router_service.metrics import RouterMetrics
+from router_service.probe_files import load_probe_path, probe_paths
+from router_service.registry import ProbeRegistry
+from router_service.servicers import AdminServicer, LiveSession, SessionServicer
+from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import undercurrent_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port
+    probes_dir: Path | None = None
+    heartbeat_interval: float = 5.0  # seconds between the router's own heartbeats
+    grace_period: float = 30.0  # seconds a drain waits for active requests to end
+    scores_interval: float = 0.0  # minimum seconds between ProbeScores per binding; 0: every step
+    router_id: str = ""  # default: hostname:pid
+    scoring_threads: int = 2
+
+
+class Router:
+    def __init__(self, config: RouterConfig):
+        self.config = config
+        self.router_id = config.router_id or f"{socket.gethostname()}:{os.getpid()}"
+        self.registry = ProbeRegistry()
+        self.metrics = RouterMetrics()
+        self.sessions: set[LiveSession] = set()
+        self.draining = False
+        self.executor = concurrent.futures.ThreadPoolExecutor(
+            config.scoring_threads, thread_name_prefix="router-score"
+        )
+        self.handle: ServerHandle | None = None
+        self._started = False
+        self._stopped = asyncio.Event()
+        self._health_tasks: set[asyncio.Task] = set()
+
+    @property
+    def port(self) -> int:
+        return self.handle.port
+
+    def live_requests(self) -> int:
+        return sum(len(s.state.requests) for s in self.sessions)
+
+    def load_startup_probes(self) -> None:
+        """Loads every probe of --probes; the first bad one raises ProbeFileError."""
+        if self.config.probes_dir is None:
+            return
+        for path in probe_paths(self.config.probes_dir):
+            self.registry.load(load_probe_path(path))
+
+    async def start(self) -> None:
+        self.load_startup_probes()
+        self.registry.subscribe(self._on_probes_changed)
+        self.handle = await start_server(
+            [
+                (undercurrent_pb2_grpc.add_ProbeRouterServicer_to_server, SessionServicer(self),
+                 SERVICE_FULL_NAMES["ProbeRouter"]),
+                (undercurrent_pb2_grpc.add_ProbeAdminServicer_to_server, AdminServicer(self),
+                 SERVICE_FULL_NAMES["ProbeAdmin"]),
+            ],
+            self.config.host,
+            self.config.port,
+        )
+        self._started = True
+        self.metrics.probes_loaded.set(len(self.registry))
+        await self._update_health()
+        log.info("router started", extra={"router_id": self.router_id, "port": self.port,
+                                          "probes": [p.name for p in self.registry.probes()]})
+
+    def drain_message(self) -> pb.RouterMessage:
+        return pb.RouterMessage(drain=pb.Drain(reason=f"router {self.router_id} is shutting down"))
+
+    async def shutdown(self, grace_period: float | None = None) -> None:
+        """Drains: NOT_SERVING, Drain to every session, new requests refused; then
+        stops once active requests ended or the grace period ran out."""
+        if self.draining:
+            await self._stopped.wait()
+            return
+        grace = self.config.grace_period if grace_period is None else grace_period
+        self.draining = True
+        await self._update_health()
+        log.info("draining", extra={"sessions": len(self.sessions), "live_requests": self.live_requests(),
+                                    "grace_period": grace})
+        for session in list(self.sessions):
+            session.spawn(session.outbox.put(self.drain_message()))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while self.live_requests() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        left = self.live_requests()
+        await self.handle.server.stop(grace=1.0)
+        self.executor.shutdown(wait=True)
+        log.info("stopped", extra={"requests_cut_off": left})
+        self._stopped.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    def _on_probes_changed(self) -> None:
+        self.metrics.probes_loaded.set(len(self.registry))
+        task = asyncio.get_running_loop().create_task(self._update_health())
+        self._health_tasks.add(task)
+        task.add_done_callback(self._health_tasks.discard)
+
+    async def _update_health(self) -> None:
+        if self.handle is not None:
+            await self.handle.set_serving(self._started and len(self.registry) > 0 and not self.draining)

@@ -1,0 +1,185 @@
+"""The ProbeRouter.Session and ProbeAdmin servicers: thin gRPC shells over
+`session.SessionState` and `registry.ProbeRegistry`.
+
+A Session has one writer: the handler generator drains an outbox queue that the
+reader task (replies to engine messages, in order), the heartbeat task, catalog
+updates and drain all put into.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import time
+from typing import TYPE_CHECKING, AsyncIterator
+
+from common.errors import InvalidArgument
+from router_service.probe_files import ProbeFileError, load_probe_bytes, load_probe_path
+from router_service.manifest import ManifestError
+from router_service.session import SessionState, error
+from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import undercurrent_pb2_grpc
+
+if TYPE_CHECKING:
+    from router_service.server import Router
+
+log = logging.getLogger(__name__)
+
+OUTBOX_SIZE = 1024  # replies waiting for the engine to read them; beyond it the reader waits
+_session_ids = itertools.count(1)
+
+
+class LiveSession:
+    """One open Session stream: its state, its outbox and its background tasks."""
+
+    def __init__(self, router: "Router", hello: pb.SessionHello):
+        self.id = next(_session_ids)
+        self.engine_id = hello.engine_id
+        self.router = router
+        self.state = SessionState(
+            router.registry,
+            hello.model,
+            router.metrics,
+            scores_interval=router.config.scores_interval,
+            draining=lambda: router.draining,
+        )
+        self.outbox: asyncio.Queue[pb.RouterMessage | None] = asyncio.Queue(OUTBOX_SIZE)
+        self._tasks: set[asyncio.Task] = set()
+        self._scoring: concurrent.futures.Future | None = None
+
+    def spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def send_all(self, messages: list[pb.RouterMessage]) -> None:
+        for message in messages:
+            await self.outbox.put(message)
+
+    def send_catalog(self) -> None:
+        probes, errors = self.state.catalog()
+        self.spawn(self.send_all([*errors, pb.RouterMessage(catalog=pb.ProbeCatalog(probes=probes))]))
+
+    async def read(self, engine_messages: AsyncIterator[pb.EngineMessage]) -> None:
+        try:
+            async for message in engine_messages:
+                await self.send_all(await self._handle(message))
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # the engine's side of the stream broke
+            log.info("session read ended", extra={"session": self.id, "reason": repr(err)})
+        await self.outbox.put(None)
+
+    async def _handle(self, message: pb.EngineMessage) -> list[pb.RouterMessage]:
+        kind = message.WhichOneof("message")
+        request_id = ""
+        try:
+            if kind == "batch":
+                out = self.state.detach_retired()
+                # Scoring runs off the event loop (numpy releases the GIL), so other
+                # sessions, heartbeats and admin calls keep flowing meanwhile.
+                self._scoring = self.router.executor.submit(self.state.batch, message.batch)
+                return out + await asyncio.wrap_future(self._scoring)
+            if kind == "request_start":
+                request_id = message.request_start.request_id
+                return self.state.start(message.request_start)
+            if kind == "request_end":
+                request_id = message.request_end.request_id
+                return self.state.end(message.request_end)
+            if kind == "heartbeat":
+                return [pb.RouterMessage(heartbeat=message.heartbeat)]
+            if kind == "hello":
+                return [error("", "FAILED_PRECONDITION", "hello: the session already said hello; ignored")]
+            return [error("", "INVALID_ARGUMENT", "EngineMessage: no message set")]
+        except Exception as err:  # a bug must not take the other requests down
+            log.exception("error handling engine message", extra={"session": self.id, "kind": kind})
+            return [error(request_id, "INTERNAL", f"{kind}: internal error: {type(err).__name__}: {err}")]
+
+    async def heartbeat(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            await self.outbox.put(pb.RouterMessage(heartbeat=pb.Heartbeat(sent_unix_nanos=time.time_ns())))
+
+    async def stop(self) -> None:
+        """Cancels the tasks and waits for a batch still scoring, so state can be freed."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._scoring is not None and not self._scoring.cancelled():
+            await asyncio.gather(asyncio.wrap_future(self._scoring), return_exceptions=True)
+
+
+class SessionServicer(undercurrent_pb2_grpc.ProbeRouterServicer):
+    def __init__(self, router: "Router"):
+        self.router = router
+
+    async def Session(self, request_iterator, context):
+        try:
+            first = await anext(request_iterator)
+        except StopAsyncIteration:
+            return
+        if first.WhichOneof("message") != "hello":
+            raise InvalidArgument(
+                f"the first EngineMessage must be hello, got {first.WhichOneof('message')!r}"
+            )
+        model = first.hello.model
+        if model.hidden_size <= 0 or model.num_layers <= 0:
+            raise InvalidArgument(
+                f"hello.model: hidden_size {model.hidden_size} and num_layers {model.num_layers} "
+                "must both be > 0"
+            )
+        session = LiveSession(self.router, first.hello)
+        probes, errors = session.state.catalog()
+        unsubscribe = self.router.registry.subscribe(session.send_catalog)
+        self.router.sessions.add(session)
+        self.router.metrics.sessions.inc()
+        log.info("session opened", extra={"session": session.id, "engine_id": session.engine_id,
+                                          "model": model.model, "probes": [p.name for p in probes]})
+        session.spawn(session.read(request_iterator))
+        session.spawn(session.heartbeat(self.router.config.heartbeat_interval))
+        try:
+            yield pb.RouterMessage(hello=pb.RouterHello(router_id=self.router.router_id, probes=probes))
+            for message in errors:
+                yield message
+            if self.router.draining:
+                yield self.router.drain_message()
+            while (message := await session.outbox.get()) is not None:
+                yield message
+        finally:
+            unsubscribe()
+            await session.stop()
+            freed = session.state.close()
+            self.router.sessions.discard(session)
+            self.router.metrics.sessions.dec()
+            log.info("session closed", extra={"session": session.id, "engine_id": session.engine_id,
+                                              "requests_freed": freed})
+
+
+class AdminServicer(undercurrent_pb2_grpc.ProbeAdminServicer):
+    def __init__(self, router: "Router"):
+        self.router = router
+
+    async def LoadProbe(self, request: pb.LoadProbeRequest, context) -> pb.ProbeInfo:
+        source = request.WhichOneof("source")
+        try:
+            if source == "path":
+                probe = await asyncio.to_thread(load_probe_path, request.path)
+            elif source == "inline":
+                probe = load_probe_bytes(
+                    request.inline.manifest_json, request.inline.weights_safetensors or None
+                )
+            else:
+                raise InvalidArgument("LoadProbeRequest: set path or inline")
+        except (ProbeFileError, ManifestError) as err:
+            raise InvalidArgument(str(err)) from None
+        registry = self.router.registry
+        return registry.info(registry.load(probe, replace=request.replace))
+
+    async def ListProbes(self, request, context) -> pb.ListProbesResponse:
+        registry = self.router.registry
+        return pb.ListProbesResponse(probes=[registry.info(p) for p in registry.probes()])
+
+    async def UnloadProbe(self, request: pb.UnloadProbeRequest, context) -> pb.UnloadProbeResponse:
+        return pb.UnloadProbeResponse(unloaded=self.router.registry.unload(request.name, request.force))

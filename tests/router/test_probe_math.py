@@ -1,0 +1,215 @@
+"""Probe math against references: scikit-learn for linear probes, plain-Python
+loops for trajectories and rules. No gRPC here."""
+
+import math
+
+import numpy as np
+import pytest
+from sklearn.linear_model import LogisticRegression
+
+from router_service.manifest import TokenScope, manifest_from_dict
+from router_service.probes import ProjectionPlan, RuleState, build_probe, first_firing
+from router_service.session import selects
+from tests.router.helpers import manifest
+from undercurrent.v1 import undercurrent_pb2 as pb
+
+H = 16
+
+
+def probe(name="p", kind="logistic", tensors=None, **fields):
+    return build_probe(manifest_from_dict(manifest(name, kind, hidden_size=H, **fields)), tensors or {})
+
+
+def form_values(p, rows):
+    plan = ProjectionPlan((p,))
+    return plan.apply(rows.astype(np.float32))[:, plan.columns[id(p)]]
+
+
+def split_points(rng, n):
+    """Random batch boundaries, so state must carry across batches."""
+    cuts = sorted(rng.choice(np.arange(1, n), size=4, replace=False))
+    return [0, *cuts, n]
+
+
+def score_in_batches(p, values, bounds):
+    state = p.new_state()
+    return np.concatenate([p.score(values[a:b], state) for a, b in zip(bounds, bounds[1:])])
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+def fitted_logistic(rng, standardise):
+    x = rng.normal(size=(400, H)) * rng.uniform(0.5, 3, H) + rng.normal(size=H)
+    y = (x @ rng.normal(size=H) + rng.normal(size=400) > 0).astype(int)
+    mean, std = x.mean(0), x.std(0)
+    clf = LogisticRegression(max_iter=1000).fit((x - mean) / std if standardise else x, y)
+    tensors = {"weight": clf.coef_[0], "bias": clf.intercept_}
+    if standardise:
+        tensors |= {"mean": mean, "std": std}
+    return x, clf, tensors, mean, std
+
+
+@pytest.mark.parametrize("standardise", [False, True])
+def test_logistic_probe_matches_sklearn_predict_proba(rng, standardise):
+    x, clf, tensors, mean, std = fitted_logistic(rng, standardise)
+    p = probe(tensors=tensors)
+    got = form_values(p, x)[:, 0]
+    reference = clf.predict_proba((x - mean) / std if standardise else x)[:, 1]
+    np.testing.assert_allclose(got, reference, rtol=2e-5, atol=2e-6)
+
+
+def test_linear_probe_raw_output_matches_sklearn_decision_function(rng):
+    x, clf, tensors, *_ = fitted_logistic(rng, standardise=False)
+    p = probe(kind="linear", tensors=tensors, threshold=0.0)
+    np.testing.assert_allclose(form_values(p, x)[:, 0], clf.decision_function(x), rtol=1e-4, atol=1e-4)
+
+
+def test_mean_difference_projects_onto_the_unit_direction(rng):
+    a, b = rng.normal(1, 1, (50, H)), rng.normal(-1, 1, (50, H))
+    direction = a.mean(0) - b.mean(0)
+    center = (a.mean(0) + b.mean(0)) / 2
+    p = probe(kind="mean_difference", tensors={"direction": direction, "center": center}, threshold=0.0)
+    x = rng.normal(size=(20, H))
+    expected = [float(np.dot(row - center, direction) / math.sqrt(np.dot(direction, direction))) for row in x]
+    np.testing.assert_allclose(form_values(p, x)[:, 0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_norm_monitor_with_and_without_center(rng):
+    x = rng.normal(size=(10, H))
+    center = rng.normal(size=H)
+    plain, centred = probe("n1", "norm", threshold=3.0), probe("n2", "norm", {"center": center}, threshold=3.0)
+    np.testing.assert_allclose(form_values(plain, x)[:, 0], [math.sqrt(sum(v * v for v in r)) for r in x],
+                               rtol=1e-5)
+    np.testing.assert_allclose(form_values(centred, x)[:, 0], np.linalg.norm(x - center, axis=1), rtol=1e-5)
+
+
+def test_one_plan_for_many_probes_equals_each_probe_alone(rng):
+    probes = [probe(f"p{i}", tensors={"weight": rng.normal(size=H), "bias": rng.normal(size=1)})
+              for i in range(5)] + [probe("n", "norm", threshold=1.0)]
+    x = rng.normal(size=(30, H)).astype(np.float32)
+    plan = ProjectionPlan(tuple(probes))
+    together = plan.apply(x)
+    for p in probes:
+        np.testing.assert_allclose(together[:, plan.columns[id(p)]], form_values(p, x), rtol=1e-6)
+
+
+# -- trajectories: vectorised over batches vs plain loops ---------------------
+
+
+def ema_loop(xs, alpha):
+    out, y = [], None
+    for x in xs:
+        y = x if y is None else alpha * x + (1 - alpha) * y
+        out.append(y)
+    return out
+
+
+def rolling_mean_loop(xs, window):
+    return [sum(xs[max(0, i - window + 1) : i + 1]) / len(xs[max(0, i - window + 1) : i + 1])
+            for i in range(len(xs))]
+
+
+def max_rolling_mean_loop(xs, window):
+    out, best = [], -math.inf
+    for value in rolling_mean_loop(xs, window):
+        best = max(best, value)
+        out.append(best)
+    return out
+
+
+def count_over_loop(xs, over):
+    out, count = [], 0
+    for x in xs:
+        count += x >= over
+        out.append(count)
+    return out
+
+
+@pytest.mark.parametrize(
+    "aggregation, reference",
+    [
+        ({"kind": "ema", "alpha": 0.3}, lambda xs: ema_loop(xs, 0.3)),
+        ({"kind": "ema", "alpha": 1.0}, lambda xs: ema_loop(xs, 1.0)),
+        ({"kind": "rolling_mean", "window": 5}, lambda xs: rolling_mean_loop(xs, 5)),
+        ({"kind": "rolling_mean", "window": 1}, lambda xs: rolling_mean_loop(xs, 1)),
+        ({"kind": "max_rolling_mean", "window": 4}, lambda xs: max_rolling_mean_loop(xs, 4)),
+        ({"kind": "count_over", "over": 0.25}, lambda xs: count_over_loop(xs, 0.25)),
+    ],
+)
+def test_trajectory_across_batches_matches_a_loop(rng, aggregation, reference):
+    weight = rng.normal(size=H)
+    p = probe(kind="trajectory", base={"kind": "linear"}, aggregation=aggregation,
+              tensors={"weight": weight})
+    x = rng.normal(size=(40, H))
+    values = form_values(p, x)
+    got = score_in_batches(p, values, split_points(rng, len(x)))
+    expected = reference([float(v) for v in values[:, 0]])
+    np.testing.assert_allclose(got, expected, rtol=1e-9, atol=1e-9)
+
+
+def test_cascade_counts_agreeing_members_with_their_own_trajectories(rng):
+    w_a, w_b = rng.normal(size=H), rng.normal(size=H)
+    fields = dict(k=2, members=[
+        {"name": "a", "kind": "linear", "threshold": 0.0},
+        {"name": "b", "kind": "trajectory", "threshold": 0.2, "base": {"kind": "linear"},
+         "aggregation": {"kind": "ema", "alpha": 0.5}},
+        {"name": "c", "kind": "norm", "threshold": 4.0},
+    ])
+    spec = manifest("casc", "cascade", hidden_size=H, **fields)
+    del spec["threshold"]
+    p = build_probe(manifest_from_dict(spec), {"a.weight": w_a, "b.weight": w_b})
+    assert p.manifest.threshold == 2.0
+    x = rng.normal(size=(30, H))
+    got = score_in_batches(p, form_values(p, x), split_points(rng, len(x)))
+    a = [float(r @ w_a) >= 0.0 for r in x]
+    b = [v >= 0.2 for v in ema_loop([float(r @ w_b) for r in x], 0.5)]
+    c = [float(np.sqrt(r @ r)) >= 4.0 for r in x]
+    np.testing.assert_array_equal(got, [int(i) + int(j) + int(k) for i, j, k in zip(a, b, c)])
+
+
+# -- the decision rule ---------------------------------------------------------
+
+
+def first_firing_loop(scores, threshold, min_tokens, patience):
+    streak = 0
+    for i, s in enumerate(scores):
+        streak = streak + 1 if s >= threshold else 0
+        if s >= threshold and streak >= patience and i + 1 >= min_tokens:
+            return i
+    return None
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_rule_across_batches_matches_a_loop(seed):
+    rng = np.random.default_rng(seed)
+    scores = rng.uniform(size=30)
+    threshold, min_tokens, patience = 0.4, int(rng.integers(0, 12)), int(rng.integers(1, 4))
+    state, got = RuleState(), None
+    bounds = split_points(rng, len(scores))
+    for a, b in zip(bounds, bounds[1:]):
+        hit = first_firing(scores[a:b], threshold, min_tokens, patience, state)
+        if hit is not None and got is None:
+            got = a + hit
+    assert got == first_firing_loop(scores, threshold, min_tokens, patience)
+
+
+# -- token scopes ----------------------------------------------------------------
+
+
+def test_token_scopes_select_the_right_rows():
+    positions = np.arange(8)
+    generated = positions >= 5  # prompt_length 5
+    S = pb.TokenSelector
+    cases = [
+        (TokenScope(S.GENERATED), [5, 6, 7]),
+        (TokenScope(S.PROMPT), [0, 1, 2, 3, 4]),
+        (TokenScope(S.ALL), list(range(8))),
+        (TokenScope(S.PROMPT, indexes=(-1,)), [4]),
+        (TokenScope(S.GENERATED, ranges=((1, None),)), [6, 7]),
+        (TokenScope(S.ALL, indexes=(0,), ranges=((6, 7),)), [0, 6]),
+    ]
+    for scope, expected in cases:
+        assert positions[selects(scope, positions, generated, 5)].tolist() == expected, scope
