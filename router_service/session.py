@@ -364,7 +364,7 @@ class SessionState:
     def _block_error(self, request_ids: list[str], code: str, message: str,
                      reported: set[tuple[str, str]]) -> list[pb.RouterMessage]:
         out = []
-        for rid in sorted(set(request_ids)) or [""]:
+        for rid in sorted({r for r in request_ids if r}) or [""]:
             if (rid, message) not in reported:
                 reported.add((rid, message))
                 out.append(self._error(rid, code, message + "; the block was not scored"))

@@ -1,0 +1,359 @@
+"""ProbeRouter.Session on a real router over loopback, driven by real grpc.aio clients."""
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+
+from common.activations import to_batch
+from router_service.probe_files import write_probe
+from tests.router.helpers import (
+    HIDDEN, SessionClient, block, errors, kinds, linear_probe, manifest, model_info,
+)
+from undercurrent.v1 import undercurrent_pb2 as pb
+
+E0 = np.eye(HIDDEN)[0]  # weight that reads a row's first element
+THRESHOLD = 5.0
+
+
+@pytest.fixture
+def probes_dir(tmp_path):
+    # "tox": raw score = row[0]; aborts after 2 consecutive rows >= 5.
+    linear_probe(tmp_path, "tox", E0, kind="linear", threshold=THRESHOLD, rule={"patience": 2})
+    # "watch": observe, raw score = row[1] (generated tokens only, the default scope).
+    linear_probe(tmp_path, "watch", np.eye(HIDDEN)[1], kind="linear", threshold=0.0, action="observe")
+    # "deep": observe, reads layers 1 and 2, EMA over (token, layer) forward order of row[2].
+    write_probe(tmp_path / "deep", manifest("deep", "trajectory", layers=[1, 2], threshold=0.0,
+                                            action="observe", base={"kind": "linear"},
+                                            aggregation={"kind": "ema", "alpha": 0.5}),
+                {"weight": np.eye(HIDDEN)[2]})
+    # "prompt": observe, prompt tokens only, raw score = row[3].
+    linear_probe(tmp_path, "prompt", np.eye(HIDDEN)[3], kind="linear", threshold=0.0, action="observe",
+                 tokens={"scope": "prompt"})
+    return tmp_path
+
+
+def expected_abort(values, patience=2):
+    streak = 0
+    for position, value in values:
+        streak = streak + 1 if value >= THRESHOLD else 0
+        if streak >= patience:
+            return position, value
+    return None
+
+
+async def test_many_interleaved_requests_abort_exactly_where_the_rule_fired(make_router, probes_dir):
+    router = await make_router(probes_dir)
+    client = SessionClient(router)
+    hello = await client.open()
+    assert [p.name for p in hello.probes] == ["deep", "prompt", "tox", "watch"]
+    rng = np.random.default_rng(7)
+    request_ids = [f"req-{i}" for i in range(24)]
+    prompt_length = 4
+    for rid in request_ids:
+        client.start(rid, "tox", "watch", prompt_length=prompt_length)
+    next_position = {rid: prompt_length for rid in request_ids}
+    sent: dict[str, list[tuple[int, float]]] = {rid: [] for rid in request_ids}
+    watch_sent: dict[str, list[tuple[int, float]]] = {rid: [] for rid in request_ids}
+    aborts: dict[str, pb.Verdict] = {}
+    abort_step: dict[str, int] = {}
+    watch_got: dict[str, list[tuple[int, float]]] = {rid: [] for rid in request_ids}
+    for _ in range(12):
+        # Each step carries a random subset of requests, one to three tokens each, rows shuffled.
+        present = rng.choice(request_ids, size=10, replace=False)
+        rows, ids, positions = [], [], []
+        for rid in present:
+            for _ in range(int(rng.integers(1, 4))):
+                row = rng.normal(size=HIDDEN)
+                row[0] = 9.0 if rng.uniform() < 0.3 else 0.0
+                rows.append(row), ids.append(rid), positions.append(next_position[rid])
+                sent[rid].append((next_position[rid], row[0]))
+                watch_sent[rid].append((next_position[rid], np.float32(row[1])))
+                next_position[rid] += 1
+        order = rng.permutation(len(rows))
+        step = client.batch(block(np.array(rows)[order], np.array(ids)[order], np.array(positions)[order]))
+        replies = await client.until_ack(step)
+        assert kinds(replies)[-1] == "ack" and "ack" not in kinds(replies)[:-1]
+        for message in replies:
+            if message.WhichOneof("message") == "abort":
+                assert message.abort.request_id not in aborts, "at most one abort per request"
+                aborts[message.abort.request_id] = message.abort
+                abort_step[message.abort.request_id] = step
+            elif message.WhichOneof("message") == "scores":
+                assert message.scores.probe == "watch"
+                watch_got[message.scores.request_id] += zip(message.scores.token_positions,
+                                                             message.scores.scores)
+        assert errors(replies) == []
+
+    for rid in request_ids:
+        fired = expected_abort(sent[rid])
+        if fired is None:
+            assert rid not in aborts
+            continue
+        position, value = fired
+        verdict = aborts[rid]
+        assert (verdict.probe, verdict.token_position, verdict.score) == ("tox", position, value)
+        assert "threshold 5" in verdict.reason and "patience 2" in verdict.reason
+        # The verdict came before the ack of the step that carried the firing row.
+        assert position in [p for p, _ in sent[rid]]
+        # Scores of the observe binding: every generated row, in forward order.
+        assert watch_got[rid] == sorted(watch_sent[rid])
+    assert 3 <= len(aborts) < len(request_ids)
+    assert router.live_requests() == 24
+    await client.close()
+
+
+async def test_multi_layer_probe_reads_rows_in_forward_order(make_router, probes_dir):
+    router = await make_router(probes_dir)
+    client = SessionClient(router)
+    await client.open()
+    client.start("r", "deep", prompt_length=2)
+    rng = np.random.default_rng(3)
+    layer1, layer2 = rng.normal(size=(3, HIDDEN)), rng.normal(size=(3, HIDDEN))
+    positions = [2, 3, 4]
+    # Blocks as two pipeline stages might send them: the later layer's block first.
+    step = client.batch(block(layer2, ["r"] * 3, positions, layer=2),
+                        block(layer1, ["r"] * 3, positions, layer=1))
+    replies = await client.until_ack(step)
+    scores = replies[0].scores
+    forward = [v for p in range(3) for v in (layer1[p, 2], layer2[p, 2])]
+    ema, expected = None, []
+    for value in forward:
+        ema = value if ema is None else 0.5 * value + 0.5 * ema
+        expected.append(ema)
+    assert list(scores.token_positions) == [2, 2, 3, 3, 4, 4]
+    np.testing.assert_allclose(scores.scores, expected, rtol=1e-5)
+    await client.close()
+
+
+async def test_token_scope_and_action_override(make_router, probes_dir):
+    router = await make_router(probes_dir)
+    client = SessionClient(router)
+    await client.open()
+    # tox bound as observe: scores, never an abort.
+    client.start("r", "tox", "prompt", prompt_length=2, actions={"tox": pb.OBSERVE})
+    rows = np.zeros((4, HIDDEN))
+    rows[:, 0] = 9.0
+    rows[:, 3] = [1, 2, 3, 4]
+    step = client.batch(block(rows, ["r"] * 4, [0, 1, 2, 3], generated=[False, False, True, True]))
+    replies = await client.until_ack(step)
+    by_probe = {m.scores.probe: m.scores for m in replies if m.WhichOneof("message") == "scores"}
+    assert "abort" not in kinds(replies)
+    assert list(by_probe["tox"].token_positions) == [2, 3]  # generated scope (default)
+    assert list(by_probe["prompt"].token_positions) == [0, 1]
+    assert list(by_probe["prompt"].scores) == [1.0, 2.0]
+    await client.close()
+
+
+async def test_two_sessions_keep_separate_state_for_the_same_request_id(make_router, probes_dir):
+    router = await make_router(probes_dir)
+    a, b = SessionClient(router, "engine-a"), SessionClient(router, "engine-b")
+    await asyncio.gather(a.open(), b.open())
+    a.start("same-id", "tox")
+    b.start("same-id", "tox")
+    hot, cold = np.zeros((2, HIDDEN)), np.zeros((2, HIDDEN))
+    hot[:, 0] = 7.0
+    step_a = a.batch(block(hot, ["same-id"] * 2, [10, 11]))
+    step_b = b.batch(block(cold, ["same-id"] * 2, [10, 11]))
+    replies_a, replies_b = await asyncio.gather(a.until_ack(step_a), b.until_ack(step_b))
+    assert kinds(replies_a) == ["abort", "ack"] and replies_a[0].abort.token_position == 11
+    assert kinds(replies_b) == ["ack"]
+    assert router.live_requests() == 2
+    await a.close()
+    await b.close()
+
+
+async def test_state_freed_at_request_end_and_on_session_drop(make_router, probes_dir):
+    router = await make_router(probes_dir)
+    tox = next(p for p in router.registry.probes() if p.name == "tox")
+    assert router.live_requests() == 0 and tox.active_requests == 0
+    client = SessionClient(router)
+    await client.open()
+    for i in range(10):
+        client.start(f"r{i}", "tox", "watch")
+    await client.sync()
+    assert router.live_requests() == 10 and tox.active_requests == 10
+    assert router.metrics.live_requests._value.get() == 10
+    for i in range(4):
+        client.end(f"r{i}")
+    await client.sync()
+    assert router.live_requests() == 6 and tox.active_requests == 6
+    await client.close()  # the engine goes away with 6 requests running
+    for _ in range(100):
+        if not router.sessions:
+            break
+        await asyncio.sleep(0.02)
+    assert router.live_requests() == 0 and tox.active_requests == 0
+    assert router.metrics.live_requests._value.get() == 0
+    assert router.metrics.sessions._value.get() == 0
+
+
+async def test_scores_rate_limited_flush_at_request_end(make_router, probes_dir):
+    router = await make_router(probes_dir, scores_interval=3600.0)
+    client = SessionClient(router)
+    await client.open()
+    client.start("r", "watch", prompt_length=0)
+    rows = np.zeros((1, HIDDEN))
+    first = await client.until_ack(client.batch(block(rows + 1, ["r"], [0])))
+    second = await client.until_ack(client.batch(block(rows + 2, ["r"], [1])))
+    third = await client.until_ack(client.batch(block(rows + 3, ["r"], [2])))
+    assert kinds(first) == ["scores", "ack"]  # the first is due at once
+    assert kinds(second) == kinds(third) == ["ack"]
+    client.end("r")
+    flushed = await client.until("scores")
+    assert list(flushed.scores.token_positions) == [1, 2] and list(flushed.scores.scores) == [2.0, 3.0]
+    await client.close()
+
+
+def corrupt(batch: pb.ActivationBatch, edit) -> pb.ActivationBatch:
+    edit(batch.blocks[0])
+    return batch
+
+
+async def test_bad_records_get_in_band_errors_and_the_stream_lives_on(make_router, probes_dir):
+    router = await make_router(probes_dir)
+    client = SessionClient(router)
+    await client.open()
+    client.start("r", "tox", prompt_length=0)
+    client.start("gone", "tox")
+    client.end("gone")
+    await client.sync()
+    good = np.zeros((2, HIDDEN))
+
+    def good_batch(rid="r"):
+        return to_batch([block(good, [rid, rid], [0, 1])])
+
+    def set_dtype(b):
+        b.rows.dtype = "int8"
+
+    def cut_bytes(b):
+        b.rows.data = b.rows.data[:-3]
+
+    def bad_index(b):
+        b.request_index[1] = 5
+
+    cases = [
+        (corrupt(good_batch(), set_dtype), "r", "INVALID_ARGUMENT",
+         "blocks[0] (p@1).rows: tensor.dtype 'int8' is not supported"),
+        (corrupt(good_batch(), cut_bytes), "r", "INVALID_ARGUMENT",
+         "blocks[0] (p@1).rows: tensor.data has 125 bytes but shape [2, 16] of float32 needs 128"),
+        (to_batch([block(np.zeros((2, HIDDEN + 1)), ["r", "r"], [0, 1])]), "r", "INVALID_ARGUMENT",
+         "blocks[0] (p@1).rows.shape: hidden size 17 does not match the model's hidden_size 16"),
+        (corrupt(good_batch(), bad_index), "r", "INVALID_ARGUMENT",
+         "blocks[0] (p@1).request_index: index out of range of 1 request ids"),
+        (good_batch("never"), "never", "NOT_FOUND",
+         "blocks[0] (p@1): request 'never' was never started on this session"),
+        (good_batch("gone"), "gone", "FAILED_PRECONDITION",
+         "blocks[0] (p@1): records for request 'gone' after its request_end"),
+    ]
+    for batch, rid, code, message in cases:
+        replies = await client.until_ack(client.raw_batch(batch))
+        assert kinds(replies) == ["error", "ack"], (message, replies)
+        err = replies[0].error
+        assert (err.request_id, err.code) == (rid, code)
+        assert err.message.startswith(message), err.message
+
+    # NaN and Inf rows: reported, skipped; the finite rows of the same block are scored.
+    rows = np.zeros((4, HIDDEN))
+    rows[1, 5], rows[2, 0] = np.nan, np.inf
+    rows[[0, 3], 0] = 6.0
+    replies = await client.until_ack(client.batch(block(rows, ["r"] * 4, [0, 1, 2, 3])))
+    assert kinds(replies) == ["error", "abort", "ack"]
+    assert replies[0].error.message.startswith(
+        "blocks[0] (p@1).rows: 2 row(s) with NaN or Inf at token_positions [1, 2]")
+    # Patience 2 counts rows scored: rows 0 and 3 are consecutive once 1 and 2 are dropped.
+    assert replies[1].abort.token_position == 3
+
+    # Unknown probe, incompatible probe, duplicate request_start: errors, no crash.
+    client.start("r", "tox")
+    client.start("s", "nope", "tox")
+    replies = await client.sync()
+    assert [(e.request_id, e.probe, e.code) for e in errors(replies)] == [
+        ("r", "", "ALREADY_EXISTS"), ("s", "nope", "NOT_FOUND")]
+    assert "probe 'nope' is not loaded" in errors(replies)[1].message
+    assert router.live_requests() == 2
+    await client.close()
+
+
+async def test_one_bad_block_does_not_stop_the_good_blocks_of_its_batch(make_router, probes_dir):
+    router = await make_router(probes_dir)
+    client = SessionClient(router)
+    await client.open()
+    client.start("r", "tox", prompt_length=0)
+    hot = np.full((2, HIDDEN), 8.0)
+    batch = to_batch([block(hot, ["r"] * 2, [0, 1], dtype="bfloat16"),
+                      block(hot, ["r"] * 2, [0, 1], layer=3)])
+    batch.blocks[1].rows.dtype = "float8"
+    replies = await client.until_ack(client.raw_batch(batch))
+    assert kinds(replies) == ["error", "abort", "ack"]
+    assert replies[0].error.message.startswith("blocks[1] (p@3).rows: tensor.dtype 'float8'")
+    assert replies[1].abort.token_position == 1
+    await client.close()
+
+
+async def test_incompatible_probes_are_left_out_of_the_catalog_and_reported(make_router, tmp_path):
+    linear_probe(tmp_path, "fits", E0)
+    linear_probe(tmp_path, "wide", np.ones(32), hidden_size=32)
+    linear_probe(tmp_path, "deep", E0, layers=[7])
+    linear_probe(tmp_path, "attn", E0, tensor_type="attn_out")
+    router = await make_router(tmp_path)
+    client = SessionClient(router)
+    hello = await client.open(model_info(layers=4))
+    assert [p.name for p in hello.probes] == ["fits"]
+    reported = [await client.recv() for _ in range(3)]
+    assert {(m.error.request_id, m.error.probe, m.error.code) for m in reported} == {
+        ("", "attn", "FAILED_PRECONDITION"), ("", "deep", "FAILED_PRECONDITION"),
+        ("", "wide", "FAILED_PRECONDITION")}
+    messages = {m.error.probe: m.error.message for m in reported}
+    assert messages["wide"] == "probe 'wide': hidden_size 32 does not match the model's hidden_size 16"
+    assert "layers [7] are out of range" in messages["deep"]
+    assert "tensor_type 'attn_out' is not offered" in messages["attn"]
+    client.start("r", "deep")
+    replies = await client.sync()
+    assert [(e.code, e.probe) for e in errors(replies)] == [("FAILED_PRECONDITION", "deep")]
+    await client.close()
+
+
+async def test_heartbeats_are_echoed_and_sent_on_an_interval(make_router, probes_dir):
+    router = await make_router(probes_dir, heartbeat_interval=0.1)
+    client = SessionClient(router)
+    await client.open()
+    client.send(heartbeat=pb.Heartbeat(sent_unix_nanos=42))
+    beats = [(await client.until("heartbeat")).heartbeat.sent_unix_nanos for _ in range(3)]
+    assert 42 in beats and any(b > 10**18 for b in beats)
+    await client.close()
+
+
+async def test_first_message_must_be_hello(make_router, probes_dir):
+    router = await make_router(probes_dir)
+    client = SessionClient(router)
+    client.call = client.stub.Session(client._messages())
+    client.start("r", "tox")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client.recv()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "first EngineMessage must be hello, got 'request_start'" in err.value.details()
+    await client.close()
+
+
+async def test_drain_refuses_new_requests_and_stops_after_active_ones_end(make_router, probes_dir):
+    router = await make_router(probes_dir, grace_period=10.0)
+    client = SessionClient(router)
+    await client.open()
+    client.start("running", "tox", prompt_length=0)
+    await client.sync()
+    shutdown = asyncio.create_task(router.shutdown())
+    drain = await client.until("drain")
+    assert "shutting down" in drain.drain.reason
+    client.start("late", "tox")
+    replies = await client.sync()
+    assert [(e.request_id, e.code) for e in errors(replies)] == [("late", "UNAVAILABLE")]
+    # The running request is still scored while draining.
+    hot = np.full((2, HIDDEN), 6.0)
+    replies = await client.until_ack(client.batch(block(hot, ["running"] * 2, [0, 1])))
+    assert kinds(replies) == ["abort", "ack"]
+    assert not shutdown.done()
+    client.end("running")
+    await asyncio.wait_for(shutdown, 5.0)
+    await client.close()
