@@ -66,7 +66,6 @@ def build_parser():
         action="store_true",
         help="start even if this vLLM version is not one the capture code supports",
     )
-    ours.add_argument("--log-level", default="INFO")
     AsyncEngineArgs.add_cli_args(parser)
     return parser
 
@@ -81,7 +80,7 @@ def check_model_path(model: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    setup_logging(args.log_level)
+    setup_logging(getattr(args, "log_level", None) or "info")  # vLLM's --log-level serves both
     check_model_path(args.model)
     from engine_service.app import run
 

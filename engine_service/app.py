@@ -34,8 +34,6 @@ def create_llm(args):
 
 
 async def run(args) -> int:
-    from engine_service.capture import CaptureController
-
     runtime_holder: dict = {}
     servicer = _LateBoundServicer(runtime_holder)
     try:
@@ -47,6 +45,8 @@ async def run(args) -> int:
     except PortInUse as err:
         fail("engine_service", f"--port: {err}")
     print(f"engine_service: listening on {args.host}:{server.port}; starting vLLM ...", flush=True)
+    from engine_service.capture import CaptureController
+
     try:
         llm = create_llm(args)
     except Exception as err:  # vLLM's own start-up errors, shown as one line

@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(demo(f"127.0.0.1:{engine_port}", args.prompt, args.max_tokens, probe_name))
         if not args.exit_after_demo:
             print("Both services keep running; Ctrl-C stops them.", flush=True)
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
             signal.sigwait({signal.SIGINT, signal.SIGTERM})
     except KeyboardInterrupt:
         pass

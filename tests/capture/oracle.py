@@ -51,3 +51,34 @@ class TransformersOracle:
 
 def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
     return float(np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-12))
+
+
+def compare_with_oracle(oracle: TransformersOracle, run, requests) -> dict[str, float]:
+    """Checks every captured row against the oracle; returns the worst error per tensor type.
+
+    Each request's reference sequence is its prompt plus every generated token
+    but the last, which is sampled and never fed through the model.
+    """
+    records = run.records()
+    worst: dict[str, float] = {}
+    checked = set()
+    for request in requests:
+        for record_id, tokens in run.tokens.items():
+            if record_id != request.request_id and not record_id.endswith(f"_{request.request_id}"):
+                continue
+            sequence = request.prompt_token_ids + tokens[:-1]
+            reference = oracle.activations(sequence)
+            for key, row in records.items():
+                rid, point, layer, position = key
+                if rid != record_id:
+                    continue
+                tensor_type = next(p.tensor_type for p in request.points if p.name == point)
+                expected = reference[(tensor_type, layer)][position]
+                error = relative_error(row, expected)
+                assert error < RELATIVE_TOLERANCE, (
+                    f"{key}: relative L2 error {error:.2e} >= {RELATIVE_TOLERANCE:.0e}"
+                )
+                worst[tensor_type] = max(worst.get(tensor_type, 0.0), error)
+                checked.add(key)
+    assert checked == set(records), f"records of unknown requests: {set(records) - checked}"
+    return worst

@@ -1,0 +1,40 @@
+"""Real vLLM engines with capture, shared across the capture tests: start-up
+costs about 35 s per engine on CPU, so each configuration starts once."""
+
+import pytest
+
+from tests.capture.engines import capture_engine
+from tests.capture.oracle import TransformersOracle
+
+# Small blocks so prompts of a few dozen tokens fill whole blocks (prefix-cache
+# hits), and a small token budget per step so longer prompts are chunked.
+SMALL_STEPS = dict(block_size=16, max_num_batched_tokens=32)
+
+
+@pytest.fixture(scope="session")
+async def llama_engine(tiny_llama_path):
+    async with capture_engine(tiny_llama_path, **SMALL_STEPS) as engine_and_controller:
+        yield engine_and_controller
+
+
+@pytest.fixture(scope="session")
+async def qwen3_engine(tiny_qwen3_path):
+    async with capture_engine(tiny_qwen3_path, **SMALL_STEPS) as engine_and_controller:
+        yield engine_and_controller
+
+
+@pytest.fixture(scope="session")
+def llama_oracle(tiny_llama_path):
+    return TransformersOracle(tiny_llama_path)
+
+
+@pytest.fixture(scope="session")
+def qwen3_oracle(tiny_qwen3_path):
+    return TransformersOracle(tiny_qwen3_path)
+
+
+@pytest.fixture(params=["llama", "qwen3"])
+def engine_and_oracle(request):
+    """(engine, controller, oracle) for each verified architecture."""
+    engine, controller = request.getfixturevalue(f"{request.param}_engine")
+    return engine, controller, request.getfixturevalue(f"{request.param}_oracle")

@@ -1,0 +1,99 @@
+"""Driver-side merge: union, TP dedup, exactly once across drains, forward order."""
+
+import numpy as np
+import pytest
+
+from common.activations import Block, forward_order
+from engine_service.capture.merge import (
+    DeliveredPositions,
+    ShapeMismatch,
+    decode_part,
+    encode_part,
+    merge_blocks,
+)
+from undercurrent.v1 import undercurrent_pb2 as pb
+
+
+def block(point, layer, keys, hidden=2, offset=0.0):
+    """Rows whose values encode (position, layer) so tests can see which copy survived."""
+    request_ids = [k[0] for k in keys]
+    positions = np.array([k[1] for k in keys], dtype=np.int64)
+    rows = np.stack([np.full(hidden, p * 10 + layer + offset, dtype=np.float32) for p in positions])
+    return Block(point, pb.RESIDUAL_STREAM, layer, rows, request_ids, positions, positions >= 3)
+
+
+def keys_of(b: Block):
+    return list(zip(b.request_ids, b.token_positions.tolist()))
+
+
+def test_wire_part_round_trip_and_bfloat16_widens_exactly():
+    rows = np.array([[1.5, -2.0], [0.25, 3.0]], dtype=np.float32)
+    part = encode_part("p", "mlp_out", 2, rows, "float32", ["a", "b"], np.array([4, 0]), np.array([True, False]))
+    got = decode_part(part)
+    assert (got.point, got.tensor_type, got.layer) == ("p", pb.MLP_OUT, 2)
+    assert got.request_ids == ["a", "b"] and got.token_positions.tolist() == [4, 0]
+    assert got.is_generated.tolist() == [True, False]
+    np.testing.assert_array_equal(got.rows, rows)
+    bits = (rows.view(np.uint32) >> 16).astype(np.uint16)
+    got16 = decode_part(encode_part("p", "mlp_out", 2, bits, "bfloat16", ["a", "b"], np.array([4, 0]), np.array([1, 0])))
+    assert got16.wire_dtype == "bfloat16"
+    np.testing.assert_array_equal(got16.rows, rows)  # these values are exact in bfloat16
+
+
+def test_tp_duplicates_are_dropped_and_rows_sorted_by_request_then_position():
+    rank0 = block("p", 1, [("b", 1), ("a", 4), ("a", 3)])
+    rank1 = block("p", 1, [("a", 3), ("b", 1), ("a", 4)], offset=0.5)  # same keys, another rank
+    (merged,) = merge_blocks([rank0, rank1])
+    assert keys_of(merged) == [("a", 3), ("a", 4), ("b", 1)]
+    assert merged.rows[:, 0].tolist() == [31.0, 41.0, 11.0]  # first copy kept
+    assert merged.is_generated.tolist() == [True, True, False]
+
+
+def test_disjoint_layers_arriving_interleaved_come_out_in_forward_order():
+    """A point on layers 0..3, split over two pipeline stages, drained while the
+    stages had processed different steps: stage 1 ships layers 2 and 3 for
+    positions 0..1 after stage 0 already shipped layers 0 and 1 for 0..2."""
+    arrivals = [
+        block("p", 1, [("r", 2), ("r", 0), ("r", 1)]),  # stage 0, layer 1
+        block("p", 3, [("r", 1), ("r", 0)]),  # stage 1, layer 3
+        block("p", 0, [("r", 1), ("r", 2), ("r", 0)]),  # stage 0, layer 0
+        block("p", 2, [("r", 0), ("r", 1)]),  # stage 1, layer 2
+        block("q", 0, [("r", 0)]),
+    ]
+    merged = merge_blocks(arrivals)
+    assert [(b.point, b.layer) for b in merged] == [("p", 0), ("p", 1), ("p", 2), ("p", 3), ("q", 0)]
+    order = [(r.token_position, r.layer) for r in forward_order(merged) if r.point == "p"]
+    assert order == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3), (2, 0), (2, 1)]
+    assert all(r.vector[0] == r.token_position * 10 + r.layer for r in forward_order(merged))
+
+
+def test_preemption_recompute_is_delivered_once_across_drains():
+    delivered = DeliveredPositions()
+    first = delivered.filter(merge_blocks([block("p", 0, [("a", 0), ("a", 1), ("a", 2), ("b", 0)])]))
+    assert keys_of(first[0]) == [("a", 0), ("a", 1), ("a", 2), ("b", 0)]
+    # "a" was preempted and recomputes 0..3; "b" continues.
+    second = delivered.filter(
+        merge_blocks([block("p", 0, [("a", 0), ("a", 1), ("a", 2), ("a", 3), ("b", 1)], offset=0.5)])
+    )
+    assert keys_of(second[0]) == [("a", 3), ("b", 1)]
+    assert delivered.dropped == 3
+    assert delivered.filter(merge_blocks([block("p", 0, [("a", 1)])])) == []
+
+
+def test_recompute_within_one_drain_is_deduplicated_by_key():
+    (merged,) = merge_blocks([block("p", 0, [("a", 0), ("a", 1)]), block("p", 0, [("a", 0), ("a", 1), ("a", 2)], offset=0.5)])
+    assert keys_of(merged) == [("a", 0), ("a", 1), ("a", 2)]
+    assert merged.rows[:, 0].tolist() == [0.0, 10.0, 20.5]
+
+
+def test_forget_frees_a_request_and_its_children():
+    delivered = DeliveredPositions()
+    delivered.filter(merge_blocks([block("p", 0, [("a", 5), ("0_a", 5), ("b", 5)])]))
+    delivered.forget({"a"})
+    again = delivered.filter(merge_blocks([block("p", 0, [("a", 5), ("0_a", 5), ("b", 5)])]))
+    assert keys_of(again[0]) == [("0_a", 5), ("a", 5)]
+
+
+def test_rows_of_different_widths_raise_instead_of_merging():
+    with pytest.raises(ShapeMismatch, match=r"point 'p' layer 0: workers shipped rows of shapes \[\[2\], \[3\]\]"):
+        merge_blocks([block("p", 0, [("a", 0)]), block("p", 0, [("a", 1)], hidden=3)])

@@ -1,0 +1,84 @@
+"""Per-step row mapping from vLLM's flat batch to capture keys (no vLLM needed)."""
+
+import numpy as np
+
+from common.capture_spec import ExtractionPoint, Scope, TokenSelector
+from engine_service.capture.row_mapping import (
+    PromptGap,
+    Registration,
+    RowMapper,
+    record_request_id,
+)
+
+
+def point(name, tensor_type="residual_stream", layers=(0,), selector=TokenSelector()):
+    return ExtractionPoint(name, tensor_type, layers, selector)
+
+
+def test_request_ids_map_back_through_vllm_suffixes():
+    registered = {"req-1", "7"}
+    assert record_request_id("req-1-0123abcd", registered) == "req-1"
+    assert record_request_id("req-1-0123abcd89ef0123", registered) == "req-1"
+    assert record_request_id("7-deadbeef", registered) == "7"
+    # Children of an n>1 request keep vLLM's "<index>_<id>" so their rows stay apart.
+    assert record_request_id("1_req-1-0123abcd", registered) == "1_req-1"
+    # Randomisation disabled: the id arrives unchanged.
+    assert record_request_id("req-1", registered) == "req-1"
+    assert record_request_id("other-0123abcd", registered) is None
+
+
+def test_plan_selects_rows_per_request_with_chunked_prefill_and_padding():
+    mapper = RowMapper(range(0, 2), num_layers=4, has_final_norm=False)
+    mapper.register(Registration("a", (point("last", selector=TokenSelector(Scope.PROMPT, (-1,))),), 6))
+    mapper.register(Registration("b", (point("gen", layers=(1, 3), selector=TokenSelector(Scope.GENERATED)),), 2))
+    # Slot 0: an unregistered request decoding; slot 1: "a" prefilling its chunk
+    # [3, 6); slot 2: "b" decoding generated token 0 (position 2). Rows 6..7 are padding.
+    req_ids = ["x-00000000", "a-11111111", "b-22222222"]
+    query_start_loc = np.array([0, 1, 4, 5])
+    positions = np.array([9, 3, 4, 5, 2, 0, 0, 0])
+    plan = mapper.plan(req_ids, query_start_loc, positions)
+
+    assert sorted(plan) == [("residual_stream", 0), ("residual_stream", 1)]
+    (a,) = plan[("residual_stream", 0)]
+    assert (a.request_id, a.point, a.row_indices.tolist(), a.positions.tolist()) == ("a", "last", [3], [5])
+    assert a.is_generated.tolist() == [False]
+    (b,) = plan[("residual_stream", 1)]  # layer 3 belongs to another stage
+    assert (b.request_id, b.point, b.row_indices.tolist(), b.positions.tolist()) == ("b", "gen", [4], [2])
+    assert b.is_generated.tolist() == [True]
+
+
+def test_final_norm_only_on_the_last_stage():
+    norm = ExtractionPoint("n", "final_norm")
+    args = (["a-00000000"], np.array([0, 2]), np.array([0, 1]))
+    first = RowMapper(range(0, 2), num_layers=4, has_final_norm=False)
+    last = RowMapper(range(2, 4), num_layers=4, has_final_norm=True)
+    for mapper in (first, last):
+        mapper.register(Registration("a", (norm,), 2))
+    assert dict(first.plan(*args)) == {}
+    assert [s.positions.tolist() for s in last.plan(*args)[("final_norm", 4)]] == [[0, 1]]
+
+
+def test_nothing_registered_costs_no_work():
+    mapper = RowMapper(range(4), num_layers=4, has_final_norm=True)
+    assert dict(mapper.plan(["a-00000000"], np.array([0, 3]), np.arange(3))) == {}
+
+
+def test_unregister_stops_capture_and_n_children_resolve_to_the_parent():
+    mapper = RowMapper(range(4), num_layers=4, has_final_norm=True)
+    mapper.register(Registration("p", (point("all"),), 2))
+    plan = mapper.plan(["0_p-00000000", "1_p-00000000"], np.array([0, 1, 2]), np.array([2, 2]))
+    assert [s.request_id for s in plan[("residual_stream", 0)]] == ["0_p", "1_p"]
+    mapper.unregister("p")
+    assert dict(mapper.plan(["0_p-00000000"], np.array([0, 1]), np.array([3]))) == {}
+
+
+def test_prefix_cache_gap_is_reported_for_selected_positions_only():
+    mapper = RowMapper(range(4), num_layers=4, has_final_norm=True)
+    mapper.register(Registration("a", (point("prompt", selector=TokenSelector(Scope.PROMPT)),), 8))
+    mapper.register(Registration("g", (point("gen", selector=TokenSelector(Scope.GENERATED)),), 8))
+    # Both start at position 4: positions 0..3 came from the prefix cache.
+    mapper.plan(["a-00000000", "g-00000000"], np.array([0, 4, 8]), np.array([4, 5, 6, 7] * 2))
+    assert mapper.take_gaps() == [PromptGap("a", "prompt", 0, 4)]
+    # A preemption restarting at 0 is not a gap.
+    mapper.plan(["a-00000000"], np.array([0, 8]), np.arange(8))
+    assert mapper.take_gaps() == []

@@ -1,0 +1,69 @@
+import numpy as np
+import pytest
+
+from common import activations, tensor_codec
+from undercurrent.v1 import undercurrent_pb2 as pb
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
+def test_round_trip_is_exact(dtype):
+    values = np.random.default_rng(0).normal(size=(5, 7)).astype(dtype)
+    message = tensor_codec.encode(values)
+    assert message.dtype == dtype and list(message.shape) == [5, 7]
+    assert len(message.data) == values.nbytes
+    np.testing.assert_array_equal(tensor_codec.decode(message, as_float32=False), values)
+
+
+def test_bfloat16_matches_torch_rounding():
+    torch = pytest.importorskip("torch")
+    values = np.random.default_rng(1).normal(size=(4, 33)).astype(np.float32)
+    message = tensor_codec.encode(values, "bfloat16")
+    assert len(message.data) == values.size * 2
+    expected = torch.from_numpy(values).to(torch.bfloat16).to(torch.float32).numpy()
+    np.testing.assert_array_equal(tensor_codec.decode(message), expected)
+
+
+def test_byte_length_mismatch_names_the_field():
+    message = pb.Tensor(dtype="float32", shape=[2, 4], data=b"\0" * 12)
+    with pytest.raises(tensor_codec.TensorDecodeError, match="tensor.data has 12 bytes but shape"):
+        tensor_codec.decode(message)
+
+
+def test_unknown_dtype_is_refused():
+    with pytest.raises(tensor_codec.TensorDecodeError, match="'int8' is not supported"):
+        tensor_codec.decode(pb.Tensor(dtype="int8", shape=[1], data=b"\0"))
+
+
+def test_batch_round_trip_interns_request_ids_and_keeps_order():
+    rng = np.random.default_rng(2)
+    blocks = [
+        activations.Block("p", pb.RESIDUAL_STREAM, layer, rng.normal(size=(3, 8)).astype(np.float32),
+                          ["a", "b", "a"], np.array([4, 4, 5]), np.array([True, False, True]))
+        for layer in (1, 3)
+    ]
+    batch = activations.to_batch(blocks, step=7)
+    assert batch.step == 7 and list(batch.request_ids) == ["a", "b"]
+    assert list(batch.blocks[0].request_index) == [0, 1, 0]
+    decoded = activations.from_batch(batch)
+    for before, after in zip(blocks, decoded):
+        np.testing.assert_array_equal(before.rows, after.rows)
+        assert before.request_ids == after.request_ids and before.layer == after.layer
+
+
+def test_forward_order_interleaves_layers_by_token():
+    """Two pipeline stages deliver layer 1 and layer 3 as separate blocks; a
+    probe must see them in the order the forward pass computed them."""
+    rows = np.zeros((2, 4), np.float32)
+    early = activations.Block("p", pb.RESIDUAL_STREAM, 1, rows, ["r", "r"], np.array([7, 8]), np.array([True, True]))
+    late = activations.Block("p", pb.RESIDUAL_STREAM, 3, rows, ["r", "r"], np.array([7, 8]), np.array([True, True]))
+    order = [(rec.token_position, rec.layer) for rec in activations.forward_order([late, early])]
+    assert order == [(7, 1), (7, 3), (8, 1), (8, 3)]
+
+
+def test_batch_with_bad_request_index_is_refused_with_the_block_named():
+    batch = activations.to_batch(
+        [activations.Block("p", pb.MLP_OUT, 2, np.zeros((1, 4), np.float32), ["a"], np.array([0]), np.array([False]))]
+    )
+    batch.blocks[0].request_index[0] = 5
+    with pytest.raises(activations.BatchDecodeError, match=r"blocks\[0\] \(p@2\).request_index"):
+        activations.from_batch(batch)

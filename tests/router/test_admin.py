@@ -1,0 +1,158 @@
+"""ProbeAdmin live on a router with open sessions, and gRPC health."""
+
+import asyncio
+import json
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from router_service.probe_files import encode_safetensors
+from tests.router.helpers import HIDDEN, SessionClient, block, channel, errors, kinds, linear_probe, manifest
+from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import undercurrent_pb2_grpc
+
+E0 = np.eye(HIDDEN)[0]
+
+
+def admin(router):
+    return undercurrent_pb2_grpc.ProbeAdminStub(channel(router))
+
+
+def inline(name, weight, **fields):
+    spec = manifest(name, "linear", threshold=0.0, action="observe", **fields)
+    return pb.InlineProbe(manifest_json=json.dumps(spec),
+                          weights_safetensors=encode_safetensors({"weight": weight}, "float32"))
+
+
+async def health_status(router):
+    stub = health_pb2_grpc.HealthStub(channel(router))
+    reply = await stub.Check(health_pb2.HealthCheckRequest(service="undercurrent.v1.ProbeRouter"))
+    return reply.status
+
+
+async def test_load_list_unload_live_without_dropping_the_session(make_router, tmp_path):
+    linear_probe(tmp_path / "dir", "first", E0, kind="linear", threshold=0.0, action="observe")
+    router = await make_router(tmp_path / "dir")
+    stub = admin(router)
+    client = SessionClient(router)
+    await client.open()
+
+    # Load by path and inline: each pushes a catalog to the open session.
+    path = linear_probe(tmp_path / "more", "by_path", E0 * 2, kind="linear", threshold=0.0, action="observe")
+    info = await stub.LoadProbe(pb.LoadProbeRequest(path=str(path)))
+    assert (info.name, info.kind, list(info.layers)) == ("by_path", "linear", [1])
+    catalog = (await client.until("catalog")).catalog
+    assert [p.name for p in catalog.probes] == ["by_path", "first"]
+    await stub.LoadProbe(pb.LoadProbeRequest(inline=inline("inline", E0 * 3)))
+    catalog = (await client.until("catalog")).catalog
+    assert [p.name for p in catalog.probes] == ["by_path", "first", "inline"]
+    listed = await stub.ListProbes(pb.ListProbesRequest())
+    assert [p.name for p in listed.probes] == ["by_path", "first", "inline"]
+
+    # The new probes score on the same session.
+    client.start("r", "by_path", "inline", prompt_length=0)
+    replies = await client.until_ack(client.batch(block(np.ones((1, HIDDEN)), ["r"], [0])))
+    assert sorted((m.scores.probe, m.scores.scores[0]) for m in replies if m.scores.probe) == [
+        ("by_path", 2.0), ("inline", 3.0)]
+
+    # Unload of a probe in use waits for its request; new requests may not bind it.
+    reply = await stub.UnloadProbe(pb.UnloadProbeRequest(name="by_path"))
+    assert reply.unloaded is False
+    listed = {p.name: p for p in (await stub.ListProbes(pb.ListProbesRequest())).probes}
+    assert (listed["by_path"].unloading, listed["by_path"].active_requests) == (True, 1)
+    client.start("s", "by_path")
+    replies = await client.sync()
+    assert [(e.request_id, e.code) for e in errors(replies)] == [("s", "FAILED_PRECONDITION")]
+    assert "being unloaded" in errors(replies)[0].message
+    replies = await client.until_ack(client.batch(block(np.ones((1, HIDDEN)), ["r"], [1])))
+    assert "by_path" in [m.scores.probe for m in replies]  # still scoring its running request
+    client.end("r")
+    catalog = (await client.until("catalog")).catalog
+    assert [p.name for p in catalog.probes] == ["first", "inline"]
+    assert [p.name for p in (await stub.ListProbes(pb.ListProbesRequest())).probes] == ["first", "inline"]
+    assert router.live_requests() == 1  # "s" is running, with no bindings
+    await client.close()
+
+
+async def test_forced_unload_detaches_running_requests_with_an_error(make_router, tmp_path):
+    linear_probe(tmp_path, "p", E0, kind="linear", threshold=0.0, action="observe")
+    router = await make_router(tmp_path)
+    stub = admin(router)
+    client = SessionClient(router)
+    await client.open()
+    client.start("r", "p", prompt_length=0)
+    await client.sync()
+    assert (await stub.UnloadProbe(pb.UnloadProbeRequest(name="p", force=True))).unloaded is True
+    replies = await client.until_ack(client.batch(block(np.ones((1, HIDDEN)), ["r"], [0])))
+    assert kinds(replies) == ["error", "ack"]
+    assert (replies[0].error.request_id, replies[0].error.probe, replies[0].error.code) == ("r", "p", "NOT_FOUND")
+    assert "unloaded by force" in replies[0].error.message
+    client.end("r")
+    await client.sync()
+    assert router.live_requests() == 0
+    await client.close()
+
+
+async def test_replace_keeps_running_requests_on_the_old_version(make_router, tmp_path):
+    linear_probe(tmp_path, "p", E0, kind="linear", threshold=0.0, action="observe")
+    router = await make_router(tmp_path)
+    stub = admin(router)
+    client = SessionClient(router)
+    await client.open()
+    client.start("old", "p", prompt_length=0)
+    await client.sync()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.LoadProbe(pb.LoadProbeRequest(inline=inline("p", E0 * 10, version="2")))
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "probe 'p' is already loaded (version '1'); set replace" in err.value.details()
+    info = await stub.LoadProbe(pb.LoadProbeRequest(inline=inline("p", E0 * 10, version="2"), replace=True))
+    assert info.version == "2"
+    client.start("new", "p", prompt_length=0)
+    rows = np.ones((2, HIDDEN))
+    replies = await client.until_ack(client.batch(block(rows, ["old", "new"], [0, 0])))
+    assert {m.scores.request_id: m.scores.scores[0] for m in replies if m.scores.probe} == {
+        "old": 1.0, "new": 10.0}
+    await client.close()
+
+
+async def test_admin_errors_map_to_status_codes(make_router, tmp_path):
+    router = await make_router(tmp_path)
+    stub = admin(router)
+    cases = [
+        (stub.UnloadProbe(pb.UnloadProbeRequest(name="ghost")), grpc.StatusCode.NOT_FOUND,
+         "probe 'ghost' is not loaded"),
+        (stub.LoadProbe(pb.LoadProbeRequest(path=str(tmp_path / "missing"))),
+         grpc.StatusCode.INVALID_ARGUMENT, "missing: no such file or directory"),
+        (stub.LoadProbe(pb.LoadProbeRequest(inline=pb.InlineProbe(manifest_json='{"name": "x"}'))),
+         grpc.StatusCode.INVALID_ARGUMENT, "manifest.version: missing"),
+        (stub.LoadProbe(pb.LoadProbeRequest()), grpc.StatusCode.INVALID_ARGUMENT,
+         "LoadProbeRequest: set path or inline"),
+    ]
+    for call, code, message in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call
+        assert err.value.code() == code and message in err.value.details()
+
+
+async def test_health_follows_loaded_probes_and_drain(make_router, tmp_path):
+    router = await make_router(tmp_path)  # an empty probes dir
+    assert await health_status(router) == health_pb2.HealthCheckResponse.NOT_SERVING
+    stub = admin(router)
+    await stub.LoadProbe(pb.LoadProbeRequest(inline=inline("p", E0)))
+    assert await health_status(router) == health_pb2.HealthCheckResponse.SERVING
+    await stub.UnloadProbe(pb.UnloadProbeRequest(name="p"))
+    assert await health_status(router) == health_pb2.HealthCheckResponse.NOT_SERVING
+    await stub.LoadProbe(pb.LoadProbeRequest(inline=inline("p", E0)))
+    assert await health_status(router) == health_pb2.HealthCheckResponse.SERVING
+    client = SessionClient(router)
+    await client.open()
+    client.start("r", "p")
+    await client.sync()
+    shutdown = asyncio.create_task(router.shutdown(grace_period=5.0))
+    await client.until("drain")
+    assert await health_status(router) == health_pb2.HealthCheckResponse.NOT_SERVING
+    client.end("r")
+    await asyncio.wait_for(shutdown, 5.0)
+    await client.close()

@@ -1,0 +1,82 @@
+"""`python -m router_service` as a real process: health, metrics, SIGTERM, bad input."""
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.router.helpers import HIDDEN, linear_probe, manifest
+from tests.conftest import REPO
+
+
+def run_router(*args, **popen):
+    return subprocess.Popen([sys.executable, "-m", "router_service", *args], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serves_health_and_metrics_then_exits_cleanly_on_sigterm(tmp_path):
+    linear_probe(tmp_path, "p", np.ones(HIDDEN))
+    metrics_port = free_port()
+    proc = run_router("--port", "0", "--host", "127.0.0.1", "--probes", str(tmp_path),
+                      "--metrics-port", str(metrics_port), "--grace-period", "2")
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("router listening on 127.0.0.1:"), (line, proc.stderr.read())
+        port = int(line.rsplit(":", 1)[1])
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as chan:
+            reply = health_pb2_grpc.HealthStub(chan).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+        assert "undercurrent_router_probes 1.0" in text and "undercurrent_router_live_requests 0.0" in text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    logs = [json.loads(line) for line in proc.stderr.read().splitlines()]
+    messages = [entry["msg"] for entry in logs]
+    assert "router started" in messages and "draining" in messages and messages[-1] == "stopped"
+    assert next(e for e in logs if e["msg"] == "probe loaded")["probe"] == "p"
+
+
+def one_line_failure(*args):
+    proc = run_router(*args)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 2, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err.strip()
+
+
+def test_bad_command_lines_fail_with_one_line(tmp_path):
+    assert "unrecognized arguments: --bogus" in one_line_failure(
+        "--port", "0", "--probes", str(tmp_path), "--bogus")
+    assert f"--probes {tmp_path / 'nope'}: not a directory" in one_line_failure(
+        "--port", "0", "--probes", str(tmp_path / "nope"))
+    assert "the following arguments are required: --probes" in one_line_failure("--port", "0")
+
+
+def test_port_in_use_and_a_broken_probe_fail_with_one_line(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        err = one_line_failure("--port", str(port), "--host", "127.0.0.1", "--probes", str(tmp_path))
+    assert f"cannot listen on 127.0.0.1:{port}" in err
+    linear_probe(tmp_path, "bad", np.ones(HIDDEN))
+    (tmp_path / "bad" / "manifest.json").write_text(json.dumps(manifest("bad") | {"layers": "x"}))
+    err = one_line_failure("--port", "0", "--probes", str(tmp_path))
+    assert err == (f"router_service: error: {tmp_path / 'bad'}: manifest.layers: expected list, got str 'x'")
+
+
