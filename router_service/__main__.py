@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -59,7 +60,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Fails before gRPC tries, so a taken port is one clear line, not a C-core log."""
+    if port == 0:
+        return
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as err:
+        raise PortInUse(f"cannot listen on {host}:{port}: {err.strerror}") from None
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as err:
+                raise PortInUse(f"cannot listen on {host}:{port}: {err.strerror}") from None
+
+
 async def serve(args: argparse.Namespace) -> None:
+    check_port_free(args.host, args.port)
     router = Router(
         RouterConfig(
             host=args.host,
