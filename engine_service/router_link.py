@@ -24,7 +24,6 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Union
 
-import grpc
 from grpc import aio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
