@@ -126,11 +126,17 @@ class Probe:
     def name(self) -> str:
         return self.manifest.name
 
+    @property
+    def stateless(self) -> bool:
+        """Scores depend on the row alone, so all requests score in one call."""
+        return all(m.aggregation is None for m in self.members)
+
     def new_state(self) -> list[dict | None]:
         return [m.aggregation.new_state() if m.aggregation else None for m in self.members]
 
-    def score(self, values: np.ndarray, state: list[dict | None]) -> np.ndarray:
-        """Scores of one request's rows (values: [rows, len(forms)], forward order)."""
+    def score(self, values: np.ndarray, state: list[dict | None] | None) -> np.ndarray:
+        """Scores of one request's rows (values: [rows, len(forms)], forward order);
+        a stateless probe takes any rows and state None."""
         per_member = [
             m.aggregation.apply(values[:, j], state[j]) if m.aggregation else values[:, j]
             for j, m in enumerate(self.members)
@@ -285,24 +291,49 @@ class RuleState:
     streak: int = 0  # consecutive rows at or above threshold, up to now
 
 
+def first_firing_segments(
+    scores: np.ndarray,
+    starts: np.ndarray,
+    threshold: float,
+    min_tokens: int,
+    patience: int,
+    seen: np.ndarray,
+    streak: np.ndarray,
+) -> np.ndarray:
+    """The rule over many requests at once: per segment, the index of its first firing row, or -1.
+
+    Segments are back to back (starts ascending), each one request's rows in forward
+    order. Row i fires when scores[i] >= threshold, the last `patience` rows of its
+    request (this one included, across batches) all were, and at least `min_tokens`
+    rows were scored. seen and streak carry each segment's state in, updated in place.
+    """
+    n = scores.shape[0]
+    index = np.arange(n)
+    lengths = np.diff(np.append(starts, n))
+    segment = np.repeat(np.arange(starts.size), lengths)
+    segment_start = starts[segment]
+    above = scores >= threshold
+    # The last row below threshold, where a segment's start counts as one just before it.
+    marks = np.where(above, -1, index)
+    marks[starts] = np.maximum(marks[starts], starts - 1)
+    last_below = np.maximum.accumulate(marks)
+    run = index - last_below
+    run_rows = np.where(last_below < segment_start, run + streak[segment], run)
+    seen_rows = seen[segment] + (index - segment_start + 1)
+    fires = above & (run_rows >= patience) & (seen_rows >= min_tokens)
+    first = np.minimum.reduceat(np.where(fires, index, n), starts)
+    seen += lengths
+    streak[:] = run_rows[starts + lengths - 1]
+    return np.where(first < n, first, -1)
+
+
 def first_firing(
     scores: np.ndarray, threshold: float, min_tokens: int, patience: int, state: RuleState
 ) -> int | None:
-    """Index of the first row where the rule fires, or None; advances state.
-
-    Fires at row i when scores[i] >= threshold, the last `patience` rows (this one
-    included, across batches) all were, and at least `min_tokens` rows were scored.
-    """
-    n = scores.shape[0]
-    if n == 0:
+    """The rule over one request's rows: index of the first firing row, or None."""
+    if scores.shape[0] == 0:
         return None
-    above = scores >= threshold
-    index = np.arange(n)
-    last_below = np.maximum.accumulate(np.where(above, -1, index))
-    streak = np.where(last_below >= 0, index - last_below, index + 1 + state.streak)
-    seen = state.seen + index + 1
-    fires = above & (streak >= patience) & (seen >= min_tokens)
-    state.seen += n
-    state.streak = int(streak[-1])
-    hits = np.flatnonzero(fires)
-    return int(hits[0]) if hits.size else None
+    seen, streak = np.array([state.seen]), np.array([state.streak])
+    hit = first_firing_segments(scores, np.array([0]), threshold, min_tokens, patience, seen, streak)
+    state.seen, state.streak = int(seen[0]), int(streak[0])
+    return None if hit[0] < 0 else int(hit[0])

@@ -20,7 +20,7 @@ import numpy as np
 from common.activations import BatchDecodeError, decode_block
 from common.errors import UndercurrentError
 from router_service.metrics import RouterMetrics
-from router_service.probes import Probe, ProjectionPlan, RuleState, first_firing
+from router_service.probes import Probe, ProjectionPlan, RuleState, first_firing_segments
 from router_service.registry import ProbeRegistry
 from undercurrent.v1 import undercurrent_pb2 as pb
 
@@ -35,6 +35,7 @@ PLAN_CACHE_SIZE = 64
 class Binding:
     probe: Probe
     action: int  # pb.OBSERVE or pb.ABORT
+    order: int  # position in the request's bindings: breaks ties between aborts
     state: list = field(default_factory=list)
     rule: RuleState = field(default_factory=RuleState)
     pending_positions: list[np.ndarray] = field(default_factory=list)
@@ -46,18 +47,37 @@ class Binding:
 class RequestState:
     request_id: str
     prompt_length: int
-    bindings: list[Binding]
+    bindings: dict[int, Binding]  # id(probe) -> binding, in request_start order
     aborted: bool = False
 
 
 @dataclass
-class _Rows:
-    """The rows of one request that one binding reads in one batch, in arrival order."""
+class _Gathered:
+    """Every row one probe reads in one batch, over all requests, in arrival order."""
 
+    probe: Probe
+    slots: list[np.ndarray] = field(default_factory=list)  # index into batch.request_ids
     positions: list[np.ndarray] = field(default_factory=list)
     layers: list[np.ndarray] = field(default_factory=list)
     generated: list[np.ndarray] = field(default_factory=list)
     values: list[np.ndarray] = field(default_factory=list)
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        return tuple(np.concatenate(parts) for parts in
+                     (self.slots, self.positions, self.layers, self.generated, self.values))
+
+
+@dataclass
+class _Candidate:
+    """A row where an abort binding's rule fired; the earliest per request wins."""
+
+    position: int
+    layer: int
+    binding: Binding
+    score: float
+
+    def key(self) -> tuple[int, int, int]:
+        return (self.position, self.layer, self.binding.order)
 
 
 def error(request_id: str, code: str, message: str, probe: str = "") -> pb.RouterMessage:
@@ -83,6 +103,7 @@ class SessionState:
         self.draining = draining
         self.clock = clock
         self.requests: dict[str, RequestState] = {}
+        self._bound: dict[int, list] = {}  # id(probe) -> [probe, bindings in this session]
         self._ended: OrderedDict[str, None] = OrderedDict()
         self._reported_incompatible: set[tuple[str, str]] = set()
         self._plans: OrderedDict[tuple[int, ...], ProjectionPlan] = OrderedDict()
@@ -118,7 +139,9 @@ class SessionState:
         if msg.prompt_length < 0:
             return [self._error(rid, "INVALID_ARGUMENT",
                                 f"request_start.prompt_length {msg.prompt_length} is negative")]
-        out, bindings, names = [], [], set()
+        out: list[pb.RouterMessage] = []
+        bindings: dict[int, Binding] = {}
+        names: set[str] = set()
         for i, wanted in enumerate(msg.probes):
             if wanted.probe in names:
                 out.append(self._error(rid, "INVALID_ARGUMENT",
@@ -138,7 +161,8 @@ class SessionState:
                 continue
             names.add(wanted.probe)
             action = wanted.action if wanted.action != pb.PROBE_ACTION_UNSPECIFIED else probe.manifest.action
-            bindings.append(Binding(probe, action, probe.new_state()))
+            bindings[id(probe)] = Binding(probe, action, len(bindings), probe.new_state())
+            self._bound.setdefault(id(probe), [probe, 0])[1] += 1
         self.requests[rid] = RequestState(rid, msg.prompt_length, bindings)
         self._ended.pop(rid, None)
         self.metrics.live_requests.inc()
@@ -149,7 +173,7 @@ class SessionState:
         if request is None:
             return [self._error(msg.request_id, "NOT_FOUND",
                                 f"request_end: request {msg.request_id!r} is not running on this session")]
-        out = [m for b in request.bindings if (m := self._flush_scores(request, b, force=True))]
+        out = [m for b in request.bindings.values() if (m := self._flush_scores(request, b, force=True))]
         self._free(request)
         self._ended[msg.request_id] = None
         while len(self._ended) > ENDED_REQUESTS_REMEMBERED:
@@ -165,10 +189,17 @@ class SessionState:
         return count
 
     def _free(self, request: RequestState) -> None:
-        for binding in request.bindings:
-            self.registry.release(binding.probe)
-        request.bindings.clear()
+        for binding in list(request.bindings.values()):
+            self._unbind(request, binding)
         self.metrics.live_requests.dec()
+
+    def _unbind(self, request: RequestState, binding: Binding) -> None:
+        del request.bindings[id(binding.probe)]
+        self.registry.release(binding.probe)
+        entry = self._bound[id(binding.probe)]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._bound[id(binding.probe)]
 
     # -- batches ------------------------------------------------------------
 
@@ -176,118 +207,131 @@ class SessionState:
         started = time.perf_counter()
         out: list[pb.RouterMessage] = []
         reported: set[tuple[str, str]] = set()  # (request, problem): one error per batch each
-        gathered: dict[tuple[str, int], _Rows] = {}
+        requests = [self.requests.get(rid) for rid in batch.request_ids]
+        binds: dict[int, np.ndarray] = {}  # id(probe) -> which slots bind it
+        gathered: dict[int, _Gathered] = {}
         for i in range(len(batch.blocks)):
-            out += self._gather_block(batch, i, gathered, reported)
-        out += self._score(gathered)
+            out += self._gather_block(batch, i, requests, binds, gathered, reported)
+        candidates: dict[int, list[_Candidate]] = {}
+        for part in gathered.values():
+            out += self._score_probe(part, requests, candidates)
+        for slot, found in candidates.items():
+            request = requests[slot]
+            if not request.aborted:
+                request.aborted = True
+                best = min(found, key=_Candidate.key)
+                out.append(self._abort(request, best.binding, best.score, best.position, best.layer))
         out.append(pb.RouterMessage(ack=pb.StepAck(step=batch.step)))
         self.metrics.batches.inc()
         self.metrics.batch_seconds.observe(time.perf_counter() - started)
         return out
 
     def _gather_block(
-        self, batch: pb.ActivationBatch, i: int, gathered: dict[tuple[str, int], _Rows],
+        self,
+        batch: pb.ActivationBatch,
+        i: int,
+        requests: list[RequestState | None],
+        binds: dict[int, np.ndarray],
+        gathered: dict[int, _Gathered],
         reported: set[tuple[str, str]],
     ) -> list[pb.RouterMessage]:
+        """Checks block i and files its usable rows under each probe that reads them."""
         msg = batch.blocks[i]
         where = f"blocks[{i}] ({msg.point}@{msg.layer})"
         self.metrics.bytes.inc(len(msg.rows.data))
-        request_ids = [
-            batch.request_ids[j] if j < len(batch.request_ids) else "" for j in set(msg.request_index)
-        ]
+        slots = np.asarray(msg.request_index, dtype=np.int64)
         try:
             block = decode_block(batch, i)
         except BatchDecodeError as err:
-            return self._block_error(request_ids, "INVALID_ARGUMENT", str(err), reported)
+            named = [batch.request_ids[j] for j in np.unique(slots) if j < len(batch.request_ids)]
+            return self._block_error(named, "INVALID_ARGUMENT", str(err), reported)
         self.metrics.rows.inc(block.num_rows)
         if block.num_rows == 0:
             return []
         if block.rows.shape[1] != self.model.hidden_size:
             return self._block_error(
-                request_ids, "INVALID_ARGUMENT",
+                sorted(set(block.request_ids)), "INVALID_ARGUMENT",
                 f"{where}.rows.shape: hidden size {block.rows.shape[1]} does not match the "
                 f"model's hidden_size {self.model.hidden_size}", reported,
             )
         out = []
-        request_index = np.asarray(msg.request_index, dtype=np.int64)
+        known = np.array([r is not None for r in requests])[slots]
+        for j in np.unique(slots[~known]):
+            out += self._unknown_request(batch.request_ids[j], where, reported)
         finite = np.isfinite(block.rows).all(axis=1)
-        order = np.argsort(request_index, kind="stable")
-        indexes, starts = np.unique(request_index[order], return_index=True)
-        readers: dict[int, Probe] = {}
-        segments = []
-        for j, start, stop in zip(indexes, starts, [*starts[1:], len(order)]):
+        for j in np.unique(slots[known & ~finite]):
             rid = batch.request_ids[j]
-            request = self.requests.get(rid)
-            if request is None:
-                out += self._unknown_request(rid, where, reported)
+            if (rid, "nonfinite") not in reported:
+                reported.add((rid, "nonfinite"))
+                bad = block.token_positions[(slots == j) & ~finite]
+                out.append(self._error(
+                    rid, "INVALID_ARGUMENT",
+                    f"{where}.rows: {bad.size} row(s) with NaN or Inf at token_positions "
+                    f"{bad.tolist()[:8]}; those rows were not scored"))
+        usable = known & finite
+        readers = []
+        for probe, _ in self._bound.values():
+            if not probe.manifest.reads(block.tensor_type, block.layer):
                 continue
-            rows = order[start:stop]
-            bad = rows[~finite[rows]]
-            if bad.size:
-                if (rid, "nonfinite") not in reported:
-                    reported.add((rid, "nonfinite"))
-                    out.append(self._error(
-                        rid, "INVALID_ARGUMENT",
-                        f"{where}.rows: {bad.size} row(s) with NaN or Inf at token_positions "
-                        f"{block.token_positions[bad].tolist()[:8]}; those rows were not scored"))
-                rows = rows[finite[rows]]
-            bindings = [b for b in request.bindings if b.probe.manifest.reads(block.tensor_type, block.layer)]
-            if rows.size and bindings:
-                segments.append((rid, rows, bindings))
-                for b in bindings:
-                    readers[id(b.probe)] = b.probe
-        if not segments:
+            if id(probe) not in binds:
+                binds[id(probe)] = np.array([r is not None and id(probe) in r.bindings for r in requests])
+            rows = usable & binds[id(probe)][slots]
+            if rows.any():
+                readers.append((probe, rows))
+        if not readers:
             return out
-        plan = self._plan(tuple(readers.values()))
+        plan = self._plan(tuple(probe for probe, _ in readers))
         values = plan.apply(block.rows)
-        layer = np.int64(block.layer)
-        for rid, rows, bindings in segments:
-            for b in bindings:
-                part = gathered.setdefault((rid, id(b.probe)), _Rows())
-                part.positions.append(block.token_positions[rows])
-                part.layers.append(np.full(rows.size, layer))
-                part.generated.append(block.is_generated[rows])
-                part.values.append(values[rows, plan.columns[id(b.probe)]])
+        layers = np.full(block.num_rows, block.layer, dtype=np.int64)
+        for probe, rows in readers:
+            part = gathered.setdefault(id(probe), _Gathered(probe))
+            part.slots.append(slots[rows])
+            part.positions.append(block.token_positions[rows])
+            part.layers.append(layers[rows])
+            part.generated.append(block.is_generated[rows])
+            part.values.append(values[rows, plan.columns[id(probe)]])
         return out
 
-    def _score(self, gathered: dict[tuple[str, int], _Rows]) -> list[pb.RouterMessage]:
-        out: list[pb.RouterMessage] = []
-        by_request: dict[str, list[tuple[Binding, _Rows]]] = {}
-        for (rid, probe_id), part in gathered.items():
-            binding = next(b for b in self.requests[rid].bindings if id(b.probe) == probe_id)
-            by_request.setdefault(rid, []).append((binding, part))
-        for rid, parts in by_request.items():
-            request = self.requests[rid]
-            candidates = []  # (position, layer, binding order, binding, score)
-            for binding, part in parts:
-                positions = np.concatenate(part.positions)
-                layers = np.concatenate(part.layers)
-                generated = np.concatenate(part.generated)
-                values = np.concatenate(part.values)
-                forward = np.lexsort((layers, positions))
-                positions, layers, generated, values = (
-                    positions[forward], layers[forward], generated[forward], values[forward])
-                selected = selects(binding.probe.manifest.tokens, positions, generated, request.prompt_length)
-                if not selected.any():
-                    continue
-                positions, layers = positions[selected], layers[selected]
-                scores = binding.probe.score(values[selected], binding.state)
-                self.metrics.probe_rows.labels(binding.probe.name).inc(scores.size)
-                if binding.action == pb.ABORT:
-                    m = binding.probe.manifest
-                    hit = first_firing(scores, m.threshold, m.min_tokens, m.patience, binding.rule)
-                    if hit is not None and not request.aborted:
-                        order = request.bindings.index(binding)
-                        candidates.append((positions[hit], layers[hit], order, binding, scores[hit]))
-                else:
-                    binding.pending_positions.append(positions)
-                    binding.pending_scores.append(scores)
-                    if message := self._flush_scores(request, binding, force=False):
-                        out.append(message)
-            if candidates:
-                position, layer, _, binding, score = min(candidates, key=lambda c: c[:3])
-                request.aborted = True
-                out.append(self._abort(request, binding, float(score), int(position), int(layer)))
+    def _score_probe(
+        self, part: _Gathered, requests: list[RequestState | None],
+        candidates: dict[int, list[_Candidate]],
+    ) -> list[pb.RouterMessage]:
+        """Scores one probe over all its requests' rows; files abort candidates; returns scores."""
+        probe, m = part.probe, part.probe.manifest
+        slots, positions, layers, generated, values = part.arrays()
+        forward = np.lexsort((layers, positions, slots))  # per request: (token_position, layer)
+        prompt_lengths = np.array([r.prompt_length if r else 0 for r in requests])
+        selected = forward[selects(m.tokens, positions[forward], generated[forward],
+                                   prompt_lengths[slots[forward]])]
+        if selected.size == 0:
+            return []
+        slots, positions, layers, values = slots[selected], positions[selected], layers[selected], values[selected]
+        starts = np.flatnonzero(np.r_[True, slots[1:] != slots[:-1]])
+        ends = np.r_[starts[1:], slots.size]
+        bindings = [requests[s].bindings[id(probe)] for s in slots[starts]]
+        if probe.stateless:
+            scores = probe.score(values, None)
+        else:
+            scores = np.concatenate([probe.score(values[a:b], binding.state)
+                                     for a, b, binding in zip(starts, ends, bindings)])
+        self.metrics.probe_rows.labels(probe.name).inc(scores.size)
+        seen = np.array([b.rule.seen for b in bindings], dtype=np.int64)
+        streak = np.array([b.rule.streak for b in bindings], dtype=np.int64)
+        hits = first_firing_segments(scores, starts, m.threshold, m.min_tokens, m.patience, seen, streak)
+        out = []
+        for k, binding in enumerate(bindings):
+            binding.rule.seen, binding.rule.streak = int(seen[k]), int(streak[k])
+            slot = int(slots[starts[k]])
+            if binding.action == pb.ABORT:
+                hit = hits[k]
+                if hit >= 0:
+                    candidates.setdefault(slot, []).append(
+                        _Candidate(int(positions[hit]), int(layers[hit]), binding, float(scores[hit])))
+            else:
+                binding.pending_positions.append(positions[starts[k]:ends[k]])
+                binding.pending_scores.append(scores[starts[k]:ends[k]])
+                if message := self._flush_scores(requests[slot], binding, force=False):
+                    out.append(message)
         return out
 
     def _abort(self, request: RequestState, binding: Binding, score: float, position: int,
@@ -329,9 +373,8 @@ class SessionState:
         Call it before `batch`, on the thread that owns the registry."""
         out = []
         for request in self.requests.values():
-            for binding in [b for b in request.bindings if b.probe.retired]:
-                request.bindings.remove(binding)
-                self.registry.release(binding.probe)
+            for binding in [b for b in request.bindings.values() if b.probe.retired]:
+                self._unbind(request, binding)
                 out.append(self._error(
                     request.request_id, "NOT_FOUND",
                     f"probe {binding.probe.name!r} was unloaded by force; it no longer scores this request",
@@ -377,22 +420,25 @@ class SessionState:
         return error(request_id, code, message, probe)
 
 
-def selects(scope, positions: np.ndarray, generated: np.ndarray, prompt_length: int) -> np.ndarray:
-    """Mask of the rows a probe's token scope reads (the proto's TokenSelector rules)."""
+def selects(scope, positions: np.ndarray, generated: np.ndarray, prompt_lengths: np.ndarray) -> np.ndarray:
+    """Mask of the rows a probe's token scope reads (the proto's TokenSelector rules).
+
+    prompt_lengths: per row, its request's prompt length (a scalar works too)."""
     if scope.scope == pb.TokenSelector.PROMPT:
         in_scope, index = ~generated, positions
     elif scope.scope == pb.TokenSelector.GENERATED:
-        in_scope, index = generated, positions - prompt_length
+        in_scope, index = generated, positions - prompt_lengths
     else:
         in_scope, index = np.ones_like(generated), positions
     if not scope.indexes and not scope.ranges:
         return in_scope
 
-    def resolve(i: int) -> int:
-        return i + prompt_length if i < 0 else i
+    def resolve(i: int):
+        return i + prompt_lengths if i < 0 else i
 
-    chosen = np.isin(index, [resolve(i) for i in scope.indexes])
+    chosen = np.zeros_like(in_scope)
+    for i in scope.indexes:
+        chosen |= index == resolve(i)
     for start, stop in scope.ranges:
-        upper = np.inf if stop is None else resolve(stop)
-        chosen |= (index >= resolve(start)) & (index < upper)
+        chosen |= (index >= resolve(start)) & (index < (np.inf if stop is None else resolve(stop)))
     return in_scope & chosen

@@ -8,7 +8,9 @@ import pytest
 from sklearn.linear_model import LogisticRegression
 
 from router_service.manifest import TokenScope, manifest_from_dict
-from router_service.probes import ProjectionPlan, RuleState, build_probe, first_firing
+from router_service.probes import (
+    ProjectionPlan, RuleState, build_probe, first_firing, first_firing_segments,
+)
 from router_service.session import selects
 from tests.router.helpers import manifest
 from undercurrent.v1 import undercurrent_pb2 as pb
@@ -213,3 +215,25 @@ def test_token_scopes_select_the_right_rows():
     ]
     for scope, expected in cases:
         assert positions[selects(scope, positions, generated, 5)].tolist() == expected, scope
+
+
+def test_rule_over_many_requests_at_once_matches_a_loop_per_request():
+    rng = np.random.default_rng(99)
+    lengths = rng.integers(1, 9, size=40)
+    starts = np.r_[0, np.cumsum(lengths)[:-1]]
+    scores = rng.uniform(size=lengths.sum())
+    carried_seen, carried_streak = rng.integers(0, 5, size=40), rng.integers(0, 3, size=40)
+    seen, streak = carried_seen.copy(), carried_streak.copy()
+    hits = first_firing_segments(scores, starts, 0.5, 4, 3, seen, streak)
+    for k, (a, n) in enumerate(zip(starts, lengths)):
+        state = RuleState(int(carried_seen[k]), int(carried_streak[k]))
+        expected = first_firing(scores[a : a + n], 0.5, 4, 3, state)
+        # first_firing is itself the one-segment case, so also check against a plain loop.
+        run, hit = int(carried_streak[k]), None
+        for i, s in enumerate(scores[a : a + n]):
+            run = run + 1 if s >= 0.5 else 0
+            if hit is None and s >= 0.5 and run >= 3 and carried_seen[k] + i + 1 >= 4:
+                hit = i
+        assert expected == hit
+        assert hits[k] == (-1 if hit is None else a + hit)
+        assert (seen[k], streak[k]) == (state.seen, state.streak) == (carried_seen[k] + n, run)
