@@ -21,18 +21,19 @@ import random
 import socket
 import time
 import weakref
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Union
+from typing import Union
 
 from grpc import aio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import undercurrent_pb2_grpc
 
 from common.activations import Block, to_batch
 from common.grpc_server import MAX_MESSAGE_BYTES, channel_options
 from engine_service import routing
 from engine_service.routing import OverflowPolicy, QueuedBatch, SendQueue, StepLedger
-from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -138,13 +139,20 @@ class RequestStats:
 class _Metrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         p = "undercurrent_router_link_"
-        self.batches_sent = Counter(p + "batches_sent", "ActivationBatches written", ["replica"], registry=registry)
-        self.bytes_sent = Counter(p + "bytes_sent", "ActivationBatch bytes written", ["replica"], registry=registry)
+        self.batches_sent = Counter(
+            p + "batches_sent", "ActivationBatches written", ["replica"], registry=registry
+        )
+        self.bytes_sent = Counter(
+            p + "bytes_sent", "ActivationBatch bytes written", ["replica"], registry=registry
+        )
         self.dropped_batches = Counter(
             p + "dropped_batches", "Batches dropped before sending", ["reason"], registry=registry
         )
         self.dropped_records = Counter(
-            p + "dropped_records", "Activation rows dropped before sending", ["reason"], registry=registry
+            p + "dropped_records",
+            "Activation rows dropped before sending",
+            ["reason"],
+            registry=registry,
         )
         self.unprobed_tokens = Counter(
             p + "unprobed_tokens", "Tokens whose rows had no reachable replica", registry=registry
@@ -152,8 +160,12 @@ class _Metrics:
         self.reconnects = Counter(
             p + "reconnects", "Sessions re-established after a loss", ["replica"], registry=registry
         )
-        self.rehomed = Counter(p + "rehomed_requests", "Requests moved to another replica", registry=registry)
-        self.replicas_up = Gauge(p + "replicas_up", "Replicas with a live Session", registry=registry)
+        self.rehomed = Counter(
+            p + "rehomed_requests", "Requests moved to another replica", registry=registry
+        )
+        self.replicas_up = Gauge(
+            p + "replicas_up", "Replicas with a live Session", registry=registry
+        )
         self.ack_latency = Histogram(
             p + "ack_latency_seconds",
             "Batch written to StepAck received",
@@ -163,7 +175,7 @@ class _Metrics:
 
 
 # Several links may share one registry (e.g. the default one): they share its metrics.
-_METRICS: "weakref.WeakKeyDictionary[CollectorRegistry, _Metrics]" = weakref.WeakKeyDictionary()
+_METRICS: weakref.WeakKeyDictionary[CollectorRegistry, _Metrics] = weakref.WeakKeyDictionary()
 
 
 def _metrics_for(registry: CollectorRegistry) -> _Metrics:
@@ -205,7 +217,6 @@ class _Replica:
     up: bool = False
     draining: bool = False
     ever_up: bool = False
-    removed: bool = False
     probes: dict[str, pb.ProbeInfo] = field(default_factory=dict)
     requests: set[str] = field(default_factory=set)
     ledger: StepLedger = field(default_factory=StepLedger)
@@ -247,7 +258,9 @@ class RouterLink:
         self.config = config
         self.registry = registry if registry is not None else CollectorRegistry()
         self._metrics = _metrics_for(self.registry)
-        self._hello = pb.EngineMessage(hello=pb.SessionHello(engine_id=config.engine_id, model=model))
+        self._hello = pb.EngineMessage(
+            hello=pb.SessionHello(engine_id=config.engine_id, model=model)
+        )
         self._on_event = on_event
         self._resolver = resolver
         self._targets = routing.parse_targets(config.targets)
@@ -283,7 +296,10 @@ class RouterLink:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for replica in self._replicas.values():
-            replica.wake.set()  # writers see _closing and finish
+            if replica.up:
+                replica.wake.set()  # its writer flushes, then half-closes
+            elif replica.task:
+                replica.task.cancel()  # connecting or backing off: nothing to flush
         sessions = [r.task for r in self._replicas.values() if r.task]
         if not sessions:
             return
@@ -465,11 +481,12 @@ class RouterLink:
                 ),
             )
             self._replicas[address] = replica
-            replica.task = asyncio.create_task(self._run_replica(replica), name=f"router-session-{address}")
+            replica.task = asyncio.create_task(
+                self._run_replica(replica), name=f"router-session-{address}"
+            )
             log.info("router replica %s added", address)
         for address in sorted(self._replicas.keys() - wanted):
             replica = self._replicas[address]
-            replica.removed = True
             if replica.task:
                 replica.task.cancel()
             self._mark_down(replica, "removed from DNS")
@@ -481,7 +498,13 @@ class RouterLink:
         try:
             addresses = await self._resolver(target.host, target.port)
         except (OSError, socket.gaierror) as err:
-            log.warning("resolving %s:%d failed (%s); keeping %d replicas", target.host, target.port, err, len(self._replicas))
+            log.warning(
+                "resolving %s:%d failed (%s); keeping %d replicas",
+                target.host,
+                target.port,
+                err,
+                len(self._replicas),
+            )
             return
         self._set_members(addresses)
 
@@ -498,7 +521,9 @@ class RouterLink:
             now = time.monotonic()
             for request in list(self._requests.values()):
                 since = request.unavailable_since
-                if since is not None and not request.unavailable_reported and now - since >= self.config.router_timeout_s:
+                if since is None or request.unavailable_reported:
+                    continue
+                if now - since >= self.config.router_timeout_s:
                     request.unavailable_reported = True
                     self._emit(Unavailable(request.request_id, since))
 
@@ -533,7 +558,9 @@ class RouterLink:
             delay = routing.backoff_delay(
                 attempt, self.config.reconnect_base_s, self.config.reconnect_max_s, random.random()
             )
-            log.info("router session %s down (%s); retrying in %.2fs", replica.address, reason, delay)
+            log.info(
+                "router session %s down (%s); retrying in %.2fs", replica.address, reason, delay
+            )
             await asyncio.sleep(delay)
 
     async def _session(self, replica: _Replica) -> None:
@@ -549,14 +576,19 @@ class RouterLink:
             if first is aio.EOF or not first.HasField("hello"):
                 raise _SessionLost("router did not answer hello")
             self._mark_up(replica, first.hello)
+            reader = asyncio.create_task(self._read_loop(replica, call))
             tasks = [
-                asyncio.create_task(self._read_loop(replica, call)),
+                reader,
                 asyncio.create_task(self._write_loop(replica, call)),
                 asyncio.create_task(self._liveness_loop(replica)),
             ]
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                task.result()  # re-raise the failure that ended the session
+            # The session lasts until the router ends the stream or a task fails;
+            # a writer that half-closed (on close()) leaves the reader to finish.
+            pending = set(tasks)
+            while reader in pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    task.result()
         finally:
             for task in tasks:
                 task.cancel()
@@ -573,21 +605,26 @@ class RouterLink:
             self._on_router_message(replica, message)
 
     async def _write_loop(self, replica: _Replica, call) -> None:
+        """Drains the replica's queue into the stream; on close, flushes and half-closes."""
         while True:
             while not replica.queue:
                 if self._closing:
                     await call.done_writing()
-                    await asyncio.Event().wait()  # the reader ends when the router closes
+                    return
                 replica.wake.clear()
                 await replica.wake.wait()
             item = replica.queue.pop()
-            if isinstance(item, QueuedBatch):
-                item.message.batch.step = replica.ledger.record(item.positions, time.monotonic())
-                await call.write(item.message)
-                self._metrics.batches_sent.labels(replica.address).inc()
-                self._metrics.bytes_sent.labels(replica.address).inc(item.nbytes)
-            else:
+            if not isinstance(item, QueuedBatch):
                 await call.write(item)
+                continue
+            item.message.batch.step = replica.ledger.record(item.positions, time.monotonic())
+            try:
+                await call.write(item.message)
+            except aio.AioRpcError:
+                self._count_dropped(item.rows, "replica_down")
+                raise
+            self._metrics.batches_sent.labels(replica.address).inc()
+            self._metrics.bytes_sent.labels(replica.address).inc(item.nbytes)
 
     async def _liveness_loop(self, replica: _Replica) -> None:
         interval = self.config.heartbeat_interval_s
@@ -600,7 +637,8 @@ class RouterLink:
                 raise _SessionLost(f"no message for {now - replica.last_received:.2f}s")
             if now >= next_heartbeat and not self._closing:
                 self._send_control(
-                    replica, pb.EngineMessage(heartbeat=pb.Heartbeat(sent_unix_nanos=time.time_ns()))
+                    replica,
+                    pb.EngineMessage(heartbeat=pb.Heartbeat(sent_unix_nanos=time.time_ns())),
                 )
                 next_heartbeat = now + interval
             await asyncio.sleep(tick)
@@ -639,7 +677,12 @@ class RouterLink:
         replica.ledger = StepLedger()
         replica.last_received = time.monotonic()
         self._metrics.replicas_up.inc()
-        log.info("router replica %s up (%s, %d probes)", replica.address, hello.router_id, len(replica.probes))
+        log.info(
+            "router replica %s up (%s, %d probes)",
+            replica.address,
+            hello.router_id,
+            len(replica.probes),
+        )
         for request in sorted(self._requests.values(), key=lambda r: r.request_id):
             if request.replica is None:
                 self._home(request, reason=f"{replica.address} up")
@@ -682,7 +725,6 @@ class RouterLink:
             request.replica = None
             self._home(request, f"{replica.address} draining: {reason}")
         self._notify_change()
-
 
 
 def _describe(err: BaseException) -> str:

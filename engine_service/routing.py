@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter, deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import Callable, Iterable
+from enum import StrEnum
 
 import numpy as np
 
@@ -42,7 +42,9 @@ def parse_targets(spec: str) -> StaticTargets | DnsTarget:
     """Parses "h1:p1,h2:p2" or "dns:NAME:PORT"; raises ValueError naming the bad part."""
     spec = spec.strip()
     if not spec:
-        raise ValueError("router targets: empty; expected host:port[,host:port...] or dns:NAME:PORT")
+        raise ValueError(
+            "router targets: empty; expected host:port[,host:port...] or dns:NAME:PORT"
+        )
     if spec.startswith("dns:"):
         host, port = split_host_port(spec[len("dns:") :].lstrip("/"))
         return DnsTarget(host, port)
@@ -56,7 +58,7 @@ def parse_targets(spec: str) -> StaticTargets | DnsTarget:
 
 
 def split_host_port(text: str) -> tuple[str, int]:
-    """"host:port" or "[v6addr]:port" -> (host, port)."""
+    """ "host:port" or "[v6addr]:port" -> (host, port)."""
     if text.startswith("["):
         host, sep, rest = text[1:].partition("]")
         if not sep or not rest.startswith(":"):
@@ -181,7 +183,9 @@ def split_by_size(blocks: list[Block], max_bytes: int) -> list[list[Block]]:
                 current, size = [], _BATCH_OVERHEAD
                 continue
             stop = min(block.num_rows, start + room)
-            current.append(block if (start, stop) == (0, block.num_rows) else _slice(block, start, stop))
+            current.append(
+                block if (start, stop) == (0, block.num_rows) else _slice(block, start, stop)
+            )
             size += header + (stop - start) * per_row
             start = stop
     if current:
@@ -217,7 +221,7 @@ def distinct_positions(blocks: list[Block]) -> dict[str, int]:
 # ---------------------------------------------------------------------------
 
 
-class OverflowPolicy(str, Enum):
+class OverflowPolicy(StrEnum):
     """What a full per-replica queue does with one more batch."""
 
     DROP_OLDEST = "drop_oldest"  # evict the oldest queued batch; freshest data wins

@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+from undercurrent.v1 import undercurrent_pb2 as pb
+
 from common.activations import Block
 from engine_service.router_link import LinkEvent
-from undercurrent.v1 import undercurrent_pb2 as pb
 
 MODEL = pb.ModelInfo(model="tiny", num_layers=2, hidden_size=8, dtype="float32")
 HIDDEN = 8
@@ -36,7 +37,8 @@ class EventLog:
 
     def of(self, kind, request_id: str | None = None) -> list:
         return [
-            e for e in self.events
+            e
+            for e in self.events
             if isinstance(e, kind) and (request_id is None or e.request_id == request_id)
         ]
 

@@ -13,12 +13,15 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from common.activations import from_batch
-from common.grpc_server import SERVICE_FULL_NAMES, ServerHandle, start_server
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc
 
-PROBE = pb.ProbeInfo(name="first_element", kind="threshold", tensor_type=pb.RESIDUAL_STREAM, layers=[0])
+from common.activations import from_batch
+from common.grpc_server import SERVICE_FULL_NAMES, ServerHandle, start_server
+
+PROBE = pb.ProbeInfo(
+    name="first_element", kind="threshold", tensor_type=pb.RESIDUAL_STREAM, layers=[0]
+)
 
 
 @dataclass
@@ -51,9 +54,15 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServicer):
         self.port = 0
         self.changed = asyncio.Event()
 
-    async def start(self, port: int = 0) -> "RouterDouble":
+    async def start(self, port: int = 0) -> RouterDouble:
         self.handle = await start_server(
-            [(undercurrent_pb2_grpc.add_ProbeRouterServicer_to_server, self, SERVICE_FULL_NAMES["ProbeRouter"])],
+            [
+                (
+                    undercurrent_pb2_grpc.add_ProbeRouterServicer_to_server,
+                    self,
+                    SERVICE_FULL_NAMES["ProbeRouter"],
+                )
+            ],
             "127.0.0.1",
             port,
         )
@@ -105,7 +114,9 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServicer):
     async def _beat(self, outbox: asyncio.Queue) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_s)
-            outbox.put_nowait(pb.RouterMessage(heartbeat=pb.Heartbeat(sent_unix_nanos=time.time_ns())))
+            outbox.put_nowait(
+                pb.RouterMessage(heartbeat=pb.Heartbeat(sent_unix_nanos=time.time_ns()))
+            )
 
     async def _read(self, request_iterator, outbox: asyncio.Queue) -> None:
         async for message in request_iterator:
@@ -121,7 +132,9 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServicer):
             self.hellos.append(message.hello)
             return [pb.RouterMessage(hello=pb.RouterHello(router_id=self.name, probes=self.probes))]
         if kind == "heartbeat":
-            return [message]  # echo: EngineMessage.heartbeat and RouterMessage.heartbeat share a type
+            return [
+                message
+            ]  # echo: EngineMessage.heartbeat and RouterMessage.heartbeat share a type
         if kind == "request_start":
             start = message.request_start
             self.requests.setdefault(start.request_id, Received()).starts.append(start)

@@ -6,6 +6,7 @@ import time
 
 import prometheus_client
 import pytest
+from undercurrent.v1 import undercurrent_pb2 as pb
 
 from engine_service import routing
 from engine_service.router_link import (
@@ -19,7 +20,6 @@ from engine_service.router_link import (
     StateReset,
     Unavailable,
 )
-from undercurrent.v1 import undercurrent_pb2 as pb
 
 from .helpers import FAST, MODEL, step, until
 
@@ -42,12 +42,19 @@ async def test_two_replicas_split_requests_and_each_request_stays_on_one(routers
     assert owners == {r: routing.pick_replica(r, [a.address, b.address]) for r in ids}
     assert set(owners.values()) == {a.address, b.address}
     for position in range(4):
-        link.send_step([step({r: [position] for r in ids}, layer=0), step({r: [position] for r in ids}, layer=1)])
+        link.send_step(
+            [
+                step({r: [position] for r in ids}, layer=0),
+                step({r: [position] for r in ids}, layer=1),
+            ]
+        )
     for request_id in ids:
         assert link.end_request(request_id, pb.STOP) == RequestStats(0, 0)
     for router in (a, b):
         mine = [r for r in ids if owners[r] == router.address]
-        await router.wait_for(lambda: all(router.requests.get(r) and router.requests[r].ended for r in mine))
+        await router.wait_for(
+            lambda: all(router.requests.get(r) and router.requests[r].ended for r in mine)
+        )
         # One batch per engine step and replica, numbered per session.
         assert [batch.step for batch in router.batches] == [1, 2, 3, 4]
         assert set(router.requests) == set(mine)
@@ -96,7 +103,11 @@ async def test_in_band_error_leaves_the_stream_up(routers, links):
     link.send_step([step({"good": [0]})])
     await events.wait_for(lambda: events.of(Processed, "good"))
     [failed] = events.of(RequestFailed)
-    assert (failed.request_id, failed.error.code, failed.error.probe) == ("bad", "NOT_FOUND", "missing")
+    assert (failed.request_id, failed.error.code, failed.error.probe) == (
+        "bad",
+        "NOT_FOUND",
+        "missing",
+    )
     assert link.replicas_up() == [router.address]
 
 
@@ -117,11 +128,15 @@ async def test_killed_replica_rehomes_its_requests_then_reconnects_on_the_same_p
     await a.kill()
     await events.wait_for(lambda: len(events.of(StateReset)) == len(on_a))
     assert sorted(e.request_id for e in events.of(StateReset)) == sorted(on_a)
-    assert {(e.old_replica, e.new_replica) for e in events.of(StateReset)} == {(a.address, b.address)}
+    assert {(e.old_replica, e.new_replica) for e in events.of(StateReset)} == {
+        (a.address, b.address)
+    }
     assert all(link.replica_of(r) == b.address for r in ids)
 
     link.send_step([step({r: [1] for r in ids})])
-    await b.wait_for(lambda: all(r in b.requests and b.requests[r].positions[-1:] == [1] for r in ids))
+    await b.wait_for(
+        lambda: all(r in b.requests and b.requests[r].positions[-1:] == [1] for r in ids)
+    )
     assert all(b.requests[r].starts[-1].state_reset for r in on_a)
     assert not any(s.state_reset for r in on_b for s in b.requests[r].starts)
     assert all(b.requests[r].positions == [1] for r in on_a)  # step 0 of these went to a
@@ -250,7 +265,9 @@ async def test_a_silent_replica_is_marked_down_by_the_heartbeat_timeout(routers,
     assert all("no message" in e.reason for e in events.of(StateReset))
 
 
-async def test_no_reachable_replica_counts_unprobed_tokens_and_signals_unavailability(routers, links):
+async def test_no_reachable_replica_counts_unprobed_tokens_and_signals_unavailability(
+    routers, links
+):
     router = await routers()
     link, events = links(router.address, router_timeout_s=0.2)
     await link.start()

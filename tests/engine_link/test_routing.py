@@ -7,6 +7,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from undercurrent.v1 import undercurrent_pb2 as pb
 
 from common.activations import from_batch, to_batch
 from engine_service import routing
@@ -18,7 +19,6 @@ from engine_service.routing import (
     StaticTargets,
     StepLedger,
 )
-from undercurrent.v1 import undercurrent_pb2 as pb
 
 from .helpers import step
 
@@ -103,7 +103,10 @@ def test_backoff_grows_caps_and_jitters():
 
 
 def test_partition_by_owner_keeps_order_and_sends_unowned_to_none():
-    blocks = [step({"a": [0, 1], "b": [0], "c": [5]}, layer=0), step({"a": [0, 1], "b": [0]}, layer=1)]
+    blocks = [
+        step({"a": [0, 1], "b": [0], "c": [5]}, layer=0),
+        step({"a": [0, 1], "b": [0]}, layer=1),
+    ]
     owners = {"a": "r1", "b": "r2", "c": None}
     parts = routing.partition_by_owner(blocks, owners.get)
     assert [(b.layer, b.request_ids, b.token_positions.tolist()) for b in parts["r1"]] == [
@@ -120,7 +123,11 @@ def test_split_by_size_fits_limit_and_keeps_every_row_in_order():
     blocks = []
     for layer in range(3):
         block = step({f"request-{r}": list(range(40)) for r in range(3)}, layer=layer)
-        block.rows = np.random.default_rng(layer).standard_normal((block.num_rows, hidden)).astype(np.float32)
+        block.rows = (
+            np.random.default_rng(layer)
+            .standard_normal((block.num_rows, hidden))
+            .astype(np.float32)
+        )
         blocks.append(block)
     limit = 20_000
     parts = routing.split_by_size(blocks, limit)
@@ -128,8 +135,15 @@ def test_split_by_size_fits_limit_and_keeps_every_row_in_order():
     for part in parts:
         message = pb.EngineMessage(batch=to_batch(part, step=2**40))
         assert message.ByteSize() <= limit
-    sent = [(b.layer, r, int(p)) for part in parts for b in part for r, p in zip(b.request_ids, b.token_positions)]
-    assert sent == [(b.layer, r, int(p)) for b in blocks for r, p in zip(b.request_ids, b.token_positions)]
+    sent = [
+        (b.layer, r, int(p))
+        for part in parts
+        for b in part
+        for r, p in zip(b.request_ids, b.token_positions)
+    ]
+    assert sent == [
+        (b.layer, r, int(p)) for b in blocks for r, p in zip(b.request_ids, b.token_positions)
+    ]
     decoded = np.concatenate([d.rows for part in parts for d in from_batch(to_batch(part))])
     np.testing.assert_array_equal(decoded, np.concatenate([b.rows for b in blocks]))
 
