@@ -216,6 +216,7 @@ class _Replica:
     queue: SendQueue
     up: bool = False
     draining: bool = False
+    drain_reason: str = ""
     ever_up: bool = False
     probes: dict[str, pb.ProbeInfo] = field(default_factory=dict)
     requests: set[str] = field(default_factory=set)
@@ -686,6 +687,7 @@ class RouterLink:
         for request in sorted(self._requests.values(), key=lambda r: r.request_id):
             if request.replica is None:
                 self._home(request, reason=f"{replica.address} up")
+        self._move_off_draining()
         self._notify_change()
 
     def _mark_down(self, replica: _Replica, reason: str) -> None:
@@ -706,25 +708,34 @@ class RouterLink:
         self._notify_change()
 
     def _on_drain(self, replica: _Replica, reason: str) -> None:
-        """Takes no new requests there and moves its requests when another replica can."""
+        """Takes no new requests there; its requests move as soon as another replica can."""
         replica.draining = True
+        replica.drain_reason = reason
         log.info("router replica %s draining (%s)", replica.address, reason)
-        if not any(r.eligible for r in self._replicas.values()):
-            return  # nowhere better: its requests finish there
-        for request_id in sorted(replica.requests):
-            request = self._requests[request_id]
-            replica.requests.discard(request_id)
-            self._send_control(
-                replica,
-                pb.EngineMessage(
-                    request_end=pb.RequestEnd(
-                        request_id=request_id, finish_reason=pb.FINISH_REASON_UNSPECIFIED
-                    )
-                ),
-            )
-            request.replica = None
-            self._home(request, f"{replica.address} draining: {reason}")
+        self._move_off_draining()
         self._notify_change()
+
+    def _move_off_draining(self) -> None:
+        """Re-homes requests of draining replicas while an eligible replica exists,
+        ending them on the draining one so it can finish sooner."""
+        if not any(r.eligible for r in self._replicas.values()):
+            return  # nowhere better: they stay where they are
+        for replica in list(self._replicas.values()):
+            if not (replica.up and replica.draining):
+                continue
+            for request_id in sorted(replica.requests):
+                replica.requests.discard(request_id)
+                self._send_control(
+                    replica,
+                    pb.EngineMessage(
+                        request_end=pb.RequestEnd(
+                            request_id=request_id, finish_reason=pb.FINISH_REASON_UNSPECIFIED
+                        )
+                    ),
+                )
+                request = self._requests[request_id]
+                request.replica = None
+                self._home(request, f"{replica.address} draining: {replica.drain_reason}")
 
 
 def _describe(err: BaseException) -> str:

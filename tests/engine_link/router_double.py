@@ -48,6 +48,7 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServicer):
         self.batches: list[pb.ActivationBatch] = []
         self.hellos: list[pb.SessionHello] = []
         self.half_closed = 0  # sessions the engine ended gracefully
+        self.heartbeats = 0
         self._outboxes: list[asyncio.Queue] = []
         self._aborted: set[str] = set()
         self.handle: ServerHandle | None = None

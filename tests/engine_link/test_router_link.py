@@ -265,6 +265,16 @@ async def test_a_silent_replica_is_marked_down_by_the_heartbeat_timeout(routers,
     assert all("no message" in e.reason for e in events.of(StateReset))
 
 
+async def test_echoed_heartbeats_keep_a_quiet_replica_up(routers, links):
+    router = await routers(heartbeat_s=60)  # sends nothing of its own
+    link, _ = links(router.address, heartbeat_interval_s=0.05, heartbeat_timeout_s=0.3)
+    await link.start()
+    await link.wait_ready(timeout=5)
+    await router.wait_for(lambda: router.heartbeats >= 10)  # 0.5 s > the timeout
+    assert link.replicas_up() == [router.address]
+    assert len(router.hellos) == 1  # never reconnected
+
+
 async def test_no_reachable_replica_counts_unprobed_tokens_and_signals_unavailability(
     routers, links
 ):
@@ -335,6 +345,36 @@ async def test_drain_moves_requests_away_and_drops_its_probes_from_the_catalog(r
     for request_id in (f"new-{i}" for i in range(8)):
         link.start_request(request_id, BINDING, prompt_length=1)
         assert link.replica_of(request_id) == b.address
+
+
+async def test_a_lone_draining_replica_keeps_its_requests_until_another_is_up(routers, links):
+    a, b = await routers(), await routers()
+    resolved = [a.address]
+
+    async def resolver(host: str, port: int) -> list[str]:
+        return list(resolved)
+
+    link, events = links("dns:routers.test:1", resolver=resolver, dns_refresh_s=0.02)
+    await link.start()
+    await link.wait_ready(timeout=5)
+    link.start_request("r", BINDING, prompt_length=1)
+    a.drain()
+    await until(lambda: link.catalog() == {})
+    assert link.replica_of("r") == a.address  # nowhere better: it stays
+    link.send_step([step({"r": [0]})])
+    await events.wait_for(lambda: events.of(Processed, "r"))
+    link.start_request("late", BINDING, prompt_length=1)
+    assert link.replica_of("late") is None  # a draining replica takes no new request
+    assert link.unavailable_since("late") is not None
+
+    resolved.append(b.address)
+    await events.wait_for(lambda: events.of(StateReset, "r"))
+    [reset] = events.of(StateReset)
+    assert (reset.request_id, reset.old_replica, reset.new_replica) == ("r", a.address, b.address)
+    assert (link.replica_of("r"), link.replica_of("late")) == (b.address, b.address)
+    await a.wait_for(lambda: a.requests["r"].ended)
+    await b.wait_for(lambda: "late" in b.requests and "r" in b.requests)
+    assert [s.state_reset for s in b.requests["late"].starts] == [False]  # it missed nothing
 
 
 async def test_catalog_follows_router_pushes(routers, links):
