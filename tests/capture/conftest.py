@@ -6,9 +6,10 @@ import pytest
 from tests.capture.engines import capture_engine
 from tests.capture.oracle import TransformersOracle
 
-# Small blocks so prompts of a few dozen tokens fill whole blocks (prefix-cache
-# hits), and a small token budget per step so longer prompts are chunked.
-SMALL_STEPS = dict(block_size=16, max_num_batched_tokens=32)
+# The smallest block the CPU kernels take (a multiple of 32), so prompts of a few
+# dozen tokens fill whole blocks (prefix-cache hits), and a small token budget per
+# step so longer prompts are chunked.
+SMALL_STEPS = dict(block_size=32, max_num_batched_tokens=32)
 
 
 @pytest.fixture(scope="session")

@@ -54,6 +54,8 @@ class Request:
     prompt_token_ids: list[int]
     points: list[ExtractionPoint]
     max_tokens: int = 6
+    n: int = 1  # n > 1 samples (temperature 1, seeded); records carry "<index>_<id>"
+    compute_prompt: bool = True  # False: leave prefix caching on (a misconfigured engine)
 
 
 @dataclass
@@ -62,6 +64,7 @@ class CaptureRun:
 
     tokens: dict[str, list[int]] = field(default_factory=dict)
     blocks: list[Block] = field(default_factory=list)
+    drains: list[list[Block]] = field(default_factory=list)  # non-empty drains, in order
 
     def records(self) -> dict[tuple, np.ndarray]:
         """Key (request, point, layer, position) -> row; asserts each key arrives once."""
@@ -74,11 +77,12 @@ class CaptureRun:
         return out
 
     def arrival_order(self, request_id: str, point: str) -> list[tuple[int, int]]:
-        """(position, layer) of one point's records, in the order a probe reads them."""
+        """(position, layer) of one point's records in the order a probe reads them:
+        drain by drain, each drain in forward order."""
         return [
             (r.token_position, r.layer)
-            for block in self.blocks
-            for r in forward_order([block])
+            for drain in self.drains
+            for r in forward_order(drain)
             if r.request_id == request_id and r.point == point
         ]
 
@@ -92,23 +96,38 @@ async def run_requests(engine, controller: CaptureController, requests: list[Req
 
     async def one(req: Request) -> None:
         nonlocal running
-        params = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
-        require_prompt_computation(params, req.points, len(req.prompt_token_ids))
+        params = SamplingParams(
+            max_tokens=req.max_tokens,
+            temperature=0.0 if req.n == 1 else 1.0,
+            n=req.n,
+            seed=None if req.n == 1 else 7,
+            ignore_eos=True,
+        )
+        if req.compute_prompt:
+            require_prompt_computation(params, req.points, len(req.prompt_token_ids))
         await controller.register(req.request_id, req.points, len(req.prompt_token_ids))
         try:
             async for out in engine.generate(
                 {"prompt_token_ids": req.prompt_token_ids}, params, req.request_id
             ):
-                run.tokens[req.request_id] = list(out.outputs[0].token_ids)
+                for sample in out.outputs:
+                    record_id = req.request_id if req.n == 1 else f"{sample.index}_{req.request_id}"
+                    run.tokens[record_id] = list(sample.token_ids)
         finally:
             await controller.unregister(req.request_id)
             running -= 1
 
+    async def drain_once() -> None:
+        blocks = await controller.drain()
+        if blocks:
+            run.drains.append(blocks)
+            run.blocks.extend(blocks)
+
     async def drain_loop() -> None:
         while running:
             await asyncio.sleep(0.002)
-            run.blocks.extend(await controller.drain())
-        run.blocks.extend(await controller.drain())
+            await drain_once()
+        await drain_once()
 
     await asyncio.gather(drain_loop(), *(one(r) for r in requests))
     return run

@@ -1,0 +1,87 @@
+"""Captured activations equal transformers' on the same token sequence (real vLLM)."""
+
+import pytest
+
+from common.capture_spec import ExtractionPoint, Scope, TokenSelector
+from tests.capture.engines import Request, run_requests
+from tests.capture.oracle import RELATIVE_TOLERANCE, compare_with_oracle
+from tests.capture.workloads import every_tensor_type, prompt
+
+pytestmark = pytest.mark.vllm
+
+RECORDS_PER_POSITION = 4 * 3 + 1  # residual, attn, mlp on 4 layers + final norm
+
+
+async def test_every_tensor_type_on_every_layer_matches_transformers(engine_and_oracle):
+    engine, controller, oracle = engine_and_oracle
+    # Prompt lengths below, at and above one step's 32-token budget (chunked prefill).
+    requests = [
+        Request(f"oracle-{length}", prompt(length, length), every_tensor_type(), max_tokens=6)
+        for length in (3, 16, 45)
+    ]
+    run = await run_requests(engine, controller, requests)
+
+    worst = compare_with_oracle(oracle, run, requests)
+    print(f"\noracle {controller.model_info().architecture} TP=1: worst relative L2 error {worst}")
+    assert set(worst) == {"residual_stream", "attn_out", "mlp_out", "final_norm"}
+    records = run.records()
+    for request in requests:
+        # The last sampled token is never fed through the model: no activations.
+        positions = len(request.prompt_token_ids) + request.max_tokens - 1
+        captured = {k for k in records if k[0] == request.request_id}
+        assert len(captured) == positions * RECORDS_PER_POSITION
+        assert {k[3] for k in captured} == set(range(positions))
+        generated = [
+            b.is_generated[i]
+            for b in run.blocks
+            for i in range(b.num_rows)
+            if b.request_ids[i] == request.request_id
+            and b.token_positions[i] == len(request.prompt_token_ids)
+        ]
+        assert generated and all(generated)
+
+
+async def test_n_samples_are_captured_per_child(engine_and_oracle):
+    engine, controller, oracle = engine_and_oracle
+    points = [ExtractionPoint("gen", "residual_stream", (0, 3), TokenSelector(Scope.GENERATED))]
+    request = Request("sampled", prompt(6, 9), points, max_tokens=5, n=2)
+    run = await run_requests(engine, controller, [request])
+
+    assert sorted(run.tokens) == ["0_sampled", "1_sampled"]
+    assert run.tokens["0_sampled"] != run.tokens["1_sampled"]
+    records = run.records()
+    for child in ("0_sampled", "1_sampled"):
+        assert sorted(k[2:] for k in records if k[0] == child) == [
+            (layer, position) for layer in (0, 3) for position in range(6, 10)
+        ]
+    compare_with_oracle(oracle, run, [request])
+
+
+async def test_prompt_capture_computes_prompts_the_prefix_cache_holds(engine_and_oracle):
+    engine, controller, oracle = engine_and_oracle
+    shared = prompt(80, 11)  # two full 32-token blocks and a partial one
+    generated_only = [ExtractionPoint("gen", "residual_stream", (2,), TokenSelector(Scope.GENERATED))]
+    prompt_point = [ExtractionPoint("prompt", "residual_stream", (2,), TokenSelector(Scope.PROMPT))]
+    await run_requests(engine, controller, [Request("warm", shared, generated_only, max_tokens=2)])
+
+    computed = Request("recomputed", shared, prompt_point, max_tokens=2)
+    run = await run_requests(engine, controller, [computed])
+    assert sorted(k[3] for k in run.records()) == list(range(80))
+    compare_with_oracle(oracle, run, [computed])
+    assert controller.pop_request_errors() == {}
+
+    # An engine that forgets skip_reading_prefix_cache gets a clear per-request
+    # error instead of silently missing rows.
+    cached = Request("cached", shared, prompt_point, max_tokens=2, compute_prompt=False)
+    run = await run_requests(engine, controller, [cached])
+    first = min(k[3] for k in run.records())
+    assert first > 0 and sorted(k[3] for k in run.records()) == list(range(first, 80))
+    assert controller.pop_request_errors() == {
+        "cached": f'point "prompt": positions [0, {first}) were served from the prefix cache '
+        f"and never computed, so they have no activations; register with "
+        f"skip_reading_prefix_cache=True"
+    }
+
+
+def test_tolerance_is_the_stated_one():
+    assert RELATIVE_TOLERANCE == 1e-5
