@@ -133,9 +133,8 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServicer):
             self.hellos.append(message.hello)
             return [pb.RouterMessage(hello=pb.RouterHello(router_id=self.name, probes=self.probes))]
         if kind == "heartbeat":
-            return [
-                message
-            ]  # echo: EngineMessage.heartbeat and RouterMessage.heartbeat share a type
+            self.heartbeats += 1
+            return [pb.RouterMessage(heartbeat=message.heartbeat)]  # the echo
         if kind == "request_start":
             start = message.request_start
             self.requests.setdefault(start.request_id, Received()).starts.append(start)
