@@ -62,9 +62,9 @@ def build_parser():
     )
     ours.add_argument("--grace-period", type=float, default=30.0, help="seconds")
     ours.add_argument(
-        "--allow-unsupported-vllm",
+        "--allow-untested-vllm",
         action="store_true",
-        help="start even if this vLLM version is not one the capture code supports",
+        help="start even on a vLLM version capture was not verified on",
     )
     AsyncEngineArgs.add_cli_args(parser)
     return parser

@@ -79,10 +79,8 @@ class ActiveRequest:
     message: str = ""
     unprobed_tokens: int = 0
     dropped_client_records: int = 0
-
-    @property
-    def probed(self) -> bool:
-        return bool(self.probes)
+    dropped_router_records: int = 0
+    state_resets: int = 0
 
     def fail_closed(self) -> bool:
         return any(p.failure_policy == pb.FAIL_CLOSED for p in self.probes)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import uuid
 
 from common.cli import fail
+from common.errors import Unavailable
 from common.grpc_server import PortInUse, SERVICE_FULL_NAMES, start_server
-from engine_service.runtime import EngineRuntime, EngineSettings
 from engine_service.servicer import EngineServicer
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
@@ -16,6 +17,7 @@ from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 log = logging.getLogger("engine_service")
 
 FAILURE_POLICIES = {"fail_closed": pb.FAIL_CLOSED, "fail_open": pb.FAIL_OPEN}
+HEALTH_POLL_S = 0.5
 
 
 def create_llm(args):
@@ -23,59 +25,101 @@ def create_llm(args):
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from engine_service.capture import capture_engine_kwargs
+    from engine_service.capture.controller import capture_engine_kwargs
 
     engine_args = AsyncEngineArgs.from_cli_args(args)
     for key, value in capture_engine_kwargs(
-        allow_unsupported_vllm=args.allow_unsupported_vllm, **vars(engine_args)
+        allow_untested_vllm=args.allow_untested_vllm, **vars(engine_args)
     ).items():
         setattr(engine_args, key, value)
     return AsyncLLM.from_engine_args(engine_args)
 
 
+def link_config(args):
+    from engine_service.router_link import RouterLinkConfig
+
+    if not args.router:
+        return None
+    try:
+        return RouterLinkConfig(
+            targets=args.router,
+            engine_id=f"engine-{uuid.uuid4().hex[:8]}",
+            router_timeout_s=args.router_timeout,
+            queue_max_batches=args.send_queue,
+            overflow_policy=args.overflow_policy,
+        )
+    except ValueError as err:
+        fail("engine_service", f"--router: {err}")
+
+
 async def run(args) -> int:
-    runtime_holder: dict = {}
-    servicer = _LateBoundServicer(runtime_holder)
+    from engine_service.capture.controller import CaptureController
+    from engine_service.metrics import EngineMetrics
+    from engine_service.runtime import EngineRuntime, EngineSettings
+
+    links = link_config(args)  # bad --router fails before anything starts
+    holder: dict = {}
     try:
         server = await start_server(
-            [(pb_grpc.add_EngineServicer_to_server, servicer, SERVICE_FULL_NAMES["Engine"])],
+            [(pb_grpc.add_EngineServicer_to_server, _StartingServicer(holder),
+              SERVICE_FULL_NAMES["Engine"])],
             args.host,
             args.port,
         )
     except PortInUse as err:
         fail("engine_service", f"--port: {err}")
     print(f"engine_service: listening on {args.host}:{server.port}; starting vLLM ...", flush=True)
-    from engine_service.capture import CaptureController
-
     try:
         llm = create_llm(args)
     except Exception as err:  # vLLM's own start-up errors, shown as one line
         fail("engine_service", f"vLLM could not start: {type(err).__name__}: {err}")
-    capture = CaptureController(llm)
-    settings = EngineSettings(
-        default_failure_policy=FAILURE_POLICIES[args.failure_policy],
-        router_timeout_s=args.router_timeout,
+    metrics = EngineMetrics()
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port, registry=metrics.registry)
+    runtime = EngineRuntime(
+        llm,
+        CaptureController(llm),
+        link_config=links,
+        settings=EngineSettings(
+            default_failure_policy=FAILURE_POLICIES[args.failure_policy],
+            router_timeout_s=args.router_timeout,
+        ),
+        metrics=metrics,
     )
-    runtime = EngineRuntime(llm, capture=capture, link=None, settings=settings)
     await runtime.start()
-    runtime_holder["runtime"] = runtime
-    await server.set_serving(True)
-    print(f"engine_service: SERVING on {args.host}:{server.port}", flush=True)
+    holder["runtime"] = runtime
+    health = asyncio.create_task(_track_health(server, runtime, args.routers_optional or not links))
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("shutting down: %s running requests", len(runtime.active))
+    log.info("shutting down: %d running requests (%s them)", len(runtime.active), args.on_shutdown)
+    health.cancel()
     await server.set_serving(False)
     await runtime.shutdown(abort_running=args.on_shutdown == "abort", grace_s=args.grace_period)
-    await server.server.stop(grace=args.grace_period)
+    await server.server.stop(grace=5)
     llm.shutdown()
     return 0
 
 
-class _LateBoundServicer(EngineServicer):
+async def _track_health(server, runtime, routers_optional: bool) -> None:
+    """SERVING while vLLM is up and at least one router session is (unless optional)."""
+    serving = None
+    while True:
+        now = routers_optional or runtime.routers_up() > 0
+        if now != serving:
+            serving = now
+            await server.set_serving(now)
+            state = "SERVING" if now else "NOT_SERVING (no router session)"
+            print(f"engine_service: {state}; {runtime.routers_up()} router(s) up", flush=True)
+        await asyncio.sleep(HEALTH_POLL_S)
+
+
+class _StartingServicer(EngineServicer):
     """Listens before vLLM is up (so a busy port fails fast) and answers
     UNAVAILABLE until the runtime exists."""
 
@@ -84,8 +128,6 @@ class _LateBoundServicer(EngineServicer):
 
     @property
     def runtime(self):
-        from common.errors import Unavailable
-
         runtime = self._holder.get("runtime")
         if runtime is None:
             raise Unavailable("the engine is still starting")

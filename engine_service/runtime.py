@@ -1,10 +1,11 @@
 """The engine: vLLM's AsyncLLM, activation capture and the router link joined.
 
 One drain loop runs beside vLLM's busy loop: after every step it drains the
-workers' capture buffers (one collective_rpc), streams client-requested
-records back in-band and hands probe records to the router link, whose sends
-never wait on the network. Router verdicts come back as events and become
-AsyncLLM.abort calls, which vLLM's single scheduler applies on every rank.
+workers' capture buffers (one collective_rpc, which vLLM serves between
+steps), streams client-requested records back in-band and hands probe records
+to the router link, whose sends never wait on the network. Router verdicts
+come back as link events and become AsyncLLM.abort calls, which vLLM's single
+scheduler applies on every rank at the next step.
 """
 
 from __future__ import annotations
@@ -16,9 +17,14 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from common import activations
+from common.capture_spec import parse_points
 from common.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
 from engine_service import requests as reqs
+from engine_service import router_link as links
 from engine_service.active_request import ActiveRequest, BoundProbe, TokenGate
+from engine_service.capture.controller import CaptureController, require_prompt_computation
+from engine_service.metrics import EngineMetrics
+from engine_service.probe_points import PROBE_POINT_PREFIX, check_client_point_names, probe_points
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -28,7 +34,7 @@ log = logging.getLogger(__name__)
 class EngineSettings:
     default_failure_policy: int = pb.FAIL_CLOSED
     # A request whose router stays unreachable this long is aborted
-    # (fail_closed) or marked unprobed (fail_open).
+    # (fail_closed) or marked unprobed (fail_open); gated tokens wait at most this.
     router_timeout_s: float = 3.0
     # Pause between drains while no request is running.
     idle_drain_interval_s: float = 0.005
@@ -37,26 +43,44 @@ class EngineSettings:
 
 
 class EngineRuntime:
-    def __init__(self, llm, capture=None, link=None, settings: EngineSettings | None = None):
+    def __init__(
+        self,
+        llm,
+        capture: CaptureController,
+        link_config: links.RouterLinkConfig | None = None,
+        settings: EngineSettings | None = None,
+        metrics: EngineMetrics | None = None,
+    ):
         self.llm = llm
         self.capture = capture
-        self.link = link
+        self.link_config = link_config
+        self.link: links.RouterLink | None = None
         self.settings = settings or EngineSettings()
+        self.metrics = metrics or EngineMetrics()
         self.active: dict[str, ActiveRequest] = {}
+        self.accepting = True
         self._tasks: list[asyncio.Task] = []
+        self._drained = asyncio.Condition()
+        self._drain_generation = 0
         model_config = llm.vllm_config.model_config
         self.limits = reqs.ModelLimits(
             vocab_size=model_config.get_vocab_size(), max_model_len=model_config.max_model_len
         )
         self._tokenizer = llm.get_tokenizer()
-        self.accepting = True
 
     # -- lifecycle ---------------------------------------------------------
 
     async def start(self) -> None:
-        if self.capture is not None:
-            await self.capture.start()
-            self._tasks.append(asyncio.create_task(self._drain_loop(), name="capture-drain"))
+        model = await self.capture.start()
+        if self.link_config is not None:
+            self.link = links.RouterLink(
+                self.link_config, model, self._on_link_event, registry=self.metrics.registry
+            )
+            await self.link.start()
+        self._tasks.append(asyncio.create_task(self._drain_loop(), name="capture-drain"))
+
+    def routers_up(self) -> int:
+        return len(self.link.replicas_up()) if self.link else 0
 
     async def shutdown(self, abort_running: bool, grace_s: float) -> None:
         """Stops accepting; lets running requests finish (or aborts them) within grace_s."""
@@ -75,22 +99,11 @@ class EngineRuntime:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.link is not None:
+            await self.link.close()
 
     def model_info(self) -> pb.ModelInfo:
-        if self.capture is not None:
-            return self.capture.model_info()
-        cfg = self.llm.vllm_config
-        return pb.ModelInfo(
-            model=cfg.model_config.model,
-            architecture=(cfg.model_config.hf_config.architectures or [""])[0],
-            num_layers=cfg.model_config.get_num_layers(cfg.parallel_config),
-            hidden_size=cfg.model_config.get_hidden_size(),
-            dtype=str(cfg.model_config.dtype).removeprefix("torch."),
-            tensor_parallel_size=cfg.parallel_config.tensor_parallel_size,
-            pipeline_parallel_size=cfg.parallel_config.pipeline_parallel_size,
-            vocab_size=self.limits.vocab_size,
-            max_model_len=self.limits.max_model_len,
-        )
+        return self.capture.model_info()
 
     # -- client API --------------------------------------------------------
 
@@ -109,17 +122,25 @@ class EngineRuntime:
             raise AlreadyExists(f"request_id: {request_id!r} is already running")
         ids = reqs.prompt_ids(message, self._tokenizer.encode, self.limits)
         choice = reqs.sampling_choice(message.sampling, len(ids), self.limits)
+        probes = self._bind_probes(message.probes)
+        client_points = parse_points(message.extraction_points, self.model_info().num_layers)
+        check_client_point_names(client_points)
+        points = client_points + probe_points([p.info for p in probes])
+        self.capture.validate(points, len(ids))
+        if message.gate_tokens and not probes:
+            raise FailedPrecondition("gate_tokens: needs at least one probe binding to gate on")
         request = ActiveRequest(
             request_id=request_id,
             prompt_len=len(ids),
-            probes=self._bind_probes(message.probes),
+            probes=probes,
             gate=TokenGate(len(ids)) if message.gate_tokens else None,
             events=asyncio.Queue(),
         )
-        if request.gate is not None and not request.probes:
-            raise FailedPrecondition("gate_tokens: needs at least one probe binding to gate on")
         self.active[request_id] = request
-        producer = asyncio.create_task(self._run(request, ids, choice), name=f"gen-{request_id}")
+        self.metrics.requests_started.inc()
+        producer = asyncio.create_task(
+            self._run(request, ids, choice, points), name=f"generate-{request_id}"
+        )
         try:
             yield pb.GenerateResponse(
                 started=pb.GenerateStarted(request_id=request_id, prompt_tokens=len(ids))
@@ -133,11 +154,10 @@ class EngineRuntime:
         finally:
             if not producer.done():  # the client went away
                 await self._stop(request, pb.CLIENT_ABORT, message="client cancelled the stream")
-                producer.cancel()
                 await asyncio.gather(producer, return_exceptions=True)
             self.active.pop(request_id, None)
 
-    # -- internals ---------------------------------------------------------
+    # -- one request -------------------------------------------------------
 
     def _bind_probes(self, bindings) -> list[BoundProbe]:
         if not bindings:
@@ -153,8 +173,8 @@ class EngineRuntime:
             if info is None:
                 known = ", ".join(sorted(catalog)) or "none"
                 raise NotFound(
-                    f"probes[{i}].probe: {binding.probe!r} is not loaded in any router "
-                    f"(loaded: {known})"
+                    f"probes[{i}].probe: {binding.probe!r} is not loaded in any reachable "
+                    f"router (loaded: {known})"
                 )
             bound.append(
                 BoundProbe(
@@ -166,15 +186,29 @@ class EngineRuntime:
             )
         return bound
 
-    async def _run(self, request: ActiveRequest, ids: list[int], choice: reqs.SamplingChoice):
-        """Feeds vLLM's outputs for one request into its client queue."""
+    async def _run(self, request: ActiveRequest, ids, choice: reqs.SamplingChoice, points) -> None:
+        """Registers capture, runs vLLM, and finishes the request's client stream."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         params = SamplingParams(output_kind=RequestOutputKind.DELTA, **choice.as_kwargs())
+        require_prompt_computation(params, points, request.prompt_len)
         vllm_reason = None
+        registered = False
         try:
+            if points:
+                await self.capture.register(request.request_id, points, request.prompt_len)
+                registered = True
+            if request.probes and self.link is not None:
+                self.link.start_request(
+                    request.request_id,
+                    [
+                        pb.ProbeBinding(probe=p.name, failure_policy=p.failure_policy, action=p.action)
+                        for p in request.probes
+                    ],
+                    request.prompt_len,
+                )
             async for output in self.llm.generate(
                 TokensPrompt(prompt_token_ids=ids), params, request.request_id
             ):
@@ -183,14 +217,48 @@ class EngineRuntime:
                     self._emit_tokens(request, list(completion.token_ids), completion.text)
                 if output.finished:
                     vllm_reason = completion.finish_reason
+        except asyncio.CancelledError:
+            raise
         except Exception as exc:  # vLLM refused or failed this request only
-            log.exception("request %s failed in vLLM", request.request_id)
+            log.exception("request %s failed", request.request_id)
             request.end(pb.ERROR, message=f"engine error: {type(exc).__name__}: {exc}")
+        finally:
+            if registered:
+                await self.capture.unregister(request.request_id)
+        await self._settle(request)
         self._finish(request, vllm_reason)
+
+    async def _settle(self, request: ActiveRequest) -> None:
+        """Sends the request's last rows to its router and, when gated, waits for
+        their verdicts (at most router_timeout_s) before the stream ends."""
+        if not request.probes or self.link is None:
+            return
+        await self._wait_for_drain()
+        if request.gate is not None and request.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
+            last_fed = request.prompt_len + request.generated - 2
+            deadline = time.monotonic() + self.settings.router_timeout_s
+            while (
+                self.link.processed_position(request.request_id) < last_fed
+                and request.finish_reason == pb.FINISH_REASON_UNSPECIFIED
+                and time.monotonic() < deadline
+            ):
+                await asyncio.sleep(0.005)
+        stats = self.link.end_request(request.request_id, request.finish_reason or pb.STOP)
+        request.unprobed_tokens += stats.unprobed_tokens
+        request.dropped_router_records = stats.dropped_records
+
+    async def _wait_for_drain(self) -> None:
+        """Waits until a drain that started after this call has finished."""
+        async with self._drained:
+            target = self._drain_generation + 2
+            await asyncio.wait_for(
+                self._drained.wait_for(lambda: self._drain_generation >= target), timeout=30
+            )
 
     def _emit_tokens(self, request: ActiveRequest, token_ids: list[int], text: str) -> None:
         first = request.generated
         request.generated += len(token_ids)
+        self.metrics.tokens_generated.inc(len(token_ids))
         if request.gate is None:
             request.events.put_nowait(
                 pb.GenerateResponse(
@@ -208,9 +276,7 @@ class EngineRuntime:
             request.events.put_nowait(
                 pb.GenerateResponse(
                     tokens=pb.TokenChunk(
-                        token_ids=released,
-                        text=self._tokenizer.decode(released),
-                        first_index=first,
+                        token_ids=released, text=self._tokenizer.decode(released), first_index=first
                     )
                 )
             )
@@ -218,9 +284,9 @@ class EngineRuntime:
     def _finish(self, request: ActiveRequest, vllm_reason: str | None) -> None:
         if request.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
             request.end(reqs.VLLM_FINISH_REASONS.get(vllm_reason, pb.ERROR))
-        if request.gate is not None:
-            if request.finish_reason in (pb.STOP, pb.LENGTH):
-                self._release_gated(request, everything=True)
+        if request.gate is not None and request.finish_reason in (pb.STOP, pb.LENGTH):
+            self._release_gated(request, everything=True)
+        self.metrics.requests_finished.labels(pb.FinishReason.Name(request.finish_reason)).inc()
         request.events.put_nowait(
             pb.GenerateResponse(
                 finished=pb.GenerateFinished(
@@ -229,7 +295,7 @@ class EngineRuntime:
                     prompt_tokens=request.prompt_len,
                     generated_tokens=request.generated,
                     unprobed_tokens=request.unprobed_tokens,
-                    dropped_records=request.dropped_client_records,
+                    dropped_records=request.dropped_router_records + request.dropped_client_records,
                     message=request.message,
                 )
             )
@@ -239,24 +305,115 @@ class EngineRuntime:
         self, request: ActiveRequest, reason: int, verdict: pb.Verdict | None = None, message=""
     ) -> None:
         if request.end(reason, verdict, message):
+            if request.gate is not None and verdict is not None:
+                # Everything before the trigger was scored; nothing at or after it is shown.
+                request.gate.acknowledge(verdict.token_position - 1)
+                self._release_gated(request)
+                request.gate.discard_from(verdict.token_position)
             await self.llm.abort(request.request_id)
+
+    # -- the drain loop ----------------------------------------------------
 
     async def _drain_loop(self) -> None:
         """Drains capture buffers after every engine step, off vLLM's busy loop."""
         while True:
-            if not self.active:
-                await asyncio.sleep(self.settings.idle_drain_interval_s)
-                continue
             try:
                 blocks = await self.capture.drain()
+                errors = self.capture.pop_request_errors()
+            except asyncio.CancelledError:
+                raise
             except Exception:
                 log.exception("capture drain failed; retrying")
                 await asyncio.sleep(0.1)
                 continue
+            for request_id, error in errors.items():
+                request = self.active.get(request_id)
+                if request is not None:
+                    await self._stop(request, pb.ERROR, message=error)
             if blocks:
                 self._deliver(blocks)
-            else:
-                await asyncio.sleep(0)
+            async with self._drained:
+                self._drain_generation += 1
+                self._drained.notify_all()
+            if not self.active:
+                await asyncio.sleep(self.settings.idle_drain_interval_s)
+            elif not blocks:
+                await asyncio.sleep(0.001)
 
     def _deliver(self, blocks: list[activations.Block]) -> None:
-        raise NotImplementedError
+        """Client-requested records go back in-band; probe records go to routers."""
+        probe_blocks, client_blocks = [], []
+        for block in blocks:
+            self.metrics.captured_rows.inc(block.num_rows)
+            self.metrics.captured_bytes.inc(block.rows.nbytes)
+            (probe_blocks if block.point.startswith(PROBE_POINT_PREFIX) else client_blocks).append(block)
+        if probe_blocks and self.link is not None:
+            self.link.send_step(probe_blocks)
+        if client_blocks:
+            self._stream_to_clients(client_blocks)
+
+    def _stream_to_clients(self, blocks: list[activations.Block]) -> None:
+        by_request: dict[str, list[activations.Block]] = {}
+        for block in blocks:
+            for request_id in dict.fromkeys(block.request_ids):
+                mask = [r == request_id for r in block.request_ids]
+                by_request.setdefault(request_id, []).append(block.select(mask))
+        for request_id, parts in by_request.items():
+            request = self.active.get(request_id)
+            if request is None:
+                continue
+            if request.events.qsize() >= self.settings.client_activation_queue:
+                request.dropped_client_records += sum(p.num_rows for p in parts)
+                self.metrics.dropped_records.labels("client_queue").inc(sum(p.num_rows for p in parts))
+                continue
+            request.events.put_nowait(pb.GenerateResponse(activations=activations.to_batch(parts)))
+
+    # -- router events -----------------------------------------------------
+
+    def _on_link_event(self, event: links.LinkEvent) -> None:
+        request = self.active.get(event.request_id)
+        if request is None:
+            return
+        if isinstance(event, links.Scores):
+            request.events.put_nowait(
+                pb.GenerateResponse(probe_event=pb.ProbeEvent(scores=event.scores))
+            )
+        elif isinstance(event, links.Abort):
+            self.metrics.aborts.labels("PROBE_ABORT").inc()
+            asyncio.create_task(self._stop(request, pb.PROBE_ABORT, verdict=event.verdict))
+        elif isinstance(event, links.Processed):
+            if request.gate is not None:
+                request.gate.acknowledge(event.token_position)
+                if request.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
+                    self._release_gated(request)
+        elif isinstance(event, links.Unavailable):
+            self._on_router_unavailable(request, event)
+        elif isinstance(event, links.StateReset):
+            request.state_resets += 1
+            log.warning("request %s re-homed to %s: %s", event.request_id, event.new_replica, event.reason)
+        elif isinstance(event, links.RequestFailed):
+            self._on_router_error(request, event.error)
+
+    def _on_router_unavailable(self, request: ActiveRequest, event: links.Unavailable) -> None:
+        waited = time.monotonic() - event.since
+        if request.fail_closed():
+            self.metrics.aborts.labels("ROUTER_UNAVAILABLE").inc()
+            verdict = pb.Verdict(
+                request_id=request.request_id,
+                token_position=request.prompt_len + request.generated,
+                reason=f"no router reachable for {waited:.1f} s (fail_closed)",
+            )
+            asyncio.create_task(
+                self._stop(request, pb.ROUTER_UNAVAILABLE, verdict=verdict, message=verdict.reason)
+            )
+        else:
+            log.warning("request %s continues unprobed (fail_open): no router for %.1f s",
+                        request.request_id, waited)
+
+    def _on_router_error(self, request: ActiveRequest, error: pb.RequestError) -> None:
+        text = f"router error for probe {error.probe or '-'}: {error.code}: {error.message}"
+        log.warning("request %s: %s", request.request_id, text)
+        if request.fail_closed() and error.code in ("NOT_FOUND", "FAILED_PRECONDITION"):
+            asyncio.create_task(self._stop(request, pb.ERROR, message=text))
+        else:
+            request.message = "; ".join(filter(None, [request.message, text]))

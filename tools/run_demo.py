@@ -64,20 +64,24 @@ async def demo(engine_address: str, prompt: str, max_tokens: int, probe: str | N
         )
         if probe:
             request.probes.add(probe=probe, failure_policy=pb.FAIL_OPEN)
-        print(f"prompt: {prompt!r}\n--- streamed text ---")
+        print(f"prompt: {prompt!r}\n--- streamed text (random weights: the words are noise) ---")
+        scores: list[tuple[int, float]] = []
         async for response in engine.Generate(request):
             kind = response.WhichOneof("event")
             if kind == "tokens":
                 print(response.tokens.text, end="", flush=True)
             elif kind == "probe_event":
-                scores = response.probe_event.scores
-                print(f"\n[probe {scores.probe}: max score {max(scores.scores):.3f}]", end="")
+                event = response.probe_event.scores
+                scores.extend(zip(event.token_positions, event.scores))
             elif kind == "finished":
                 done = response.finished
                 print(
                     f"\n--- finished: {pb.FinishReason.Name(done.finish_reason)}, "
                     f"{done.generated_tokens} tokens ---"
                 )
+        if scores:
+            shown = ", ".join(f"{pos}:{value:.1f}" for pos, value in scores[:8])
+            print(f"probe {probe}: {len(scores)} scores (token position:score) {shown} ...")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,12 @@ from typing import Any
 from common.activations import Block
 from common.capture_spec import ExtractionPoint, needs_prompt_positions
 from common.errors import FailedPrecondition
-from engine_service.capture.merge import DeliveredPositions, decode_part, merge_blocks
+from engine_service.capture.merge import (
+    DeliveredPositions,
+    ForwardOrderGate,
+    decode_part,
+    merge_blocks,
+)
 from engine_service.capture.topology import RankTopology, Topology
 from undercurrent.v1 import undercurrent_pb2 as pb
 
@@ -123,6 +128,7 @@ class CaptureController:
         # Unregistered since the last drain: their last rows may still be buffered.
         self._ending: set[str] = set()
         self._delivered = DeliveredPositions()
+        self._gate = ForwardOrderGate()
         self._request_errors: dict[str, str] = {}
 
     async def start(self) -> pb.ModelInfo:
@@ -182,6 +188,11 @@ class CaptureController:
         )
         self._registered.add(request_id)
         self._ending.discard(request_id)
+        for point in points:
+            layers = point.capture_layers(self.topology.num_layers)
+            stages = {r.pp_rank for layer in layers for r in self.topology.owners(layer)}
+            if len(stages) > 1:
+                self._gate.hold(request_id, point.name, len(layers))
 
     async def unregister(self, request_id: str) -> None:
         """Stops capture for a request; its last rows arrive with the next drain()."""
@@ -210,7 +221,7 @@ class CaptureController:
                     f"skip_reading_prefix_cache=True",
                 )
         blocks = merge_blocks([decode_part(p) for s in shipments for p in s["parts"]])
-        blocks = self._delivered.filter(blocks)
+        blocks = self._gate.release(self._delivered.filter(blocks), ending)
         self._delivered.forget(ending)
         self._ending -= ending
         if errors:

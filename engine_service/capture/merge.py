@@ -166,3 +166,62 @@ class DeliveredPositions:
         self._high = {
             k: v for k, v in self._high.items() if parent_request_id(k[0], request_ids) not in request_ids
         }
+
+
+class ForwardOrderGate:
+    """Holds back rows of points whose layers live on several pipeline stages
+    until every layer of a position has arrived.
+
+    With pipeline parallelism several batches are in flight, so one drain can
+    bring a position's early layers (first stage) while its late layers (next
+    stage) come with a later drain. Releasing a position only when complete
+    keeps each (request, point) in (token_position, layer) order across drains.
+    Stages compute a request's positions in increasing order, so once a
+    position is complete every earlier selected position is too.
+    """
+
+    def __init__(self) -> None:
+        self._num_layers: dict[tuple[str, str], int] = {}  # (request, point) -> layers
+        self._held: list[Block] = []
+
+    def hold(self, request_id: str, point: str, num_layers: int) -> None:
+        self._num_layers[(request_id, point)] = num_layers
+
+    def _tracked(self, record_id: str, point: str) -> int:
+        requests = {r for r, _ in self._num_layers}
+        return self._num_layers.get((parent_request_id(record_id, requests), point), 0)
+
+    def release(self, blocks: list[Block], ending: set[str]) -> list[Block]:
+        """Blocks ready for probes; requests in `ending` release what they hold."""
+        if not self._num_layers:
+            return blocks
+        passing: list[Block] = []
+        candidates = list(self._held)
+        for block in blocks:
+            spans = np.array([self._tracked(r, block.point) > 0 for r in block.request_ids])
+            if not spans.any():
+                passing.append(block)
+                continue
+            if not spans.all():
+                passing.append(block.select(~spans))
+            candidates.append(block.select(spans))
+        self._held = []
+        arrived: dict[tuple[str, str, int], int] = defaultdict(int)
+        for block in candidates:
+            for record_id, position in zip(block.request_ids, block.token_positions.tolist()):
+                arrived[(record_id, block.point, position)] += 1
+        requests = {r for r, _ in self._num_layers}
+        for block in candidates:
+            ready = np.array(
+                [
+                    arrived[(r, block.point, p)] >= self._tracked(r, block.point)
+                    or parent_request_id(r, requests) in ending
+                    for r, p in zip(block.request_ids, block.token_positions.tolist())
+                ]
+            )
+            if ready.any():
+                passing.append(block.select(ready))
+            if not ready.all():
+                self._held.append(block.select(~ready))
+        self._num_layers = {k: v for k, v in self._num_layers.items() if k[0] not in ending}
+        return merge_blocks(passing)
