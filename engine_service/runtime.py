@@ -375,12 +375,16 @@ class EngineRuntime:
         if request is None:
             return
         if isinstance(event, links.Scores):
-            request.events.put_nowait(
-                pb.GenerateResponse(probe_event=pb.ProbeEvent(scores=event.scores))
-            )
+            scores = pb.ProbeScores()
+            scores.CopyFrom(event.scores)
+            scores.router = event.replica
+            request.events.put_nowait(pb.GenerateResponse(probe_event=pb.ProbeEvent(scores=scores)))
         elif isinstance(event, links.Abort):
             self.metrics.aborts.labels("PROBE_ABORT").inc()
-            asyncio.create_task(self._stop(request, pb.PROBE_ABORT, verdict=event.verdict))
+            verdict = pb.Verdict()
+            verdict.CopyFrom(event.verdict)
+            verdict.router = event.replica
+            asyncio.create_task(self._stop(request, pb.PROBE_ABORT, verdict=verdict))
         elif isinstance(event, links.Processed):
             if request.gate is not None:
                 request.gate.acknowledge(event.token_position)

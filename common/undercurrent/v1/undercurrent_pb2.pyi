@@ -190,30 +190,34 @@ class ActivationBatch(_message.Message):
     def __init__(self, step: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., blocks: _Optional[_Iterable[_Union[ActivationBlock, _Mapping]]] = ...) -> None: ...
 
 class ProbeScores(_message.Message):
-    __slots__ = ("request_id", "probe", "token_positions", "scores")
+    __slots__ = ("request_id", "probe", "token_positions", "scores", "router")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     SCORES_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     probe: str
     token_positions: _containers.RepeatedScalarFieldContainer[int]
     scores: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, request_id: _Optional[str] = ..., probe: _Optional[str] = ..., token_positions: _Optional[_Iterable[int]] = ..., scores: _Optional[_Iterable[float]] = ...) -> None: ...
+    router: str
+    def __init__(self, request_id: _Optional[str] = ..., probe: _Optional[str] = ..., token_positions: _Optional[_Iterable[int]] = ..., scores: _Optional[_Iterable[float]] = ..., router: _Optional[str] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("request_id", "probe", "score", "token_position", "reason")
+    __slots__ = ("request_id", "probe", "score", "token_position", "reason", "router")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_POSITION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     probe: str
     score: float
     token_position: int
     reason: str
-    def __init__(self, request_id: _Optional[str] = ..., probe: _Optional[str] = ..., score: _Optional[float] = ..., token_position: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    router: str
+    def __init__(self, request_id: _Optional[str] = ..., probe: _Optional[str] = ..., score: _Optional[float] = ..., token_position: _Optional[int] = ..., reason: _Optional[str] = ..., router: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "repetition_penalty")
