@@ -29,14 +29,12 @@ async def capture_engine(model: str, tp: int = 1, pp: int = 1, stat_loggers=None
     workers = tp * pp
     if workers > 1:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % 2) for i in range(workers))
+    defaults = dict(dtype="float32", max_model_len=256, seed=0)
     kwargs = capture_engine_kwargs(
         model=model,
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
-        dtype="float32",
-        max_model_len=256,
-        seed=0,
-        **engine_kwargs,
+        **{**defaults, **engine_kwargs},
     )
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=stat_loggers)
     try:

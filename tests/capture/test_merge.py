@@ -6,6 +6,7 @@ import pytest
 from common.activations import Block, forward_order
 from engine_service.capture.merge import (
     DeliveredPositions,
+    ForwardOrderGate,
     ShapeMismatch,
     decode_part,
     encode_part,
@@ -97,3 +98,39 @@ def test_forget_frees_a_request_and_its_children():
 def test_rows_of_different_widths_raise_instead_of_merging():
     with pytest.raises(ShapeMismatch, match=r"point 'p' layer 0: workers shipped rows of shapes \[\[2\], \[3\]\]"):
         merge_blocks([block("p", 0, [("a", 0)]), block("p", 0, [("a", 1)], hidden=3)])
+
+
+def test_gate_releases_a_spanning_point_only_when_every_stage_delivered():
+    """Pipeline stages drained mid-flight: the first stage has computed positions
+    0..2 of layers 0-1 while the second stage has only done 0..1 of layers 2-3."""
+    gate = ForwardOrderGate()
+    gate.hold("r", "p", 4)
+    first = gate.release(
+        merge_blocks(
+            [
+                block("p", 0, [("r", 0), ("r", 1), ("r", 2)]),
+                block("p", 1, [("r", 0), ("r", 1), ("r", 2)]),
+                block("p", 2, [("r", 0), ("r", 1)]),
+                block("p", 3, [("r", 0), ("r", 1)]),
+                block("single", 0, [("r", 2)]),  # a point on one stage passes at once
+                block("p", 0, [("other", 7)]),  # another request's point on one stage
+            ]
+        ),
+        ending=set(),
+    )
+    order = [(r.request_id, r.point, r.token_position, r.layer) for r in forward_order(first)]
+    assert order == [
+        ("other", "p", 7, 0),
+        ("r", "p", 0, 0), ("r", "p", 0, 1), ("r", "p", 0, 2), ("r", "p", 0, 3),
+        ("r", "p", 1, 0), ("r", "p", 1, 1), ("r", "p", 1, 2), ("r", "p", 1, 3),
+        ("r", "single", 2, 0),
+    ]
+    second = gate.release(
+        merge_blocks([block("p", 2, [("r", 2)]), block("p", 3, [("r", 2)]), block("p", 0, [("r", 3)])]),
+        ending=set(),
+    )
+    assert [(r.token_position, r.layer) for r in forward_order(second)] == [(2, 0), (2, 1), (2, 2), (2, 3)]
+    # The request ends (e.g. aborted) with position 3 still incomplete: it is released.
+    last = gate.release([], ending={"r"})
+    assert [(r.token_position, r.layer) for r in forward_order(last)] == [(3, 0)]
+    assert gate.release([], ending=set()) == []

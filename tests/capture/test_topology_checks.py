@@ -1,0 +1,102 @@
+"""Request-time checks against the ranks' reported topology, and start-up refusals."""
+
+import pytest
+
+from common.capture_spec import ExtractionPoint
+from common.errors import InvalidArgument
+from engine_service.capture.controller import (
+    ALLOW_UNTESTED_VLLM_ENV,
+    CaptureUnavailable,
+    WORKER_EXTENSION,
+    capture_engine_kwargs,
+    check_vllm_version,
+)
+from engine_service.capture.topology import RankTopology, Topology
+from undercurrent.v1 import undercurrent_pb2 as pb
+
+ALL_TYPES = ("residual_stream", "attn_out", "mlp_out", "final_norm")
+
+
+def rank(rank, pp_rank, start, end, last, tensor_types=ALL_TYPES, tp_rank=0, tp_size=1, pp_size=2):
+    return RankTopology(
+        rank=rank, tp_rank=tp_rank, pp_rank=pp_rank, tp_size=tp_size, pp_size=pp_size,
+        start_layer=start, end_layer=end, has_final_norm=last, num_layers=4, hidden_size=128,
+        vocab_size=512, max_model_len=256, architecture="LlamaForCausalLM", model="m",
+        dtype="float32", tensor_types=tensor_types, ships=tp_rank == 0,
+    )
+
+
+def error_of(topology, *points) -> str:
+    with pytest.raises(InvalidArgument) as info:
+        topology.validate(list(points))
+    return str(info.value)
+
+
+def test_layer_no_rank_owns_is_a_configuration_error():
+    # A partition that leaves layer 2 to nobody (vLLM never builds this, but a
+    # rank report is what validation trusts).
+    topology = Topology((rank(0, 0, 0, 2, False), rank(1, 1, 3, 4, True)))
+    message = error_of(topology, ExtractionPoint("ok", "residual_stream", (0, 3)), ExtractionPoint("mid", "mlp_out", (1, 2)))
+    assert message == (
+        'extraction_points[1] "mid": layers[1]=2 is owned by no rank (rank 0: [0, 2), rank 1: [3, 4))'
+    )
+
+
+def test_tensor_type_without_full_tensor_under_tp_is_refused():
+    partial = ("residual_stream", "mlp_out", "final_norm")  # o_proj built with reduce_results=False
+    topology = Topology(
+        (rank(0, 0, 0, 4, True, partial, 0, 2, 1), rank(1, 0, 0, 4, True, partial, 1, 2, 1))
+    )
+    assert topology.tensor_types == partial
+    assert error_of(topology, ExtractionPoint("attn", "attn_out", (1,))) == (
+        'extraction_points[0] "attn": tensor_type attn_out is not available on this engine '
+        "(LlamaForCausalLM, tensor_parallel_size=2): a row-parallel layer is built with "
+        "reduce_results=False, so no hook sees the full tensor; available: "
+        "['residual_stream', 'mlp_out', 'final_norm']"
+    )
+
+
+def test_model_info_fills_every_field():
+    topology = Topology((rank(0, 0, 0, 2, False), rank(1, 1, 2, 4, True)))
+    info = topology.model_info("0.32.0")
+    assert [f.name for f in pb.ModelInfo.DESCRIPTOR.fields if not getattr(info, f.name)] == []
+    assert [(r.rank, r.pp_rank, r.start_layer, r.end_layer, r.has_final_norm) for r in info.ranks] == [
+        (0, 0, 0, 2, False), (1, 1, 2, 4, True)
+    ]
+    assert list(info.tensor_types) == [pb.RESIDUAL_STREAM, pb.ATTN_OUT, pb.MLP_OUT, pb.FINAL_NORM]
+    assert (info.pipeline_parallel_size, info.num_layers, info.vllm_version) == (2, 4, "0.32.0")
+
+
+def test_engine_kwargs_switch_capture_on():
+    kwargs = capture_engine_kwargs(model="m", enforce_eager=False, tensor_parallel_size=2)
+    assert kwargs == {
+        "model": "m",
+        "tensor_parallel_size": 2,
+        "enforce_eager": True,
+        "worker_extension_cls": WORKER_EXTENSION,
+    }
+
+
+def test_engine_kwargs_refuse_what_would_capture_wrong_rows(monkeypatch):
+    with pytest.raises(CaptureUnavailable, match="speculative decoding is not supported"):
+        capture_engine_kwargs(model="m", speculative_config={"method": "ngram"})
+    with pytest.raises(CaptureUnavailable, match="worker_extension_cls is already set to 'x.Y'"):
+        capture_engine_kwargs(model="m", worker_extension_cls="x.Y")
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(CaptureUnavailable, match="V2 model runner"):
+        capture_engine_kwargs(model="m")
+
+
+def test_version_check_names_supported_versions_and_honours_the_override(monkeypatch):
+    monkeypatch.delenv(ALLOW_UNTESTED_VLLM_ENV, raising=False)
+    assert check_vllm_version("0.32.0") == "0.32.0"
+    assert check_vllm_version("0.32.1+cpu") == "0.32.1+cpu"
+    with pytest.raises(CaptureUnavailable) as info:
+        check_vllm_version("0.33.0")
+    assert str(info.value) == (
+        "vLLM 0.33.0 is not supported for activation capture; supported versions: 0.32.x. "
+        f"Set {ALLOW_UNTESTED_VLLM_ENV}=1 to run anyway."
+    )
+    assert check_vllm_version("0.33.0", allow_untested=True) == "0.33.0"
+    monkeypatch.setenv(ALLOW_UNTESTED_VLLM_ENV, "1")
+    assert check_vllm_version("0.33.0") == "0.33.0"
