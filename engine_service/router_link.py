@@ -621,7 +621,7 @@ class RouterLink:
             item.message.batch.step = replica.ledger.record(item.positions, time.monotonic())
             try:
                 await call.write(item.message)
-            except aio.AioRpcError:
+            except BaseException:  # failed or cancelled with the session: never sent
                 self._count_dropped(item.rows, "replica_down")
                 raise
             self._metrics.batches_sent.labels(replica.address).inc()

@@ -49,6 +49,9 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServicer):
         self.hellos: list[pb.SessionHello] = []
         self.half_closed = 0  # sessions the engine ended gracefully
         self.heartbeats = 0
+        # Cleared: stops reading, so HTTP/2 flow control pushes back on the engine.
+        self.reading = asyncio.Event()
+        self.reading.set()
         self._outboxes: list[asyncio.Queue] = []
         self._aborted: set[str] = set()
         self.handle: ServerHandle | None = None
@@ -121,6 +124,7 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServicer):
 
     async def _read(self, request_iterator, outbox: asyncio.Queue) -> None:
         async for message in request_iterator:
+            await self.reading.wait()
             for reply in self._handle(message):
                 outbox.put_nowait(reply)
             self.changed.set()

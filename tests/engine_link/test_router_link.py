@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import prometheus_client
@@ -35,7 +36,7 @@ async def test_two_replicas_split_requests_and_each_request_stays_on_one(routers
     link, events = links(f"{a.address},{b.address}")
     await link.start()
     await link.wait_ready(2, timeout=5)
-    ids = [f"req-{i}" for i in range(12)]
+    ids = [f"req-{i}" for i in range(32)]
     for request_id in ids:
         link.start_request(request_id, BINDING, prompt_length=2)
     owners = {r: link.replica_of(r) for r in ids}
@@ -116,7 +117,7 @@ async def test_killed_replica_rehomes_its_requests_then_reconnects_on_the_same_p
     link, events = links(f"{a.address},{b.address}")
     await link.start()
     await link.wait_ready(2, timeout=5)
-    ids = [f"req-{i}" for i in range(16)]
+    ids = [f"req-{i}" for i in range(32)]
     for request_id in ids:
         link.start_request(request_id, BINDING, prompt_length=1)
     on_a = [r for r in ids if link.replica_of(r) == a.address]
@@ -146,7 +147,7 @@ async def test_killed_replica_rehomes_its_requests_then_reconnects_on_the_same_p
     assert metric(link, "reconnects_total", replica=a.address) == 1
     assert all(link.replica_of(r) == b.address for r in ids)  # no reshuffle on return
     assert a_again.requests == {}
-    fresh = [f"fresh-{i}" for i in range(8)]
+    fresh = [f"fresh-{i}" for i in range(32)]
     for request_id in fresh:
         link.start_request(request_id, BINDING, prompt_length=1)
     assert {link.replica_of(r) for r in fresh} == {a.address, b.address}
@@ -231,6 +232,42 @@ async def test_overflow_policies_count_drops_per_request(routers, links, policy,
     assert link.end_request("r1", pb.STOP) == RequestStats(dropped_records=3, unprobed_tokens=0)
 
 
+async def test_a_stalled_router_never_blocks_the_caller_and_every_loss_is_counted(routers, links):
+    router = await routers()
+    link, _ = links(router.address, queue_max_batches=4, heartbeat_timeout_s=5.0)
+    await link.start()
+    await link.wait_ready(timeout=5)
+    link.start_request("r", BINDING, prompt_length=1)
+    router.reading.clear()
+    slowest = 0.0
+    steps = 0
+    # Steps of 256 KiB until the transport's buffers are full and the queue is too.
+    while not link.is_backpressured("r"):
+        assert steps < 1000, "flow control never pushed back"
+        began = time.monotonic()
+        link.send_step([step({"r": [steps]}, hidden=65536)])
+        slowest = max(slowest, time.monotonic() - began)
+        steps += 1
+        await asyncio.sleep(0.001)  # the writer runs until flow control stops it
+    for position in range(steps, steps + 3):  # three more overflow the full queue
+        link.send_step([step({"r": [position]}, hidden=65536)])
+    assert slowest < 0.5  # CPU time only: a send that waited on the network would hang
+    assert link.dropped_records("r") == 3
+    assert metric(link, "dropped_records_total", reason="drop_oldest") == 3
+    await asyncio.sleep(0.05)
+    assert link.is_backpressured("r")  # the writer is held by flow control, not just late
+
+    await router.kill()
+    await until(lambda: link.replicas_up() == [])
+    # Every batch was either written or counted as dropped: the queued ones (and
+    # one cut off mid-write) when the replica went down.
+    sent = metric(link, "batches_sent_total", replica=router.address)
+    lost = metric(link, "dropped_batches_total", reason="replica_down")
+    assert lost >= 3
+    assert sent + 3 + lost == steps + 3
+    assert link.dropped_records("r") == 3 + lost  # one row per batch
+
+
 async def test_a_step_over_the_message_limit_is_split(routers, links):
     router = await routers()
     limit = 16_000
@@ -252,7 +289,7 @@ async def test_a_silent_replica_is_marked_down_by_the_heartbeat_timeout(routers,
     link, events = links(f"{a.address},{b.address}", heartbeat_timeout_s=0.3)
     await link.start()
     await link.wait_ready(2, timeout=5)
-    ids = [f"req-{i}" for i in range(8)]
+    ids = [f"req-{i}" for i in range(32)]
     for request_id in ids:
         link.start_request(request_id, BINDING, prompt_length=1)
     on_a = [r for r in ids if link.replica_of(r) == a.address]
@@ -329,7 +366,7 @@ async def test_drain_moves_requests_away_and_drops_its_probes_from_the_catalog(r
     await link.start()
     await link.wait_ready(2, timeout=5)
     assert sorted(link.catalog()) == ["first_element", "only_on_a"]
-    ids = [f"req-{i}" for i in range(10)]
+    ids = [f"req-{i}" for i in range(32)]
     for request_id in ids:
         link.start_request(request_id, BINDING, prompt_length=1)
     on_a = [r for r in ids if link.replica_of(r) == a.address]
