@@ -229,17 +229,18 @@ class EngineRuntime:
         self._finish(request, vllm_reason)
 
     async def _settle(self, request: ActiveRequest) -> None:
-        """Sends the request's last rows to its router and, when gated, waits for
-        their verdicts (at most router_timeout_s) before the stream ends."""
+        """Sends the request's last rows to its router and waits (at most
+        router_timeout_s) for their scores and verdicts before the stream ends."""
         if not request.probes or self.link is None:
             return
         await self._wait_for_drain()
-        if request.gate is not None and request.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
+        if request.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
             last_fed = request.prompt_len + request.generated - 2
             deadline = time.monotonic() + self.settings.router_timeout_s
             while (
                 self.link.processed_position(request.request_id) < last_fed
                 and request.finish_reason == pb.FINISH_REASON_UNSPECIFIED
+                and self.link.unavailable_since(request.request_id) is None
                 and time.monotonic() < deadline
             ):
                 await asyncio.sleep(0.005)

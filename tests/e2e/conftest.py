@@ -1,0 +1,73 @@
+"""One engine process per session (start-up costs ~35 s), pointed at two router
+ports; tests start, kill and restart router processes on those ports."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e import stack
+from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="session")
+def router_ports() -> tuple[int, int]:
+    return stack.free_port(), stack.free_port()
+
+
+@pytest.fixture(scope="session")
+async def engine_service(tiny_llama_path, router_ports):
+    service = stack.engine(
+        tiny_llama_path, ",".join(f"127.0.0.1:{p}" for p in router_ports), "--max-num-seqs", "16"
+    ).start()
+    try:
+        async with stack.channel(service.address) as channel:
+            await _wait_model_info(pb_grpc.EngineStub(channel), service)
+        yield service
+    finally:
+        service.kill()
+
+
+async def _wait_model_info(stub, service, timeout: float = 240) -> pb.ModelInfo:
+    import asyncio
+    import time
+
+    import grpc
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if service.process.poll() is not None:
+            raise RuntimeError(f"engine exited:\n{service.log_tail()}")
+        try:
+            return await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=2)
+        except grpc.aio.AioRpcError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)
+
+
+@pytest.fixture
+async def engine(engine_service):
+    async with stack.channel(engine_service.address) as channel:
+        yield pb_grpc.EngineStub(channel)
+
+
+@pytest.fixture
+async def start_router(router_ports, tmp_path):
+    """start_router(index, probes_dir=None) -> a router answering on router_ports[index]
+    (NOT_SERVING until it has a probe)."""
+    started: list[stack.Service] = []
+
+    async def start(index: int = 0, probes_dir=None) -> stack.Service:
+        directory = probes_dir or tmp_path / f"probes-{index}"
+        directory.mkdir(parents=True, exist_ok=True)
+        service = stack.router(router_ports[index], directory).start()
+        started.append(service)
+        await service.wait_health(want_serving=None, timeout=60)
+        return service
+
+    yield start
+    for service in started:
+        service.kill()

@@ -1,0 +1,89 @@
+"""Probes built from a first run's captured activations, so their firing point
+is known in advance: the oracle for end-to-end abort tests."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from common.activations import from_batch
+from router_service.probe_files import encode_safetensors
+from undercurrent.v1 import undercurrent_pb2 as pb
+
+LAYER = 3
+TRACE_POINT = "trace"
+
+
+def trace_point() -> pb.ExtractionPoint:
+    """The residual stream after LAYER for every generated token, streamed back."""
+    return pb.ExtractionPoint(
+        name=TRACE_POINT, tensor_type=pb.RESIDUAL_STREAM, layers=[LAYER],
+        tokens=pb.TokenSelector(scope=pb.TokenSelector.GENERATED), stream_to_client=True,
+    )
+
+
+def rows_by_position(batches: list[pb.ActivationBatch]) -> dict[int, np.ndarray]:
+    rows = {}
+    for batch in batches:
+        for block in from_batch(batch):
+            for i, position in enumerate(block.token_positions):
+                assert int(position) not in rows, f"position {position} arrived twice"
+                rows[int(position)] = block.rows[i]
+    return rows
+
+
+@dataclass
+class FiringProbe:
+    """A linear probe that fires first at `position` of the target request and
+    nowhere in the others."""
+
+    name: str
+    weight: np.ndarray
+    bias: float
+    threshold: float
+    position: int
+
+    def manifest(self, action: str = "abort") -> dict:
+        return {
+            "name": self.name, "version": "1", "kind": "linear", "tensor_type": "residual_stream",
+            "layers": [LAYER], "hidden_size": int(self.weight.size), "dtype": "float32",
+            "threshold": self.threshold, "action": action, "tokens": {"scope": "generated"},
+        }
+
+    def load_request(self, action: str = "abort") -> pb.LoadProbeRequest:
+        weights = encode_safetensors(
+            {"weight": self.weight, "bias": np.array([self.bias], np.float32)}, "float32"
+        )
+        return pb.LoadProbeRequest(
+            inline=pb.InlineProbe(manifest_json=json.dumps(self.manifest(action)),
+                                  weights_safetensors=weights),
+            replace=True,
+        )
+
+    def score(self, row: np.ndarray) -> float:
+        return float(row @ self.weight + self.bias)
+
+
+def probe_firing_at(name: str, target: dict[int, np.ndarray], others: list[dict[int, np.ndarray]],
+                    min_index: int) -> FiringProbe:
+    """Picks a target position at or after min_index whose row stands apart from
+    every earlier target row and every row of the other requests."""
+    first = min(target)
+    background_all = [row for rows in others for row in rows.values()]
+    for position in sorted(target):
+        if position - first < min_index:
+            continue
+        earlier = [target[p] for p in target if p < position]
+        background = np.array(earlier + background_all)
+        centre = background.mean(axis=0)
+        direction = target[position] - centre
+        direction /= np.linalg.norm(direction)
+        hit = float((target[position] - centre) @ direction)
+        highest = float(((background - centre) @ direction).max())
+        if hit > highest + 0.2 * abs(hit):
+            threshold = (hit + highest) / 2
+            return FiringProbe(name, direction.astype(np.float32), float(-centre @ direction),
+                               threshold, position)
+    raise AssertionError("no target position stands apart; the probe cannot be built")

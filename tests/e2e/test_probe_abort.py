@@ -1,0 +1,105 @@
+"""A probe that fires on a known token aborts exactly its request at that
+token; the other requests in the same batch finish untouched."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.e2e import probes, stack
+from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = ["The quick brown fox", "Hello, world! How are", "A probe is a small"]
+MAX_TOKENS = 16
+# Tokens vLLM may generate after the triggering one before the abort lands:
+# the verdict needs a drain, a router round trip and a scheduler step.
+ABORT_LATENCY_BOUND = 4
+
+
+def request(prompt: str, rid: str, **fields) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=rid, text=prompt,
+        sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True), **fields,
+    )
+
+
+@pytest.fixture(scope="module")
+async def baseline(engine_service):
+    """Greedy tokens and layer-3 residual rows of each prompt, captured without any router."""
+    async with stack.channel(engine_service.address) as ch:
+        stub = pb_grpc.EngineStub(ch)
+        outcomes = await asyncio.gather(*[
+            stack.generate(stub, request(p, f"base-{i}", extraction_points=[probes.trace_point()]))
+            for i, p in enumerate(PROMPTS)
+        ])
+    for outcome in outcomes:
+        assert outcome.reason == "LENGTH" and len(outcome.tokens) == MAX_TOKENS
+        rows = probes.rows_by_position(outcome.batches)
+        prompt_len = outcome.finished.prompt_tokens
+        # Every generated token but the last is fed back, so it has activations.
+        assert sorted(rows) == list(range(prompt_len, prompt_len + MAX_TOKENS - 1))
+    return outcomes
+
+
+@pytest.fixture
+async def firing_probe(baseline, start_router, engine):
+    rows = [probes.rows_by_position(o.batches) for o in baseline]
+    probe = probes.probe_firing_at("fires_on_a", rows[0], rows[1:], min_index=4)
+    router = await start_router(0)
+    async with stack.channel(router.address) as ch:
+        info = await pb_grpc.ProbeAdminStub(ch).LoadProbe(probe.load_request())
+    assert info.name == probe.name and info.action == pb.ABORT
+    await stack.wait_for_probe(engine, probe.name)
+    return probe
+
+
+async def test_probe_aborts_exactly_the_request_it_fires_on(engine, baseline, firing_probe):
+    binding = pb.ProbeBinding(probe=firing_probe.name, failure_policy=pb.FAIL_CLOSED)
+    outcomes = await asyncio.gather(*[
+        stack.generate(engine, request(p, f"probed-{i}", probes=[binding]))
+        for i, p in enumerate(PROMPTS)
+    ])
+    aborted, *others = outcomes
+    assert aborted.reason == "PROBE_ABORT"
+    verdict = aborted.finished.verdict
+    assert verdict.probe == firing_probe.name and verdict.request_id == "probed-0"
+    assert verdict.token_position == firing_probe.position
+    assert verdict.score >= firing_probe.threshold
+    assert verdict.router.endswith(str(firing_probe and verdict.router.split(":")[-1]))
+    trigger_index = firing_probe.position - aborted.finished.prompt_tokens
+    # Up to the trigger the probed run is the baseline run, token for token.
+    assert aborted.tokens[: trigger_index + 1] == baseline[0].tokens[: trigger_index + 1]
+    after_trigger = len(aborted.tokens) - (trigger_index + 1)
+    print(f"abort latency: {after_trigger} tokens after the triggering token")
+    assert 0 <= after_trigger <= ABORT_LATENCY_BOUND
+    for outcome, base in zip(others, baseline[1:]):
+        assert outcome.reason == "LENGTH", outcome.finished
+        assert outcome.tokens == base.tokens
+        assert outcome.finished.unprobed_tokens == 0 and outcome.finished.dropped_records == 0
+
+
+async def test_gated_client_sees_no_token_at_or_after_the_trigger(engine, firing_probe):
+    binding = pb.ProbeBinding(probe=firing_probe.name, failure_policy=pb.FAIL_CLOSED)
+    outcome = await stack.generate(engine, request(PROMPTS[0], "gated-0", probes=[binding], gate_tokens=True))
+    assert outcome.reason == "PROBE_ABORT"
+    trigger_index = firing_probe.position - outcome.finished.prompt_tokens
+    assert outcome.finished.verdict.token_position == firing_probe.position
+    # Every token before the trigger is released, none at or after it.
+    assert len(outcome.tokens) == trigger_index
+    assert outcome.finished.generated_tokens > trigger_index
+
+
+async def test_observe_binding_reports_scores_and_never_aborts(engine, baseline, firing_probe):
+    binding = pb.ProbeBinding(probe=firing_probe.name, action=pb.OBSERVE, failure_policy=pb.FAIL_CLOSED)
+    outcome = await stack.generate(engine, request(PROMPTS[0], "observed-0", probes=[binding]))
+    assert outcome.reason == "LENGTH" and outcome.tokens == baseline[0].tokens
+    scored = {p: s for event in outcome.scores for p, s in zip(event.token_positions, event.scores)}
+    rows = probes.rows_by_position(baseline[0].batches)
+    assert sorted(scored) == sorted(rows)
+    for position, score in scored.items():
+        assert score == pytest.approx(firing_probe.score(rows[position]), rel=1e-4, abs=1e-4)
+    assert scored[firing_probe.position] >= firing_probe.threshold
