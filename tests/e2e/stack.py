@@ -125,7 +125,9 @@ class Outcome:
         return pb.FinishReason.Name(self.finished.finish_reason)
 
 
-async def generate(stub: pb_grpc.EngineStub, request: pb.GenerateRequest, timeout=120) -> Outcome:
+async def generate(stub: pb_grpc.EngineStub, request: pb.GenerateRequest, timeout=120,
+                   scored: asyncio.Event | None = None) -> Outcome:
+    """Runs one Generate stream to its end; sets `scored` at the first probe event."""
     outcome = Outcome()
     async for response in stub.Generate(request, timeout=timeout):
         kind = response.WhichOneof("event")
@@ -137,6 +139,8 @@ async def generate(stub: pb_grpc.EngineStub, request: pb.GenerateRequest, timeou
             outcome.text += response.tokens.text
         elif kind == "probe_event":
             outcome.scores.append(response.probe_event.scores)
+            if scored is not None:
+                scored.set()
         elif kind == "activations":
             outcome.batches.append(response.activations)
         elif kind == "finished":

@@ -1,0 +1,108 @@
+"""Routers die and come back; replicas split the load; the engine keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import grpc
+import numpy as np
+import pytest
+
+from router_service.probe_files import write_probe
+from tests.e2e import stack
+from undercurrent.v1 import undercurrent_pb2 as pb
+
+pytestmark = pytest.mark.vllm
+
+WATCH = "watch_norm"
+
+
+def write_watch_probe(directory, hidden: int = 128) -> None:
+    """Observes every generated token's layer-1 residual norm; never fires."""
+    write_probe(directory / WATCH, {
+        "name": WATCH, "version": "1", "kind": "norm", "tensor_type": "residual_stream",
+        "layers": [1], "hidden_size": hidden, "dtype": "float32", "threshold": 1e9,
+        "action": "observe", "tokens": {"scope": "generated"},
+    })
+
+
+def request(rid: str, policy: int, max_tokens: int = 12) -> pb.GenerateRequest:
+    message = pb.GenerateRequest(
+        request_id=rid, text=f"request {rid} says hello",
+        sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+    )
+    message.probes.add(probe=WATCH, failure_policy=policy)
+    return message
+
+
+@pytest.fixture
+async def two_routers(start_router, tmp_path, engine):
+    for index in (0, 1):
+        write_watch_probe(tmp_path / f"probes-{index}")
+    routers = [await start_router(i, tmp_path / f"probes-{i}") for i in (0, 1)]
+    await stack.wait_for_probe(engine, WATCH)
+    return routers
+
+
+async def test_two_replicas_split_requests_and_keep_each_on_one(engine, two_routers):
+    # Both sessions must be up before the split is measured.
+    await asyncio.sleep(1.0)
+    outcomes = await asyncio.gather(
+        *[stack.generate(engine, request(f"split-{i}", pb.FAIL_CLOSED, 6)) for i in range(12)]
+    )
+    homes = {}
+    for outcome in outcomes:
+        assert outcome.reason == "LENGTH"
+        replicas = {event.router for event in outcome.scores}
+        assert len(replicas) == 1, f"{outcome.request_id} was scored by {replicas}"
+        positions = [p for event in outcome.scores for p in event.token_positions]
+        assert sorted(positions) == positions and len(set(positions)) == len(positions) == 5
+        homes[outcome.request_id] = replicas.pop()
+    counts = Counter(homes.values())
+    assert set(counts) == {r.address for r in two_routers}, counts
+
+
+async def test_killed_router_fails_closed_and_open_requests_by_policy(engine, start_router, tmp_path):
+    write_watch_probe(tmp_path / "probes-0")
+    router = await start_router(0, tmp_path / "probes-0")
+    await stack.wait_for_probe(engine, WATCH)
+    long = 480
+    both_scored = [asyncio.Event(), asyncio.Event()]
+    closed = asyncio.create_task(
+        stack.generate(engine, request("closed", pb.FAIL_CLOSED, long), scored=both_scored[0]))
+    opened = asyncio.create_task(
+        stack.generate(engine, request("open", pb.FAIL_OPEN, long), scored=both_scored[1]))
+    for event in both_scored:
+        await asyncio.wait_for(event.wait(), 60)
+    router.kill()
+    closed_outcome, open_outcome = await asyncio.gather(closed, opened)
+    assert closed_outcome.reason == "ROUTER_UNAVAILABLE"
+    assert "no router reachable" in closed_outcome.finished.verdict.reason
+    assert len(closed_outcome.tokens) < long
+    assert open_outcome.reason == "LENGTH" and len(open_outcome.tokens) == long
+    scored = sum(len(e.token_positions) for e in open_outcome.scores)
+    unprobed = open_outcome.finished.unprobed_tokens
+    assert scored > 0 and unprobed > 0
+    # Every fed token is either scored or counted as unprobed (or was in flight when it died).
+    assert scored + unprobed <= long - 1
+
+    # The router comes back on the same port: new requests are probed again, no engine restart.
+    await start_router(0, tmp_path / "probes-0")
+    await stack.wait_for_probe(engine, WATCH)
+    again = await stack.generate(engine, request("after-restart", pb.FAIL_CLOSED, 8))
+    assert again.reason == "LENGTH" and again.finished.unprobed_tokens == 0
+    assert sum(len(e.token_positions) for e in again.scores) == 7
+
+
+async def test_no_router_at_start_fails_closed_requests_quickly(engine, start_router, tmp_path):
+    write_watch_probe(tmp_path / "probes-0")
+    router = await start_router(0, tmp_path / "probes-0")
+    await stack.wait_for_probe(engine, WATCH)
+    router.kill()
+    await asyncio.sleep(0.5)
+    # The catalog forgets a dead router's probes: binding it is now NOT_FOUND.
+    with pytest.raises(grpc.aio.AioRpcError) as failure:
+        await stack.generate(engine, request("orphan", pb.FAIL_CLOSED, 4))
+    assert failure.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "'watch_norm' is not loaded in any reachable router" in failure.value.details()
