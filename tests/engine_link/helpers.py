@@ -16,7 +16,7 @@ HIDDEN = 8
 # Fast timings so failures are detected in tens of milliseconds.
 FAST = dict(
     heartbeat_interval_s=0.05,
-    heartbeat_timeout_s=0.5,
+    heartbeat_timeout_s=1.0,
     reconnect_base_s=0.02,
     reconnect_max_s=0.1,
     router_timeout_s=0.2,
@@ -42,7 +42,7 @@ class EventLog:
             if isinstance(e, kind) and (request_id is None or e.request_id == request_id)
         ]
 
-    async def wait_for(self, predicate, timeout: float = 5.0) -> None:
+    async def wait_for(self, predicate, timeout: float = 10.0) -> None:
         async with asyncio.timeout(timeout):
             while not predicate():
                 self._changed.clear()
@@ -73,7 +73,7 @@ def step(
     )
 
 
-async def until(predicate, timeout: float = 5.0, interval: float = 0.01) -> None:
+async def until(predicate, timeout: float = 10.0, interval: float = 0.01) -> None:
     """Polls a condition that no event announces (e.g. a replica's liveness)."""
     async with asyncio.timeout(timeout):
         while not predicate():

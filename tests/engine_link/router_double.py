@@ -92,7 +92,7 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServicer):
         self.probes = list(probes)
         self.push(pb.RouterMessage(catalog=pb.ProbeCatalog(probes=self.probes)))
 
-    async def wait_for(self, predicate, timeout: float = 5.0) -> None:
+    async def wait_for(self, predicate, timeout: float = 10.0) -> None:
         async with asyncio.timeout(timeout):
             while not predicate():
                 self.changed.clear()

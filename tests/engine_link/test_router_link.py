@@ -35,7 +35,7 @@ async def test_two_replicas_split_requests_and_each_request_stays_on_one(routers
     a, b = await routers(), await routers()
     link, events = links(f"{a.address},{b.address}")
     await link.start()
-    await link.wait_ready(2, timeout=5)
+    await link.wait_ready(2, timeout=10)
     ids = [f"req-{i}" for i in range(32)]
     for request_id in ids:
         link.start_request(request_id, BINDING, prompt_length=2)
@@ -74,7 +74,7 @@ async def test_acks_become_processed_positions_and_verdicts_reach_their_request(
     router = await routers(threshold=1.0)
     link, events = links(router.address)
     await link.start()
-    await link.wait_ready(timeout=5)
+    await link.wait_ready(timeout=10)
     link.start_request("calm", BINDING, prompt_length=2)
     link.start_request("hot", BINDING, prompt_length=2)
     link.send_step([step({"calm": [0, 1], "hot": [0, 1]}, first={"hot": 0.5})])
@@ -98,7 +98,7 @@ async def test_in_band_error_leaves_the_stream_up(routers, links):
     router = await routers()
     link, events = links(router.address)
     await link.start()
-    await link.wait_ready(timeout=5)
+    await link.wait_ready(timeout=10)
     link.start_request("bad", [pb.ProbeBinding(probe="missing")], prompt_length=1)
     link.start_request("good", BINDING, prompt_length=1)
     link.send_step([step({"good": [0]})])
@@ -116,7 +116,7 @@ async def test_killed_replica_rehomes_its_requests_then_reconnects_on_the_same_p
     a, b = await routers(), await routers()
     link, events = links(f"{a.address},{b.address}")
     await link.start()
-    await link.wait_ready(2, timeout=5)
+    await link.wait_ready(2, timeout=10)
     ids = [f"req-{i}" for i in range(32)]
     for request_id in ids:
         link.start_request(request_id, BINDING, prompt_length=1)
@@ -143,7 +143,7 @@ async def test_killed_replica_rehomes_its_requests_then_reconnects_on_the_same_p
     assert all(b.requests[r].positions == [1] for r in on_a)  # step 0 of these went to a
 
     a_again = await routers(port=a.port)
-    await link.wait_ready(2, timeout=5)
+    await link.wait_ready(2, timeout=10)
     assert metric(link, "reconnects_total", replica=a.address) == 1
     assert all(link.replica_of(r) == b.address for r in ids)  # no reshuffle on return
     assert a_again.requests == {}
@@ -157,7 +157,7 @@ async def test_dns_target_resolves_localhost(routers, links):
     router = await routers()
     link, events = links(f"dns:localhost:{router.port}")
     await link.start()
-    await link.wait_ready(timeout=5)
+    await link.wait_ready(timeout=10)
     assert link.replicas_up() == [router.address]
     link.start_request("r", BINDING, prompt_length=1)
     link.send_step([step({"r": [0]})])
@@ -181,14 +181,14 @@ async def test_dns_membership_changes_live(routers, links):
 
     link, events = links("dns:routers.test:50051", resolver=resolver, dns_refresh_s=0.02)
     await link.start()
-    await link.wait_ready(timeout=5)
+    await link.wait_ready(timeout=10)
     ids = [f"req-{i}" for i in range(10)]
     for request_id in ids:
         link.start_request(request_id, BINDING, prompt_length=1)
     assert {link.replica_of(r) for r in ids} == {a.address}
 
     resolved.append(b.address)
-    await link.wait_ready(2, timeout=5)
+    await link.wait_ready(2, timeout=10)
     assert {link.replica_of(r) for r in ids} == {a.address}  # a request keeps its replica
 
     failing = True  # a resolver outage keeps the replicas it knew
@@ -211,7 +211,7 @@ async def test_overflow_policies_count_drops_per_request(routers, links, policy,
     router = await routers()
     link, events = links(router.address, queue_max_batches=3, overflow_policy=policy)
     await link.start()
-    await link.wait_ready(timeout=5)
+    await link.wait_ready(timeout=10)
     link.start_request("r1", BINDING, prompt_length=1)
     link.start_request("r2", BINDING, prompt_length=1)
     # No await in between: the writer cannot run, so the queue fills exactly.
@@ -236,13 +236,21 @@ async def test_a_stalled_router_never_blocks_the_caller_and_every_loss_is_counte
     router = await routers()
     link, _ = links(router.address, queue_max_batches=4, heartbeat_timeout_s=5.0)
     await link.start()
-    await link.wait_ready(timeout=5)
+    await link.wait_ready(timeout=10)
     link.start_request("r", BINDING, prompt_length=1)
     router.reading.clear()
+
+    async def held_by_flow_control() -> bool:
+        """Full and staying full: the writer is blocked, not merely late."""
+        if not link.is_backpressured("r"):
+            return False
+        await asyncio.sleep(0.05)
+        return link.is_backpressured("r")
+
     slowest = 0.0
     steps = 0
     # Steps of 256 KiB until the transport's buffers are full and the queue is too.
-    while not link.is_backpressured("r"):
+    while not await held_by_flow_control():
         assert steps < 1000, "flow control never pushed back"
         began = time.monotonic()
         link.send_step([step({"r": [steps]}, hidden=65536)])
@@ -254,8 +262,6 @@ async def test_a_stalled_router_never_blocks_the_caller_and_every_loss_is_counte
     assert slowest < 0.5  # CPU time only: a send that waited on the network would hang
     assert link.dropped_records("r") == 3
     assert metric(link, "dropped_records_total", reason="drop_oldest") == 3
-    await asyncio.sleep(0.05)
-    assert link.is_backpressured("r")  # the writer is held by flow control, not just late
 
     await router.kill()
     await until(lambda: link.replicas_up() == [])
@@ -273,7 +279,7 @@ async def test_a_step_over_the_message_limit_is_split(routers, links):
     limit = 16_000
     link, events = links(router.address, max_message_bytes=limit)
     await link.start()
-    await link.wait_ready(timeout=5)
+    await link.wait_ready(timeout=10)
     link.start_request("big", BINDING, prompt_length=100)
     block = step({"big": list(range(100))}, hidden=64)  # ~26 KB of rows
     link.send_step([block])
@@ -288,7 +294,7 @@ async def test_a_silent_replica_is_marked_down_by_the_heartbeat_timeout(routers,
     a, b = await routers(), await routers()
     link, events = links(f"{a.address},{b.address}", heartbeat_timeout_s=0.3)
     await link.start()
-    await link.wait_ready(2, timeout=5)
+    await link.wait_ready(2, timeout=10)
     ids = [f"req-{i}" for i in range(32)]
     for request_id in ids:
         link.start_request(request_id, BINDING, prompt_length=1)
@@ -296,7 +302,7 @@ async def test_a_silent_replica_is_marked_down_by_the_heartbeat_timeout(routers,
     assert on_a
     a.silent = True  # the stream stays open; nothing comes back
     silenced = time.monotonic()
-    await events.wait_for(lambda: len(events.of(StateReset)) == len(on_a), timeout=3)
+    await events.wait_for(lambda: len(events.of(StateReset)) == len(on_a), timeout=10)
     assert time.monotonic() - silenced >= 0.25
     assert link.replicas_up() == [b.address]
     assert all("no message" in e.reason for e in events.of(StateReset))
@@ -304,10 +310,10 @@ async def test_a_silent_replica_is_marked_down_by_the_heartbeat_timeout(routers,
 
 async def test_echoed_heartbeats_keep_a_quiet_replica_up(routers, links):
     router = await routers(heartbeat_s=60)  # sends nothing of its own
-    link, _ = links(router.address, heartbeat_interval_s=0.05, heartbeat_timeout_s=0.3)
+    link, _ = links(router.address, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.6)
     await link.start()
-    await link.wait_ready(timeout=5)
-    await router.wait_for(lambda: router.heartbeats >= 10)  # 0.5 s > the timeout
+    await link.wait_ready(timeout=10)
+    await router.wait_for(lambda: router.heartbeats >= 12)  # 1.2 s: twice the timeout
     assert link.replicas_up() == [router.address]
     assert len(router.hellos) == 1  # never reconnected
 
@@ -318,7 +324,7 @@ async def test_no_reachable_replica_counts_unprobed_tokens_and_signals_unavailab
     router = await routers()
     link, events = links(router.address, router_timeout_s=0.2)
     await link.start()
-    await link.wait_ready(timeout=5)
+    await link.wait_ready(timeout=10)
     link.start_request("r", BINDING, prompt_length=1)
     link.send_step([step({"r": [0]})])
     await events.wait_for(lambda: events.of(Processed, "r"))
@@ -330,13 +336,13 @@ async def test_no_reachable_replica_counts_unprobed_tokens_and_signals_unavailab
         link.send_step([step({"r": [position]}, layer=0), step({"r": [position]}, layer=1)])
     assert link.unprobed_tokens("r") == 2
     assert metric(link, "unprobed_tokens_total") == 2
-    await events.wait_for(lambda: events.of(Unavailable, "r"), timeout=3)
+    await events.wait_for(lambda: events.of(Unavailable, "r"), timeout=10)
     [unavailable] = events.of(Unavailable, "r")
     assert unavailable.since == lost_at
     assert time.monotonic() - lost_at >= 0.2
 
     back = await routers(port=router.port)
-    await events.wait_for(lambda: events.of(StateReset, "r"), timeout=5)
+    await events.wait_for(lambda: events.of(StateReset, "r"), timeout=10)
     [reset] = events.of(StateReset, "r")
     assert (reset.old_replica, reset.new_replica) == (router.address, router.address)
     await back.wait_for(lambda: "r" in back.requests)
@@ -352,7 +358,7 @@ async def test_a_request_started_before_any_replica_is_up_starts_clean(routers, 
     link.start_request("early", BINDING, prompt_length=3)  # before start(): nothing is up
     assert link.unavailable_since("early") is not None
     await link.start()
-    await link.wait_ready(timeout=5)
+    await link.wait_ready(timeout=10)
     await router.wait_for(lambda: "early" in router.requests)
     assert [s.state_reset for s in router.requests["early"].starts] == [False]
     assert events.of(StateReset) == []
@@ -364,7 +370,7 @@ async def test_drain_moves_requests_away_and_drops_its_probes_from_the_catalog(r
     b = await routers()
     link, events = links(f"{a.address},{b.address}")
     await link.start()
-    await link.wait_ready(2, timeout=5)
+    await link.wait_ready(2, timeout=10)
     assert sorted(link.catalog()) == ["first_element", "only_on_a"]
     ids = [f"req-{i}" for i in range(32)]
     for request_id in ids:
@@ -393,7 +399,7 @@ async def test_a_lone_draining_replica_keeps_its_requests_until_another_is_up(ro
 
     link, events = links("dns:routers.test:1", resolver=resolver, dns_refresh_s=0.02)
     await link.start()
-    await link.wait_ready(timeout=5)
+    await link.wait_ready(timeout=10)
     link.start_request("r", BINDING, prompt_length=1)
     a.drain()
     await until(lambda: link.catalog() == {})
@@ -418,7 +424,7 @@ async def test_catalog_follows_router_pushes(routers, links):
     router = await routers()
     link, _ = links(router.address)
     await link.start()
-    await link.wait_ready(timeout=5)
+    await link.wait_ready(timeout=10)
     assert list(link.catalog()) == ["first_element"]
     router.set_probes([pb.ProbeInfo(name="second", tensor_type=pb.ATTN_OUT, layers=[0, 1])])
     await until(lambda: list(link.catalog()) == ["second"])
@@ -429,7 +435,7 @@ async def test_close_ends_streams_gracefully(routers, links):
     router = await routers()
     link, _ = links(router.address)
     await link.start()
-    await link.wait_ready(timeout=5)
+    await link.wait_ready(timeout=10)
     link.start_request("r", BINDING, prompt_length=1)
     link.send_step([step({"r": [0]})])
     await link.close()
