@@ -498,7 +498,7 @@ class RouterLink:
         target = self._targets
         try:
             addresses = await self._resolver(target.host, target.port)
-        except (OSError, socket.gaierror) as err:
+        except Exception as err:  # a resolver outage must not end the refresh loop
             log.warning(
                 "resolving %s:%d failed (%s); keeping %d replicas",
                 target.host,
