@@ -1,117 +1,13 @@
-"""python -m router_service --port N --probes DIR: run one probe router.
+"""python -m router_service --port N --probes DIR: run one probe router (see cli.py)."""
 
-Bad input (unknown flag, missing probes dir, a probe that fails to load, a port
-in use) exits with status 2 and a one-line error on stderr, no traceback.
-SIGTERM or SIGINT drain the router, then stop it (see server.Router.shutdown).
-"""
-
-from __future__ import annotations
-
-import argparse
-import asyncio
-import logging
-import signal
-import socket
+import os
 import sys
-from pathlib import Path
 
-from prometheus_client import start_http_server
+# One BLAS thread per scoring thread: a probe's skinny matmul gains nothing from
+# more, and on shared cores more threads made it up to 20x slower. Set before
+# numpy loads, in the router's own process only.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from common.grpc_server import PortInUse
-from router_service import logs
-from router_service.probe_files import ProbeFileError
-from router_service.server import Router, RouterConfig
+from router_service.cli import main  # noqa: E402
 
-log = logging.getLogger("router_service")
-
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:
-        raise SystemExit(_fail(message))
-
-
-def _fail(message: str) -> int:
-    print(f"router_service: error: {message}", file=sys.stderr)
-    return 2
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = OneLineParser(prog="python -m router_service", description=__doc__.splitlines()[0])
-    parser.add_argument("--port", type=int, required=True, help="gRPC port (0: any free port)")
-    parser.add_argument("--probes", type=Path, required=True,
-                        help="directory of probes to load at start-up (may be empty)")
-    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
-    parser.add_argument("--metrics-port", type=int, default=None,
-                        help="serve Prometheus metrics over HTTP on this port")
-    parser.add_argument("--heartbeat-interval", type=float, default=5.0,
-                        help="seconds between the router's own heartbeats (default 5)")
-    parser.add_argument("--grace-period", type=float, default=30.0,
-                        help="seconds a drain waits for active requests to end (default 30)")
-    parser.add_argument("--scores-interval", type=float, default=0.0,
-                        help="minimum seconds between ProbeScores messages per binding (default 0: every step)")
-    parser.add_argument("--router-id", default="", help="name reported in RouterHello (default host:pid)")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    args = parser.parse_args(argv)
-    if not args.probes.is_dir():
-        parser.error(f"--probes {args.probes}: not a directory")
-    for flag in ("heartbeat_interval", "grace_period"):
-        if getattr(args, flag) <= 0:
-            parser.error(f"--{flag.replace('_', '-')} must be > 0")
-    return args
-
-
-def check_port_free(host: str, port: int) -> None:
-    """Fails before gRPC tries, so a taken port is one clear line, not a C-core log."""
-    if port == 0:
-        return
-    try:
-        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as err:
-        raise PortInUse(f"cannot listen on {host}:{port}: {err.strerror}") from None
-    for family, kind, proto, _, address in addresses:
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind(address)
-            except OSError as err:
-                raise PortInUse(f"cannot listen on {host}:{port}: {err.strerror}") from None
-
-
-async def serve(args: argparse.Namespace) -> None:
-    check_port_free(args.host, args.port)
-    router = Router(
-        RouterConfig(
-            host=args.host,
-            port=args.port,
-            probes_dir=args.probes,
-            heartbeat_interval=args.heartbeat_interval,
-            grace_period=args.grace_period,
-            scores_interval=args.scores_interval,
-            router_id=args.router_id,
-        )
-    )
-    await router.start()
-    if args.metrics_port is not None:
-        try:
-            start_http_server(args.metrics_port, addr=args.host, registry=router.metrics.registry)
-        except OSError as err:
-            raise PortInUse(f"cannot serve metrics on {args.host}:{args.metrics_port}: {err.strerror}") from None
-    print(f"router listening on {args.host}:{router.port}", flush=True)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda s=sig: loop.create_task(router.shutdown()))
-    await router.wait_stopped()
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    logs.configure(args.log_level)
-    try:
-        asyncio.run(serve(args))
-    except (ProbeFileError, PortInUse) as err:
-        return _fail(str(err))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+sys.exit(main())

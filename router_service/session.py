@@ -20,7 +20,7 @@ import numpy as np
 from common.activations import BatchDecodeError, decode_block
 from common.errors import UndercurrentError
 from router_service.metrics import RouterMetrics
-from router_service.probes import Probe, ProjectionPlan, RuleState, first_firing_segments
+from router_service.probes import Probe, ProjectionPlan, first_firing_segments
 from router_service.registry import ProbeRegistry
 from undercurrent.v1 import undercurrent_pb2 as pb
 
@@ -36,8 +36,8 @@ class Binding:
     probe: Probe
     action: int  # pb.OBSERVE or pb.ABORT
     order: int  # position in the request's bindings: breaks ties between aborts
+    row: int  # this binding's row in its probe's _BoundProbe rule arrays
     state: list = field(default_factory=list)
-    rule: RuleState = field(default_factory=RuleState)
     pending_positions: list[np.ndarray] = field(default_factory=list)
     pending_scores: list[np.ndarray] = field(default_factory=list)
     last_scores_sent: float = float("-inf")
@@ -49,6 +49,34 @@ class RequestState:
     prompt_length: int
     bindings: dict[int, Binding]  # id(probe) -> binding, in request_start order
     aborted: bool = False
+
+
+class _BoundProbe:
+    """A probe bound in this session, with the decision-rule state of every binding
+    of it as arrays, so a batch updates them all at once."""
+
+    def __init__(self, probe: Probe):
+        self.probe = probe
+        self.bindings = 0
+        self.seen = np.zeros(16, dtype=np.int64)  # rows scored so far, per binding row
+        self.streak = np.zeros(16, dtype=np.int64)  # consecutive rows >= threshold
+        self.abort = np.zeros(16, dtype=bool)  # the binding's action is ABORT
+        self._free = list(range(15, -1, -1))
+
+    def allocate(self, abort: bool) -> int:
+        if not self._free:
+            size = self.seen.size
+            self.seen, self.streak, self.abort = (
+                np.concatenate([a, np.zeros_like(a)]) for a in (self.seen, self.streak, self.abort))
+            self._free = list(range(2 * size - 1, size - 1, -1))
+        row = self._free.pop()
+        self.seen[row], self.streak[row], self.abort[row] = 0, 0, abort
+        self.bindings += 1
+        return row
+
+    def release(self, row: int) -> None:
+        self._free.append(row)
+        self.bindings -= 1
 
 
 @dataclass
@@ -103,7 +131,7 @@ class SessionState:
         self.draining = draining
         self.clock = clock
         self.requests: dict[str, RequestState] = {}
-        self._bound: dict[int, list] = {}  # id(probe) -> [probe, bindings in this session]
+        self._bound: dict[int, _BoundProbe] = {}  # id(probe) -> its bindings' rule state
         self._ended: OrderedDict[str, None] = OrderedDict()
         self._reported_incompatible: set[tuple[str, str]] = set()
         self._plans: OrderedDict[tuple[int, ...], ProjectionPlan] = OrderedDict()
@@ -161,8 +189,8 @@ class SessionState:
                 continue
             names.add(wanted.probe)
             action = wanted.action if wanted.action != pb.PROBE_ACTION_UNSPECIFIED else probe.manifest.action
-            bindings[id(probe)] = Binding(probe, action, len(bindings), probe.new_state())
-            self._bound.setdefault(id(probe), [probe, 0])[1] += 1
+            row = self._bound.setdefault(id(probe), _BoundProbe(probe)).allocate(action == pb.ABORT)
+            bindings[id(probe)] = Binding(probe, action, len(bindings), row, probe.new_state())
         self.requests[rid] = RequestState(rid, msg.prompt_length, bindings)
         self._ended.pop(rid, None)
         self.metrics.live_requests.inc()
@@ -196,9 +224,9 @@ class SessionState:
     def _unbind(self, request: RequestState, binding: Binding) -> None:
         del request.bindings[id(binding.probe)]
         self.registry.release(binding.probe)
-        entry = self._bound[id(binding.probe)]
-        entry[1] -= 1
-        if entry[1] == 0:
+        bound = self._bound[id(binding.probe)]
+        bound.release(binding.row)
+        if bound.bindings == 0:
             del self._bound[id(binding.probe)]
 
     # -- batches ------------------------------------------------------------
@@ -213,8 +241,9 @@ class SessionState:
         for i in range(len(batch.blocks)):
             out += self._gather_block(batch, i, requests, binds, gathered, reported)
         candidates: dict[int, list[_Candidate]] = {}
+        prompt_lengths = np.array([r.prompt_length if r else 0 for r in requests], dtype=np.int64)
         for part in gathered.values():
-            out += self._score_probe(part, requests, candidates)
+            out += self._score_probe(part, requests, prompt_lengths, candidates)
         for slot, found in candidates.items():
             request = requests[slot]
             if not request.aborted:
@@ -270,7 +299,7 @@ class SessionState:
                     f"{bad.tolist()[:8]}; those rows were not scored"))
         usable = known & finite
         readers = []
-        for probe, _ in self._bound.values():
+        for probe in [bound.probe for bound in self._bound.values()]:
             if not probe.manifest.reads(block.tensor_type, block.layer):
                 continue
             if id(probe) not in binds:
@@ -293,14 +322,13 @@ class SessionState:
         return out
 
     def _score_probe(
-        self, part: _Gathered, requests: list[RequestState | None],
+        self, part: _Gathered, requests: list[RequestState | None], prompt_lengths: np.ndarray,
         candidates: dict[int, list[_Candidate]],
     ) -> list[pb.RouterMessage]:
         """Scores one probe over all its requests' rows; files abort candidates; returns scores."""
         probe, m = part.probe, part.probe.manifest
         slots, positions, layers, generated, values = part.arrays()
         forward = np.lexsort((layers, positions, slots))  # per request: (token_position, layer)
-        prompt_lengths = np.array([r.prompt_length if r else 0 for r in requests])
         selected = forward[selects(m.tokens, positions[forward], generated[forward],
                                    prompt_lengths[slots[forward]])]
         if selected.size == 0:
@@ -308,30 +336,31 @@ class SessionState:
         slots, positions, layers, values = slots[selected], positions[selected], layers[selected], values[selected]
         starts = np.flatnonzero(np.r_[True, slots[1:] != slots[:-1]])
         ends = np.r_[starts[1:], slots.size]
-        bindings = [requests[s].bindings[id(probe)] for s in slots[starts]]
+        segment_slots = slots[starts].tolist()
+        bindings = [requests[s].bindings[id(probe)] for s in segment_slots]
         if probe.stateless:
             scores = probe.score(values, None)
         else:
             scores = np.concatenate([probe.score(values[a:b], binding.state)
                                      for a, b, binding in zip(starts, ends, bindings)])
         self.metrics.probe_rows.labels(probe.name).inc(scores.size)
-        seen = np.array([b.rule.seen for b in bindings], dtype=np.int64)
-        streak = np.array([b.rule.streak for b in bindings], dtype=np.int64)
+        bound = self._bound[id(probe)]
+        rows = np.fromiter((b.row for b in bindings), dtype=np.int64, count=len(bindings))
+        seen, streak = bound.seen[rows], bound.streak[rows]
         hits = first_firing_segments(scores, starts, m.threshold, m.min_tokens, m.patience, seen, streak)
+        bound.seen[rows], bound.streak[rows] = seen, streak
+        abort = bound.abort[rows]
+        for k in np.flatnonzero(abort & (hits >= 0)).tolist():
+            hit = hits[k]
+            candidates.setdefault(segment_slots[k], []).append(
+                _Candidate(int(positions[hit]), int(layers[hit]), bindings[k], float(scores[hit])))
         out = []
-        for k, binding in enumerate(bindings):
-            binding.rule.seen, binding.rule.streak = int(seen[k]), int(streak[k])
-            slot = int(slots[starts[k]])
-            if binding.action == pb.ABORT:
-                hit = hits[k]
-                if hit >= 0:
-                    candidates.setdefault(slot, []).append(
-                        _Candidate(int(positions[hit]), int(layers[hit]), binding, float(scores[hit])))
-            else:
-                binding.pending_positions.append(positions[starts[k]:ends[k]])
-                binding.pending_scores.append(scores[starts[k]:ends[k]])
-                if message := self._flush_scores(requests[slot], binding, force=False):
-                    out.append(message)
+        for k in np.flatnonzero(~abort).tolist():
+            binding = bindings[k]
+            binding.pending_positions.append(positions[starts[k]:ends[k]])
+            binding.pending_scores.append(scores[starts[k]:ends[k]])
+            if message := self._flush_scores(requests[segment_slots[k]], binding, force=False):
+                out.append(message)
         return out
 
     def _abort(self, request: RequestState, binding: Binding, score: float, position: int,

@@ -1,0 +1,268 @@
+"""How many activation rows one router process scores per second, against raw gRPC.
+
+Two servers run as separate processes on loopback, fed the same payloads by the
+same client: the real router (`python -m router_service`, 10 logistic probes,
+every request bound to all of them) and an ack-only servicer that answers every
+batch with its StepAck and nothing else (the ceiling the transport sets). Each
+step is one decode step of `--rows` requests: one bf16 row of `--hidden` each.
+The client keeps `--window` steps in flight. Results and the exact command go to
+bench/results/router_throughput.md.
+
+    python -m bench.router_throughput [--seconds 8] [--rows 256] [--hidden 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from common import tensor_codec
+from common.grpc_server import SERVICE_FULL_NAMES, channel_options, start_server
+from router_service.probe_files import write_probe
+from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import undercurrent_pb2_grpc
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results" / "router_throughput.md"
+LAYER = 16
+STALL_SECONDS = 30.0
+
+
+class AckOnly(undercurrent_pb2_grpc.ProbeRouterServicer):
+    """The transport alone: hello answered, every batch acknowledged, nothing decoded."""
+
+    async def Session(self, request_iterator, context):
+        async for message in request_iterator:
+            kind = message.WhichOneof("message")
+            if kind == "hello":
+                yield pb.RouterMessage(hello=pb.RouterHello(router_id="ack-only"))
+            elif kind == "batch":
+                yield pb.RouterMessage(ack=pb.StepAck(step=message.batch.step))
+
+
+async def serve_ack_only() -> None:
+    handle = await start_server(
+        [(undercurrent_pb2_grpc.add_ProbeRouterServicer_to_server, AckOnly(), SERVICE_FULL_NAMES["ProbeRouter"])],
+        "127.0.0.1", 0,
+    )
+    print(f"listening on 127.0.0.1:{handle.port}", flush=True)
+    await handle.server.wait_for_termination()
+
+
+@dataclass
+class Result:
+    name: str
+    steps: int
+    seconds: float
+    rows_per_step: int
+    bytes_per_step: int
+    ack_p50_ms: float
+    ack_p99_ms: float
+
+    @property
+    def rows_per_second(self) -> float:
+        return self.steps * self.rows_per_step / self.seconds
+
+    @property
+    def megabytes_per_second(self) -> float:
+        return self.steps * self.bytes_per_step / self.seconds / 1e6
+
+
+def payloads(rows: int, hidden: int, count: int = 4) -> list[pb.Tensor]:
+    rng = np.random.default_rng(0)
+    return [tensor_codec.encode(rng.normal(size=(rows, hidden)).astype(np.float32), "bfloat16")
+            for _ in range(count)]
+
+
+async def drive(name: str, port: int, args, probe_names: list[str], tensors: list[pb.Tensor]) -> Result:
+    """Streams steps for args.seconds with args.window in flight; counts acked steps."""
+    model = pb.ModelInfo(model="bench", hidden_size=args.hidden, num_layers=32, dtype="bfloat16",
+                         tensor_types=[pb.RESIDUAL_STREAM])
+    request_ids = [f"req-{i}" for i in range(args.rows)]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options()) as channel:
+        call = undercurrent_pb2_grpc.ProbeRouterStub(channel).Session()
+        await call.write(pb.EngineMessage(hello=pb.SessionHello(engine_id="bench", model=model)))
+        hello = await call.read()
+        assert hello.WhichOneof("message") == "hello", hello
+        bindings = [pb.ProbeBinding(probe=p) for p in probe_names]
+        for rid in request_ids:
+            await call.write(pb.EngineMessage(request_start=pb.RequestStart(
+                request_id=rid, probes=bindings, prompt_length=1)))
+        window = asyncio.Semaphore(args.window)
+        sent_at: dict[int, float] = {}
+        latencies: list[float] = []
+        acked = 0
+        problems: list[str] = []
+
+        async def read_acks() -> None:
+            nonlocal acked
+            while (message := await call.read()) is not grpc.aio.EOF:
+                kind = message.WhichOneof("message")
+                if kind == "ack":
+                    latencies.append(time.perf_counter() - sent_at.pop(message.ack.step))
+                    acked += 1
+                    window.release()
+                elif kind in ("error", "abort"):
+                    problems.append(str(message))
+
+        reader = asyncio.create_task(read_acks())
+        step, start = 0, None
+        deadline = None
+        measured_from = 0
+        while deadline is None or time.perf_counter() < deadline:
+            try:
+                await asyncio.wait_for(window.acquire(), STALL_SECONDS)
+            except TimeoutError:
+                raise RuntimeError(f"{name}: no ack for {STALL_SECONDS} s; reader: {reader}") from None
+            step += 1
+            if step == args.warmup + 1:  # measure after the warm-up steps were acked
+                while acked < args.warmup:
+                    await asyncio.sleep(0.001)
+                start, measured_from = time.perf_counter(), acked
+                latencies.clear()
+                deadline = start + args.seconds
+            block = pb.ActivationBlock(
+                point="resid", tensor_type=pb.RESIDUAL_STREAM, layer=LAYER, rows=tensors[step % len(tensors)],
+                request_index=range(args.rows), token_positions=[step] * args.rows,
+                is_generated=[True] * args.rows)
+            sent_at[step] = time.perf_counter()
+            await call.write(pb.EngineMessage(batch=pb.ActivationBatch(
+                step=step, request_ids=request_ids, blocks=[block])))
+        drained_by = time.perf_counter() + STALL_SECONDS
+        while sent_at and time.perf_counter() < drained_by:
+            await asyncio.sleep(0.001)
+        elapsed = time.perf_counter() - start
+        await call.done_writing()
+        reader.cancel()
+        if problems:
+            raise RuntimeError(f"{name}: unexpected messages: {problems[:3]}")
+    ms = np.array(latencies) * 1e3
+    return Result(name, acked - measured_from, elapsed, args.rows, len(tensors[0].data),
+                  float(np.percentile(ms, 50)), float(np.percentile(ms, 99)))
+
+
+def start_process(argv: list[str]) -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    match = re.search(r":(\d+)$", line.strip())
+    if not match:
+        proc.kill()
+        raise RuntimeError(f"{argv}: did not start: {line!r}")
+    return proc, int(match.group(1))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def router_batch_seconds(metrics_port: int) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    total = float(re.search(r"^undercurrent_router_batch_seconds_sum (\S+)", text, re.M).group(1))
+    count = float(re.search(r"^undercurrent_router_batch_seconds_count (\S+)", text, re.M).group(1))
+    return total / count
+
+
+def write_probes(directory: Path, count: int, hidden: int) -> list[str]:
+    rng = np.random.default_rng(1)
+    names = []
+    for i in range(count):
+        name = f"linear_{i}"
+        manifest = dict(name=name, version="1", kind="logistic", tensor_type="residual_stream",
+                        layers=[LAYER], hidden_size=hidden, dtype="bfloat16",
+                        threshold=0.999999, action="abort", rule={"patience": 3})
+        weight = rng.normal(size=hidden) / np.sqrt(hidden)
+        write_probe(directory / name, manifest, {"weight": weight, "bias": np.array([-8.0])})
+        names.append(name)
+    return names
+
+
+def report(args, results: list[Result], batch_ms: float) -> str:
+    router, raw = results
+    command = "python -m bench.router_throughput" + "".join(f" {a}" for a in sys.argv[1:])
+    lines = [
+        "# Router throughput",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; host: {platform.machine()}, "
+        f"{os.cpu_count()} cores (shared), Python {platform.python_version()}, grpcio {grpc.__version__}, "
+        f"numpy {np.__version__}; load average {os.getloadavg()[0]:.1f} at the end (other jobs share "
+        "the cores). Client and servers on one machine over loopback.",
+        "",
+        f"Stream: one decode step per message, {args.rows} requests x 1 bf16 row of {args.hidden} "
+        f"({router.bytes_per_step / 1e6:.2f} MB of activations per step), {args.window} steps in "
+        f"flight, {args.warmup} warm-up steps, then {args.seconds:g} s measured per server. "
+        f"Router: {args.probes} logistic probes on the streamed layer, every request bound to all "
+        "of them (action abort; no rule fires, so the replies are the acks alone).",
+        "",
+        "| server | steps | rows/s | MB/s | ack p50 ms | ack p99 ms |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        lines.append(f"| {r.name} | {r.steps} | {r.rows_per_second:,.0f} | {r.megabytes_per_second:,.1f} "
+                     f"| {r.ack_p50_ms:.1f} | {r.ack_p99_ms:.1f} |")
+    lines += [
+        "",
+        f"Router / raw gRPC: {router.rows_per_second / raw.rows_per_second:.0%} of the transport's rows/s. "
+        f"The router spent {batch_ms:.2f} ms per batch decoding and scoring "
+        f"(its `undercurrent_router_batch_seconds` metric); the rest of a step is gRPC and protobuf.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+async def run(args) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        names = write_probes(Path(tmp), args.probes, args.hidden)
+        metrics_port = free_port()
+        router, router_port = start_process(
+            ["-m", "router_service", "--port", "0", "--host", "127.0.0.1", "--probes", tmp,
+             "--metrics-port", str(metrics_port), "--log-level", "warning"])
+        raw, raw_port = start_process(["-m", "bench.router_throughput", "--serve-ack-only"])
+        try:
+            tensors = payloads(args.rows, args.hidden)
+            results = [await drive("router, 10 linear probes" if args.probes == 10 else
+                                   f"router, {args.probes} linear probes", router_port, args, names, tensors),
+                       await drive("raw gRPC bidi (ack-only)", raw_port, args, [], tensors)]
+            batch_ms = router_batch_seconds(metrics_port) * 1e3
+        finally:
+            for proc in (router, raw):
+                proc.terminate()
+                proc.wait(timeout=30)
+    text = report(args, results, batch_ms)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(text)
+    print(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=8.0, help="measured seconds per server")
+    parser.add_argument("--rows", type=int, default=256, help="requests (rows) per step")
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--probes", type=int, default=10)
+    parser.add_argument("--window", type=int, default=8, help="steps in flight")
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--serve-ack-only", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    asyncio.run(serve_ack_only() if args.serve_ack_only else run(args))
+
+
+if __name__ == "__main__":
+    main()
