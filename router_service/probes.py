@@ -287,12 +287,6 @@ class ProjectionPlan:
 # ---------------------------------------------------------------------------
 
 
-@dataclass
-class RuleState:
-    seen: int = 0  # rows scored so far
-    streak: int = 0  # consecutive rows at or above threshold, up to now
-
-
 def first_firing_segments(
     scores: np.ndarray,
     starts: np.ndarray,
@@ -328,14 +322,3 @@ def first_firing_segments(
     streak[:] = run_rows[starts + lengths - 1]
     return np.where(first < n, first, -1)
 
-
-def first_firing(
-    scores: np.ndarray, threshold: float, min_tokens: int, patience: int, state: RuleState
-) -> int | None:
-    """The rule over one request's rows: index of the first firing row, or None."""
-    if scores.shape[0] == 0:
-        return None
-    seen, streak = np.array([state.seen]), np.array([state.streak])
-    hit = first_firing_segments(scores, np.array([0]), threshold, min_tokens, patience, seen, streak)
-    state.seen, state.streak = int(seen[0]), int(streak[0])
-    return None if hit[0] < 0 else int(hit[0])
