@@ -45,8 +45,10 @@ async def start_router(probes_dir: Path | None, **config) -> Router:
     return router
 
 
-def channel(router: Router) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(f"127.0.0.1:{router.port}", options=channel_options())
+def channel(router: Router | int) -> grpc.aio.Channel:
+    """A channel to an in-process router, or to a port."""
+    port = router if isinstance(router, int) else router.port
+    return grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options())
 
 
 def block(rows, request_ids, positions, generated=None, layer=1, tensor_type=pb.RESIDUAL_STREAM,
@@ -60,7 +62,7 @@ def block(rows, request_ids, positions, generated=None, layer=1, tensor_type=pb.
 class SessionClient:
     """One engine's side of a Session: send EngineMessages, read RouterMessages."""
 
-    def __init__(self, router: Router, engine_id: str = "engine-1"):
+    def __init__(self, router: Router | int, engine_id: str = "engine-1"):
         self.channel = channel(router)
         self.stub = undercurrent_pb2_grpc.ProbeRouterStub(self.channel)
         self.outgoing: asyncio.Queue = asyncio.Queue()

@@ -1,5 +1,6 @@
 """`python -m router_service` as a real process: health, metrics, SIGTERM, bad input."""
 
+import asyncio
 import json
 import signal
 import socket
@@ -7,11 +8,10 @@ import subprocess
 import sys
 import urllib.request
 
-import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.router.helpers import HIDDEN, linear_probe, manifest
+from tests.router.helpers import HIDDEN, SessionClient, channel, errors, linear_probe, manifest
 from tests.conftest import REPO
 
 
@@ -26,22 +26,35 @@ def free_port():
         return s.getsockname()[1]
 
 
-def test_serves_health_and_metrics_then_exits_cleanly_on_sigterm(tmp_path):
+async def test_serves_health_and_metrics_drains_on_sigterm_and_exits_cleanly(tmp_path):
     linear_probe(tmp_path, "p", np.ones(HIDDEN))
     metrics_port = free_port()
     proc = run_router("--port", "0", "--host", "127.0.0.1", "--probes", str(tmp_path),
-                      "--metrics-port", str(metrics_port), "--grace-period", "2")
+                      "--metrics-port", str(metrics_port), "--grace-period", "10")
     try:
-        line = proc.stdout.readline()
+        line = await asyncio.to_thread(proc.stdout.readline)
         assert line.startswith("router listening on 127.0.0.1:"), (line, proc.stderr.read())
         port = int(line.rsplit(":", 1)[1])
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as chan:
-            reply = health_pb2_grpc.HealthStub(chan).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        reply = await health_pb2_grpc.HealthStub(channel(port)).Check(health_pb2.HealthCheckRequest(), timeout=5)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
-        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+        text = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode())
         assert "undercurrent_router_probes 1.0" in text and "undercurrent_router_live_requests 0.0" in text
+
+        client = SessionClient(port)
+        hello = await client.open()
+        assert [p.name for p in hello.probes] == ["p"]
+        client.start("running", "p")
+        await client.sync()
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=10) == 0
+        assert "shutting down" in (await client.until("drain")).drain.reason
+        client.start("late", "p")
+        assert [(e.request_id, e.code) for e in errors(await client.sync())] == [("late", "UNAVAILABLE")]
+        assert proc.poll() is None  # waits for "running"
+        client.end("running")
+        await client.sync()
+        assert await asyncio.to_thread(proc.wait, 10) == 0
+        await client.close()
     finally:
         proc.kill()
         proc.wait()
@@ -49,6 +62,7 @@ def test_serves_health_and_metrics_then_exits_cleanly_on_sigterm(tmp_path):
     messages = [entry["msg"] for entry in logs]
     assert "router started" in messages and "draining" in messages and messages[-1] == "stopped"
     assert next(e for e in logs if e["msg"] == "probe loaded")["probe"] == "p"
+    assert next(e for e in logs if e["msg"] == "stopped")["requests_cut_off"] == 0
 
 
 def one_line_failure(*args):

@@ -357,3 +357,43 @@ async def test_drain_refuses_new_requests_and_stops_after_active_ones_end(make_r
     client.end("running")
     await asyncio.wait_for(shutdown, 5.0)
     await client.close()
+
+
+async def test_trajectory_abort_over_interleaved_requests_matches_a_loop(make_router, tmp_path):
+    """Stateful probes keep one EMA per request across batches, rows in any order."""
+    write_probe(tmp_path / "ema", manifest("ema", "trajectory", threshold=4.5, rule={"min_tokens": 3},
+                                           base={"kind": "linear"}, aggregation={"kind": "ema", "alpha": 0.5}),
+                {"weight": np.eye(HIDDEN)[4]})
+    router = await make_router(tmp_path)
+    client = SessionClient(router)
+    await client.open()
+    rng = np.random.default_rng(11)
+    request_ids = [f"t{i}" for i in range(8)]
+    for rid in request_ids:
+        client.start(rid, "ema", prompt_length=0)
+    values = {rid: [] for rid in request_ids}
+    aborts = {}
+    for step_index in range(6):
+        rows, ids, positions = [], [], []
+        for rid in request_ids:
+            for _ in range(2):
+                row = np.zeros(HIDDEN)
+                row[4] = rng.choice([0.0, 6.0], p=[0.6, 0.4])
+                rows.append(row), ids.append(rid), positions.append(len(values[rid]))
+                values[rid].append(row[4])
+        order = rng.permutation(len(rows))
+        replies = await client.until_ack(client.batch(
+            block(np.array(rows)[order], np.array(ids)[order], np.array(positions)[order])))
+        aborts |= {m.abort.request_id: m.abort for m in replies if m.WhichOneof("message") == "abort"}
+    for rid in request_ids:
+        ema, expected = None, None
+        for position, value in enumerate(values[rid]):
+            ema = value if ema is None else 0.5 * value + 0.5 * ema
+            if expected is None and ema >= 4.5 and position + 1 >= 3:
+                expected = (position, ema)
+        if expected is None:
+            assert rid not in aborts
+        else:
+            assert (aborts[rid].token_position, aborts[rid].score) == pytest.approx(expected)
+    assert 0 < len(aborts) < len(request_ids)
+    await client.close()
