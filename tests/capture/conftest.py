@@ -8,8 +8,9 @@ from tests.capture.oracle import TransformersOracle
 
 # The smallest block the CPU kernels take (a multiple of 32), so prompts of a few
 # dozen tokens fill whole blocks (prefix-cache hits), and a small token budget per
-# step so longer prompts are chunked.
-SMALL_STEPS = dict(block_size=32, max_num_batched_tokens=32)
+# step so longer prompts are chunked. 64 blocks keep each worker's KV cache tiny
+# (several engines share this machine's memory with other test runs).
+SMALL_STEPS = dict(block_size=32, max_num_batched_tokens=32, num_gpu_blocks_override=64)
 
 
 @pytest.fixture(scope="session")
