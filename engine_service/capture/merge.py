@@ -187,18 +187,19 @@ class ForwardOrderGate:
     def hold(self, request_id: str, point: str, num_layers: int) -> None:
         self._num_layers[(request_id, point)] = num_layers
 
-    def _tracked(self, record_id: str, point: str) -> int:
-        requests = {r for r, _ in self._num_layers}
-        return self._num_layers.get((parent_request_id(record_id, requests), point), 0)
-
     def release(self, blocks: list[Block], ending: set[str]) -> list[Block]:
         """Blocks ready for probes; requests in `ending` release what they hold."""
         if not self._num_layers:
             return blocks
+        requests = {r for r, _ in self._num_layers}
+
+        def layers_of(record_id: str, point: str) -> int:
+            return self._num_layers.get((parent_request_id(record_id, requests), point), 0)
+
         passing: list[Block] = []
         candidates = list(self._held)
         for block in blocks:
-            spans = np.array([self._tracked(r, block.point) > 0 for r in block.request_ids])
+            spans = np.array([layers_of(r, block.point) > 0 for r in block.request_ids])
             if not spans.any():
                 passing.append(block)
                 continue
@@ -210,11 +211,10 @@ class ForwardOrderGate:
         for block in candidates:
             for record_id, position in zip(block.request_ids, block.token_positions.tolist()):
                 arrived[(record_id, block.point, position)] += 1
-        requests = {r for r, _ in self._num_layers}
         for block in candidates:
             ready = np.array(
                 [
-                    arrived[(r, block.point, p)] >= self._tracked(r, block.point)
+                    arrived[(r, block.point, p)] >= layers_of(r, block.point)
                     or parent_request_id(r, requests) in ending
                     for r, p in zip(block.request_ids, block.token_positions.tolist())
                 ]

@@ -100,3 +100,18 @@ def test_version_check_names_supported_versions_and_honours_the_override(monkeyp
     assert check_vllm_version("0.33.0", allow_untested=True) == "0.33.0"
     monkeypatch.setenv(ALLOW_UNTESTED_VLLM_ENV, "1")
     assert check_vllm_version("0.33.0") == "0.33.0"
+
+
+def test_module_discovery_names_the_missing_module():
+    from torch import nn
+
+    from engine_service.capture.worker_extension import UnsupportedModel, _find
+
+    gpt2_like = nn.Module()
+    gpt2_like.transformer = nn.Module()
+    with pytest.raises(UnsupportedModel) as info:
+        _find(gpt2_like, "model", "GPT2LMHeadModel")
+    assert str(info.value) == (
+        "GPT2LMHeadModel: module model not found; capture needs Llama/Qwen3 naming "
+        "(model.layers[i].self_attn, model.layers[i].mlp, model.norm)"
+    )
