@@ -9,9 +9,11 @@ import sys
 import urllib.request
 
 import numpy as np
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.router.helpers import HIDDEN, SessionClient, channel, errors, linear_probe, manifest
+from router_service.cli import parse_args
 from tests.conftest import REPO
 
 
@@ -73,12 +75,22 @@ def one_line_failure(*args):
     return err.strip()
 
 
-def test_bad_command_lines_fail_with_one_line(tmp_path):
-    assert "unrecognized arguments: --bogus" in one_line_failure(
-        "--port", "0", "--probes", str(tmp_path), "--bogus")
-    assert f"--probes {tmp_path / 'nope'}: not a directory" in one_line_failure(
-        "--port", "0", "--probes", str(tmp_path / "nope"))
-    assert "the following arguments are required: --probes" in one_line_failure("--port", "0")
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--port", "0", "--probes", "{tmp}", "--bogus"], "unrecognized arguments: --bogus"),
+        (["--port", "0", "--probes", "{tmp}/nope"], "--probes {tmp}/nope: not a directory"),
+        (["--port", "0"], "the following arguments are required: --probes"),
+        (["--port", "0", "--probes", "{tmp}", "--grace-period", "0"], "--grace-period must be > 0"),
+    ],
+)
+def test_bad_command_lines_fail_with_one_line(tmp_path, capsys, argv, message):
+    """Checked in-process (the subprocess path is the same parse_args)."""
+    with pytest.raises(SystemExit) as exit_:
+        parse_args([a.format(tmp=tmp_path) for a in argv])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err == f"router_service: error: {message.format(tmp=tmp_path)}\n"
 
 
 def test_port_in_use_and_a_broken_probe_fail_with_one_line(tmp_path):
