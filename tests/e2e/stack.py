@@ -49,10 +49,12 @@ class Service:
     def start(self) -> "Service":
         LOGS.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
+        # Its own process group, so kill() also ends vLLM's engine-core and worker processes.
         self.process = subprocess.Popen(
             [sys.executable, "-m", *self.args],
             stdout=log, stderr=subprocess.STDOUT,
             env=dict(os.environ, PYTHONUNBUFFERED="1", **self.env),
+            start_new_session=True,
         )
         return self
 
@@ -79,9 +81,14 @@ class Service:
         raise TimeoutError(f"{self.name} health never became serving={want_serving}:\n{self.log_tail()}")
 
     def kill(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(timeout=30)
+        """SIGKILL to the whole process group: the service and every child it spawned."""
+        if self.process is None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait(timeout=30)
 
     def terminate(self, timeout: float = 60) -> int:
         if self.process.poll() is None:

@@ -1,0 +1,68 @@
+"""The engine process on its own: optional routers, metrics, graceful SIGTERM,
+and `make run`'s demo."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import urllib.request
+
+import grpc
+import pytest
+
+from tests.e2e import stack
+from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.vllm
+
+
+def request(rid: str, max_tokens: int) -> pb.GenerateRequest:
+    return pb.GenerateRequest(request_id=rid, text="graceful",
+                              sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                         ignore_eos=True))
+
+
+async def test_routerless_engine_serves_reports_metrics_and_drains_on_sigterm(tiny_llama_path):
+    metrics_port = stack.free_port()
+    service = stack.engine(tiny_llama_path, "", "--metrics-port", str(metrics_port),
+                           "--grace-period", "60").start()
+    try:
+        # Without --router the engine needs no router to be SERVING.
+        await service.wait_health(want_serving=True, timeout=240)
+        async with stack.channel(service.address) as channel:
+            engine = pb_grpc.EngineStub(channel)
+            first = await stack.generate(engine, request("m1", 5))
+            assert first.reason == "LENGTH"
+            metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics").read().decode()
+            assert "undercurrent_engine_requests_started_total 1.0" in metrics
+            assert "undercurrent_engine_tokens_generated_total 5.0" in metrics
+            assert 'undercurrent_engine_requests_finished_total{reason="LENGTH"} 1.0' in metrics
+
+            running = asyncio.create_task(stack.generate(engine, request("draining", 300)))
+            await asyncio.sleep(0.5)
+            service.process.send_signal(15)
+            await service.wait_health(want_serving=False, timeout=30)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stack.generate(engine, request("late", 3))
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "shutting down" in refused.value.details()
+            finished = await running
+        # --on-shutdown finish (the default): the running request completes.
+        assert finished.reason == "LENGTH" and len(finished.tokens) == 300
+        assert await asyncio.to_thread(service.process.wait, 60) == 0
+    finally:
+        service.kill()
+
+
+def test_make_run_demo_prints_streamed_text(tiny_llama_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "tools.run_demo", "--model", tiny_llama_path, "--exit-after-demo",
+         "--max-tokens", "12"],
+        capture_output=True, text=True, timeout=400,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "router SERVING" in result.stdout and "engine SERVING" in result.stdout
+    assert "--- finished: LENGTH, 12 tokens ---" in result.stdout
+    assert "probe residual_norm: 11 scores" in result.stdout
