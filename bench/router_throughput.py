@@ -8,7 +8,7 @@ step is one decode step of `--rows` requests: one bf16 row of `--hidden` each.
 The client keeps `--window` steps in flight. Results and the exact command go to
 bench/results/router_throughput.md.
 
-    python -m bench.router_throughput [--seconds 8] [--rows 256] [--hidden 4096]
+    python -m bench.router_throughput [--rounds 4] [--seconds 2] [--rows 256] [--hidden 4096]
 """
 
 from __future__ import annotations
@@ -70,8 +70,19 @@ class Result:
     seconds: float
     rows_per_step: int
     bytes_per_step: int
-    ack_p50_ms: float
-    ack_p99_ms: float
+    ack_ms: np.ndarray
+
+    def __add__(self, other: "Result") -> "Result":
+        return Result(self.name, self.steps + other.steps, self.seconds + other.seconds,
+                      self.rows_per_step, self.bytes_per_step, np.concatenate([self.ack_ms, other.ack_ms]))
+
+    @property
+    def ack_p50_ms(self) -> float:
+        return float(np.percentile(self.ack_ms, 50))
+
+    @property
+    def ack_p99_ms(self) -> float:
+        return float(np.percentile(self.ack_ms, 99))
 
     @property
     def rows_per_second(self) -> float:
@@ -89,7 +100,7 @@ def payloads(rows: int, hidden: int, count: int = 4) -> list[pb.Tensor]:
 
 
 async def drive(name: str, port: int, args, probe_names: list[str], tensors: list[pb.Tensor]) -> Result:
-    """Streams steps for args.seconds with args.window in flight; counts acked steps."""
+    """One round: streams steps for args.seconds with args.window in flight; counts acked steps."""
     model = pb.ModelInfo(model="bench", hidden_size=args.hidden, num_layers=32, dtype="bfloat16",
                          tensor_types=[pb.RESIDUAL_STREAM])
     request_ids = [f"req-{i}" for i in range(args.rows)]
@@ -150,13 +161,13 @@ async def drive(name: str, port: int, args, probe_names: list[str], tensors: lis
         reader.cancel()
         if problems:
             raise RuntimeError(f"{name}: unexpected messages: {problems[:3]}")
-    ms = np.array(latencies) * 1e3
     return Result(name, acked - measured_from, elapsed, args.rows, len(tensors[0].data),
-                  float(np.percentile(ms, 50)), float(np.percentile(ms, 99)))
+                  np.array(latencies) * 1e3)
 
 
-def start_process(argv: list[str]) -> tuple[subprocess.Popen, int]:
-    proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=subprocess.PIPE, text=True)
+def start_process(argv: list[str], log: Path) -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=log.open("w"), text=True)
     line = proc.stdout.readline()
     match = re.search(r":(\d+)$", line.strip())
     if not match:
@@ -207,7 +218,8 @@ def report(args, results: list[Result], batch_ms: float) -> str:
         "",
         f"Stream: one decode step per message, {args.rows} requests x 1 bf16 row of {args.hidden} "
         f"({router.bytes_per_step / 1e6:.2f} MB of activations per step), {args.window} steps in "
-        f"flight, {args.warmup} warm-up steps, then {args.seconds:g} s measured per server. "
+        f"flight. The servers take turns, {args.rounds} rounds of {args.warmup} warm-up steps and "
+        f"{args.seconds:g} s measured each, so load from other jobs hits both alike. "
         f"Router: {args.probes} logistic probes on the streamed layer, every request bound to all "
         "of them (action abort; no rule fires, so the replies are the acks alone).",
         "",
@@ -220,8 +232,10 @@ def report(args, results: list[Result], batch_ms: float) -> str:
     lines += [
         "",
         f"Router / raw gRPC: {router.rows_per_second / raw.rows_per_second:.0%} of the transport's rows/s. "
-        f"The router spent {batch_ms:.2f} ms per batch decoding and scoring "
-        f"(its `undercurrent_router_batch_seconds` metric); the rest of a step is gRPC and protobuf.",
+        f"At the router's rate a step took {router.seconds / router.steps * 1e3:.1f} ms; "
+        f"{batch_ms:.1f} ms of it went to decoding and scoring on a worker thread (its "
+        "`undercurrent_router_batch_seconds` metric), the rest to gRPC, protobuf parsing and "
+        "the event loop, which share the two cores with the client.",
         "",
     ]
     return "\n".join(lines)
@@ -231,20 +245,29 @@ async def run(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         names = write_probes(Path(tmp), args.probes, args.hidden)
         metrics_port = free_port()
+        router_log = Path(tmp) / "router.log"
         router, router_port = start_process(
             ["-m", "router_service", "--port", "0", "--host", "127.0.0.1", "--probes", tmp,
-             "--metrics-port", str(metrics_port), "--log-level", "warning"])
-        raw, raw_port = start_process(["-m", "bench.router_throughput", "--serve-ack-only"])
+             "--metrics-port", str(metrics_port)], router_log)
+        raw, raw_port = start_process(["-m", "bench.router_throughput", "--serve-ack-only"],
+                                      Path(tmp) / "ack_only.log")
         try:
             tensors = payloads(args.rows, args.hidden)
-            results = [await drive("router, 10 linear probes" if args.probes == 10 else
-                                   f"router, {args.probes} linear probes", router_port, args, names, tensors),
-                       await drive("raw gRPC bidi (ack-only)", raw_port, args, [], tensors)]
+            rounds = [(await drive(f"router, {args.probes} linear probes", router_port, args, names, tensors),
+                       await drive("raw gRPC bidi (ack-only)", raw_port, args, [], tensors))
+                      for _ in range(args.rounds)]
+            results = [sum(r[1:], r[0]) for r in zip(*rounds)]
             batch_ms = router_batch_seconds(metrics_port) * 1e3
         finally:
             for proc in (router, raw):
                 proc.terminate()
-                proc.wait(timeout=30)
+            for proc in (router, raw):
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    print(f"{proc.args[:3]} did not stop on SIGTERM; router log tail:\n"
+                          + "".join(router_log.read_text().splitlines(True)[-5:]), file=sys.stderr)
     text = report(args, results, batch_ms)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(text)
@@ -253,7 +276,8 @@ async def run(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=8.0, help="measured seconds per server")
+    parser.add_argument("--seconds", type=float, default=2.0, help="measured seconds per round and server")
+    parser.add_argument("--rounds", type=int, default=4, help="turns each server takes")
     parser.add_argument("--rows", type=int, default=256, help="requests (rows) per step")
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--probes", type=int, default=10)
