@@ -24,6 +24,14 @@ class RouterMetrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
             registry=r,
         )
+        self.probe_seconds = Histogram(
+            "undercurrent_router_probe_seconds",
+            "Time one probe spends on one batch after the shared matrix product "
+            "(ordering, scope, scores, rule)",
+            ["probe"],
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1),
+            registry=r,
+        )
         self.probe_rows = Counter(
             "undercurrent_router_probe_rows", "Rows scored per probe", ["probe"], registry=r
         )

@@ -243,7 +243,9 @@ class SessionState:
         candidates: dict[int, list[_Candidate]] = {}
         prompt_lengths = np.array([r.prompt_length if r else 0 for r in requests], dtype=np.int64)
         for part in gathered.values():
+            probe_started = time.perf_counter()
             out += self._score_probe(part, requests, prompt_lengths, candidates)
+            self.metrics.probe_seconds.labels(part.probe.name).observe(time.perf_counter() - probe_started)
         for slot, found in candidates.items():
             request = requests[slot]
             if not request.aborted:

@@ -101,6 +101,15 @@ async def test_many_interleaved_requests_abort_exactly_where_the_rule_fired(make
         assert watch_got[rid] == sorted(watch_sent[rid])
     assert 3 <= len(aborts) < len(request_ids)
     assert router.live_requests() == 24
+    sample = router.metrics.registry.get_sample_value
+    rows = sum(len(v) for v in sent.values())
+    assert sample("undercurrent_router_batches_total") == 12
+    assert sample("undercurrent_router_rows_total") == rows
+    assert sample("undercurrent_router_activation_bytes_total") == rows * HIDDEN * 4
+    assert sample("undercurrent_router_probe_rows_total", {"probe": "tox"}) == rows
+    assert sample("undercurrent_router_aborts_total", {"probe": "tox"}) == len(aborts)
+    assert sample("undercurrent_router_probe_seconds_count", {"probe": "watch"}) == 12
+    assert sample("undercurrent_router_live_requests") == 24
     await client.close()
 
 
