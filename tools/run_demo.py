@@ -9,45 +9,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import signal
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.grpc_server import channel_options
+from tools import processes
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-async def wait_serving(address: str, process: subprocess.Popen, name: str, timeout: float):
-    deadline = time.monotonic() + timeout
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise SystemExit(f"run_demo: error: {name} exited with code {process.returncode}")
-            try:
-                reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.aio.AioRpcError:
-                pass
-            await asyncio.sleep(0.5)
-    raise SystemExit(f"run_demo: error: {name} not SERVING after {timeout:.0f} s")
 
 
 async def demo(engine_address: str, prompt: str, max_tokens: int, probe: str | None) -> None:
@@ -99,26 +72,16 @@ def main(argv: list[str] | None = None) -> int:
 
     probes_dir = REPO / ".cache" / "demo_probes"
     probe_name = write_demo_probe(probes_dir, Path(args.model))
-    router_port, engine_port = free_port(), free_port()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    router = subprocess.Popen(
-        [sys.executable, "-m", "router_service", "--host", "127.0.0.1",
-         "--port", str(router_port), "--probes", str(probes_dir)],
-        env=env,
-    )
-    engine = subprocess.Popen(
-        [sys.executable, "-m", "engine_service", "--host", "127.0.0.1",
-         "--port", str(engine_port), "--router", f"127.0.0.1:{router_port}",
-         "--model", args.model, "--max-model-len", "512", "--dtype", "float32",
-         "--log-level", "WARNING", "--disable-log-stats"],
-        env=env,
-    )
+    router = processes.router(processes.free_port(), probes_dir, log_to_file=False).start()
+    engine = processes.engine(
+        args.model, router.address, "--log-level", "WARNING", log_to_file=False
+    ).start()
     try:
-        asyncio.run(wait_serving(f"127.0.0.1:{router_port}", router, "router", 60))
-        print(f"router SERVING on 127.0.0.1:{router_port}", flush=True)
-        asyncio.run(wait_serving(f"127.0.0.1:{engine_port}", engine, "engine", args.startup_timeout))
-        print(f"engine SERVING on 127.0.0.1:{engine_port}", flush=True)
-        asyncio.run(demo(f"127.0.0.1:{engine_port}", args.prompt, args.max_tokens, probe_name))
+        asyncio.run(router.wait_health(timeout=60))
+        print(f"router SERVING on {router.address}", flush=True)
+        asyncio.run(engine.wait_health(timeout=args.startup_timeout))
+        print(f"engine SERVING on {engine.address}", flush=True)
+        asyncio.run(demo(engine.address, args.prompt, args.max_tokens, probe_name))
         if not args.exit_after_demo:
             print("Both services keep running; Ctrl-C stops them.", flush=True)
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
@@ -126,14 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        for process in (engine, router):
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in (engine, router):
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        for service in (engine, router):
+            service.terminate(timeout=30)
     return 0
 
 

@@ -3,117 +3,28 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.grpc_server import channel_options
+from tools import processes
+from tools.processes import Service, free_port  # noqa: F401  (re-exported for the tests)
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 
-LOGS = Path(__file__).resolve().parents[2] / ".cache" / "test-logs"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Service:
-    """A service process, its address and its log file."""
-
-    name: str
-    args: list[str]
-    port: int
-    env: dict = field(default_factory=dict)
-    process: subprocess.Popen | None = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def log_path(self) -> Path:
-        return LOGS / f"{self.name}-{self.port}.log"
-
-    def start(self) -> "Service":
-        LOGS.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
-        # Its own process group, so kill() also ends vLLM's engine-core and worker processes.
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", *self.args],
-            stdout=log, stderr=subprocess.STDOUT,
-            env=dict(os.environ, PYTHONUNBUFFERED="1", **self.env),
-            start_new_session=True,
-        )
-        return self
-
-    def log_tail(self, lines: int = 40) -> str:
-        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
-
-    async def wait_health(self, want_serving: bool | None = True, timeout: float = 180) -> None:
-        """Waits for the health status (want_serving None: any answer at all)."""
-        deadline = time.monotonic() + timeout
-        async with grpc.aio.insecure_channel(self.address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"{self.name} exited ({self.process.returncode}):\n{self.log_tail()}")
-                try:
-                    reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
-                    serving = reply.status == health_pb2.HealthCheckResponse.SERVING
-                    if want_serving is None or serving == want_serving:
-                        return
-                except grpc.aio.AioRpcError:
-                    pass
-                await asyncio.sleep(0.2)
-        raise TimeoutError(f"{self.name} health never became serving={want_serving}:\n{self.log_tail()}")
-
-    def kill(self) -> None:
-        """SIGKILL to the whole process group: the service and every child it spawned."""
-        if self.process is None:
-            return
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.process.wait(timeout=30)
-
-    def terminate(self, timeout: float = 60) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(timeout=timeout)
-
 
 def router(port: int, probes_dir: Path, *extra: str) -> Service:
-    return Service(
-        "router",
-        ["router_service", "--host", "127.0.0.1", "--port", str(port), "--probes", str(probes_dir),
-         "--heartbeat-interval", "1", *extra],
-        port,
-    )
+    """A router with fast heartbeats, so lost sessions show quickly."""
+    return processes.router(port, probes_dir, "--heartbeat-interval", "1", *extra)
 
 
 def engine(model: str, router_addresses: str, *extra: str, workers_bind: str | None = None) -> Service:
-    port = free_port()
-    args = ["engine_service", "--host", "127.0.0.1", "--port", str(port), "--model", model,
-            "--max-model-len", "512", "--dtype", "float32", "--disable-log-stats",
-            "--router-timeout", "1.5", *extra]
-    if router_addresses:
-        args += ["--router", router_addresses]
-    env = {"VLLM_CPU_OMP_THREADS_BIND": workers_bind} if workers_bind else {}
-    return Service("engine", args, port, env)
+    """An engine whose requests give up on an unreachable router after 1.5 s."""
+    return processes.engine(model, router_addresses, "--router-timeout", "1.5", *extra,
+                            workers_bind=workers_bind)
 
 
 @dataclass

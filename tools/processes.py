@@ -1,0 +1,129 @@
+"""Service processes on loopback: start, wait for gRPC health, stop.
+
+Shared by the `make run` demo, the end-to-end tests and the benchmarks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+LOGS = Path(__file__).resolve().parent.parent / ".cache" / "logs"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Service:
+    """A `python -m MODULE ...` process, its loopback address and its log."""
+
+    name: str
+    args: list[str]
+    port: int
+    env: dict = field(default_factory=dict)
+    log_to_file: bool = True
+    process: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return LOGS / f"{self.name}-{self.port}.log"
+
+    def start(self) -> "Service":
+        output = None
+        if self.log_to_file:
+            LOGS.mkdir(parents=True, exist_ok=True)
+            output = open(self.log_path, "ab")
+        # Its own process group, so kill() also ends vLLM's engine-core and worker processes.
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", *self.args],
+            stdout=output, stderr=subprocess.STDOUT if output else None,
+            env=dict(os.environ, PYTHONUNBUFFERED="1", **self.env),
+            start_new_session=True,
+        )
+        return self
+
+    def log_tail(self, lines: int = 40) -> str:
+        if not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    async def wait_health(self, want_serving: bool | None = True, timeout: float = 180) -> None:
+        """Waits for the health status (want_serving None: any answer at all)."""
+        deadline = time.monotonic() + timeout
+        async with grpc.aio.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise RuntimeError(
+                        f"{self.name} exited ({self.process.returncode}):\n{self.log_tail()}"
+                    )
+                try:
+                    reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+                    if want_serving is None or serving == want_serving:
+                        return
+                except grpc.aio.AioRpcError:
+                    pass
+                await asyncio.sleep(0.2)
+        raise TimeoutError(
+            f"{self.name} health never became serving={want_serving} in {timeout:.0f} s:\n"
+            f"{self.log_tail()}"
+        )
+
+    def terminate(self, timeout: float = 60) -> int:
+        """SIGTERM (graceful shutdown), then SIGKILL to the group if it does not exit."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=timeout)
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL to the whole process group: the service and every child it spawned."""
+        if self.process is None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait(timeout=30)
+
+
+def router(port: int, probes_dir: Path, *extra: str, log_to_file: bool = True) -> Service:
+    return Service(
+        "router",
+        ["router_service", "--host", "127.0.0.1", "--port", str(port), "--probes", str(probes_dir),
+         *extra],
+        port,
+        log_to_file=log_to_file,
+    )
+
+
+def engine(model: str, router_addresses: str, *extra: str, workers_bind: str | None = None,
+           log_to_file: bool = True) -> Service:
+    port = free_port()
+    args = ["engine_service", "--host", "127.0.0.1", "--port", str(port), "--model", model,
+            "--max-model-len", "512", "--dtype", "float32", "--disable-log-stats", *extra]
+    if router_addresses:
+        args += ["--router", router_addresses]
+    env = {"VLLM_CPU_OMP_THREADS_BIND": workers_bind} if workers_bind else {}
+    return Service("engine", args, port, env, log_to_file)
