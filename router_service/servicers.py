@@ -95,7 +95,10 @@ class LiveSession:
             return [error("", "INVALID_ARGUMENT", "EngineMessage: no message set")]
         except Exception as err:  # a bug must not take the other requests down
             log.exception("error handling engine message", extra={"session": self.id, "kind": kind})
-            return [error(request_id, "INTERNAL", f"{kind}: internal error: {type(err).__name__}: {err}")]
+            out = [error(request_id, "INTERNAL", f"{kind}: internal error: {type(err).__name__}: {err}")]
+            if kind == "batch":  # the engine still gets its ack, so its step tracking moves on
+                out.append(pb.RouterMessage(ack=pb.StepAck(step=message.batch.step)))
+            return out
 
     async def heartbeat(self, interval: float) -> None:
         while True:

@@ -406,3 +406,26 @@ async def test_trajectory_abort_over_interleaved_requests_matches_a_loop(make_ro
             assert (aborts[rid].token_position, aborts[rid].score) == pytest.approx(expected)
     assert 0 < len(aborts) < len(request_ids)
     await client.close()
+
+
+async def test_an_internal_failure_still_acks_the_step_and_keeps_the_session(make_router, probes_dir,
+                                                                              monkeypatch):
+    router = await make_router(probes_dir)
+    client = SessionClient(router)
+    await client.open()
+    client.start("r", "tox", prompt_length=0)
+    tox = next(p for p in router.registry.probes() if p.name == "tox")
+
+    def broken(values, state):
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(tox, "score", broken)
+    replies = await client.until_ack(client.batch(block(np.zeros((1, HIDDEN)), ["r"], [0])))
+    assert kinds(replies) == ["error", "ack"]
+    assert replies[0].error.code == "INTERNAL"
+    assert replies[0].error.message == "batch: internal error: RuntimeError: injected fault"
+    monkeypatch.undo()
+    hot = np.full((2, HIDDEN), 6.0)
+    replies = await client.until_ack(client.batch(block(hot, ["r"] * 2, [1, 2])))
+    assert kinds(replies) == ["abort", "ack"] and replies[0].abort.token_position == 2
+    await client.close()
