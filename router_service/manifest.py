@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from undercurrent.v1 import undercurrent_pb2 as pb
@@ -109,7 +109,6 @@ class Manifest:
     tokens: TokenScope
     scorer: ScorerSpec
     description: str = ""
-    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def incompatibility(self, model: pb.ModelInfo) -> str | None:
         """Why this probe cannot read the given model's activations, or None."""
@@ -192,7 +191,6 @@ def manifest_from_dict(data: Any) -> Manifest:
         tokens=tokens,
         scorer=scorer,
         description=description,
-        raw=data,
     )
 
 
