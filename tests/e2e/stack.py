@@ -44,9 +44,10 @@ class Outcome:
 
 
 async def generate(stub: pb_grpc.EngineStub, request: pb.GenerateRequest, timeout=120,
-                   scored: asyncio.Event | None = None) -> Outcome:
-    """Runs one Generate stream to its end; sets `scored` at the first probe event."""
-    outcome = Outcome()
+                   scored: asyncio.Event | None = None, outcome: Outcome | None = None) -> Outcome:
+    """Runs one Generate stream to its end, filling `outcome` as responses arrive;
+    sets `scored` at the first probe event."""
+    outcome = outcome if outcome is not None else Outcome()
     async for response in stub.Generate(request, timeout=timeout):
         kind = response.WhichOneof("event")
         if kind == "started":

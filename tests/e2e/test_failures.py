@@ -106,3 +106,23 @@ async def test_no_router_at_start_fails_closed_requests_quickly(engine, start_ro
         await stack.generate(engine, request("orphan", pb.FAIL_CLOSED, 4))
     assert failure.value.code() == grpc.StatusCode.NOT_FOUND
     assert "'watch_norm' is not loaded in any reachable router" in failure.value.details()
+
+
+
+async def test_request_of_a_lost_replica_is_rehomed_and_finishes(engine, two_routers):
+    await asyncio.sleep(1.0)
+    scored, progress = asyncio.Event(), stack.Outcome()
+    running = asyncio.create_task(stack.generate(
+        engine, request("rehomed", pb.FAIL_CLOSED, 480), scored=scored, outcome=progress))
+    await asyncio.wait_for(scored.wait(), 60)
+    home = progress.scores[0].router
+    next(r for r in two_routers if r.address == home).kill()
+    outcome = await running
+    # fail_closed, yet it finishes: the surviving replica took it over in time.
+    assert outcome.reason == "LENGTH", outcome.finished
+    routers = [event.router for event in outcome.scores]
+    survivor = next(r.address for r in two_routers if r.address != home)
+    assert routers[0] == home and routers[-1] == survivor
+    assert routers == sorted(routers, key=lambda r: r != home), "it moved once, and for good"
+    positions = [p for event in outcome.scores for p in event.token_positions]
+    assert positions == sorted(positions) and len(set(positions)) == len(positions)
