@@ -49,7 +49,7 @@ def build_parser():
     ours.add_argument("--router-timeout", type=float, default=3.0, help="seconds")
     ours.add_argument(
         "--overflow-policy",
-        choices=["drop_oldest", "drop_newest", "backpressure"],
+        choices=["drop_oldest", "drop_newest"],
         default="drop_oldest",
     )
     ours.add_argument("--send-queue", type=int, default=256, help="batches per router replica")

@@ -60,6 +60,7 @@ class EngineRuntime:
         self.active: dict[str, ActiveRequest] = {}
         self.accepting = True
         self._tasks: list[asyncio.Task] = []
+        self._verdict_tasks: set[asyncio.Task] = set()
         self._drained = asyncio.Condition()
         self._drain_generation = 0
         model_config = llm.vllm_config.model_config
@@ -225,7 +226,11 @@ class EngineRuntime:
         finally:
             if registered:
                 await self.capture.unregister(request.request_id)
-        await self._settle(request)
+        try:
+            await self._settle(request)
+        except Exception as exc:
+            log.exception("request %s: settling with its router failed", request.request_id)
+            request.end(pb.ERROR, message=f"engine error after generation: {exc}")
         self._finish(request, vllm_reason)
 
     async def _settle(self, request: ActiveRequest) -> None:
@@ -371,6 +376,12 @@ class EngineRuntime:
 
     # -- router events -----------------------------------------------------
 
+    def _spawn(self, stopping) -> None:
+        """Runs an abort from a synchronous link callback, keeping the task referenced."""
+        task = asyncio.create_task(stopping)
+        self._verdict_tasks.add(task)
+        task.add_done_callback(self._verdict_tasks.discard)
+
     def _on_link_event(self, event: links.LinkEvent) -> None:
         request = self.active.get(event.request_id)
         if request is None:
@@ -385,7 +396,7 @@ class EngineRuntime:
             verdict = pb.Verdict()
             verdict.CopyFrom(event.verdict)
             verdict.router = event.replica
-            asyncio.create_task(self._stop(request, pb.PROBE_ABORT, verdict=verdict))
+            self._spawn(self._stop(request, pb.PROBE_ABORT, verdict=verdict))
         elif isinstance(event, links.Processed):
             if request.gate is not None:
                 request.gate.acknowledge(event.token_position)
@@ -408,7 +419,7 @@ class EngineRuntime:
                 token_position=request.prompt_len + request.generated,
                 reason=f"no router reachable for {waited:.1f} s (fail_closed)",
             )
-            asyncio.create_task(
+            self._spawn(
                 self._stop(request, pb.ROUTER_UNAVAILABLE, verdict=verdict, message=verdict.reason)
             )
         else:
@@ -419,6 +430,6 @@ class EngineRuntime:
         text = f"router error for probe {error.probe or '-'}: {error.code}: {error.message}"
         log.warning("request %s: %s", request.request_id, text)
         if request.fail_closed() and error.code in ("NOT_FOUND", "FAILED_PRECONDITION"):
-            asyncio.create_task(self._stop(request, pb.ERROR, message=text))
+            self._spawn(self._stop(request, pb.ERROR, message=text))
         else:
             request.message = "; ".join(filter(None, [request.message, text]))
