@@ -1,0 +1,89 @@
+"""The engine's plain logic: client-input checks, probe capture points, the token gate."""
+
+import pytest
+
+from common.capture_spec import Scope
+from common.errors import InvalidArgument
+from engine_service import requests as reqs
+from engine_service.active_request import TokenGate
+from engine_service.probe_points import check_client_point_names, probe_points
+from common.capture_spec import ExtractionPoint
+from undercurrent.v1 import undercurrent_pb2 as pb
+
+LIMITS = reqs.ModelLimits(vocab_size=512, max_model_len=64)
+
+
+def test_prompt_checks_name_the_field():
+    with pytest.raises(InvalidArgument, match=r"prompt.token_ids: \[512, -1\] outside the vocabulary \[0, 512\)"):
+        reqs.prompt_ids(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[3, 512, -1])), None, LIMITS)
+    with pytest.raises(InvalidArgument, match="prompt.text: tokenizes to no tokens"):
+        reqs.prompt_ids(pb.GenerateRequest(text=" "), lambda text: [], LIMITS)
+    with pytest.raises(InvalidArgument, match="64 tokens leave no room"):
+        reqs.prompt_ids(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 64)), None, LIMITS)
+    assert reqs.prompt_ids(pb.GenerateRequest(text="ab"), lambda text: [7, 8], LIMITS) == [7, 8]
+
+
+def test_sampling_defaults_and_limits():
+    choice = reqs.sampling_choice(pb.SamplingParams(), prompt_len=10, limits=LIMITS)
+    assert (choice.max_tokens, choice.temperature, choice.top_p, choice.top_k) == (54, 1.0, 1.0, 0)
+    with pytest.raises(InvalidArgument, match="sampling.max_tokens: 55 plus the 10-token prompt"):
+        reqs.sampling_choice(pb.SamplingParams(max_tokens=55), 10, LIMITS)
+    with pytest.raises(InvalidArgument, match=r"sampling.top_p: 1.5 must be in \(0, 1\]"):
+        reqs.sampling_choice(pb.SamplingParams(top_p=1.5), 10, LIMITS)
+    with pytest.raises(InvalidArgument, match="sampling.temperature: -1.0 must be >= 0"):
+        reqs.sampling_choice(pb.SamplingParams(temperature=-1), 10, LIMITS)
+    greedy = reqs.sampling_choice(pb.SamplingParams(temperature=0, max_tokens=3), 10, LIMITS)
+    assert greedy.temperature == 0.0 and greedy.max_tokens == 3
+
+
+def test_request_ids():
+    assert reqs.request_id_of(pb.GenerateRequest(request_id="abc")) == "abc"
+    generated = {reqs.request_id_of(pb.GenerateRequest()) for _ in range(3)}
+    assert len(generated) == 3 and all(r.startswith("req-") for r in generated)
+    with pytest.raises(InvalidArgument, match="request_id: 300 characters, at most 256"):
+        reqs.request_id_of(pb.GenerateRequest(request_id="x" * 300))
+
+
+def probe(name, layers, scope=pb.TokenSelector.GENERATED, tensor_type=pb.RESIDUAL_STREAM):
+    return pb.ProbeInfo(name=name, tensor_type=tensor_type, layers=layers,
+                        tokens=pb.TokenSelector(scope=scope))
+
+
+def test_probe_points_capture_each_tensor_and_layer_once():
+    points = probe_points([probe("a", [1]), probe("b", [1, 3]), probe("c", [], tensor_type=pb.FINAL_NORM)])
+    assert [(p.name, p.tensor_type, p.layers, p.tokens.scope) for p in points] == [
+        ("probe.final_norm", "final_norm", (), Scope.GENERATED),
+        ("probe.residual_stream.1", "residual_stream", (1,), Scope.GENERATED),
+        ("probe.residual_stream.3", "residual_stream", (3,), Scope.GENERATED),
+    ]
+
+
+def test_probes_with_different_scopes_on_one_layer_capture_every_token():
+    points = probe_points([probe("a", [2]), probe("b", [2], scope=pb.TokenSelector.PROMPT)])
+    assert len(points) == 1 and points[0].tokens.scope == Scope.ALL
+
+
+def test_client_points_may_not_use_the_probe_prefix():
+    with pytest.raises(InvalidArgument, match='extraction_points\\[0\\] "probe.x": names starting'):
+        check_client_point_names([ExtractionPoint("probe.x", "residual_stream", (1,))])
+
+
+def test_token_gate_releases_only_acknowledged_positions():
+    gate = TokenGate(prompt_len=10)
+    gate.hold([101, 102, 103])  # generated tokens 0..2 at positions 10..12
+    assert gate.releasable() == (0, [])
+    gate.acknowledge(10)
+    assert gate.releasable() == (0, [101])
+    gate.hold([104])
+    gate.acknowledge(12)
+    assert gate.releasable() == (1, [102, 103])
+    gate.discard_from(13)  # a verdict at position 13: token 3 is never shown
+    assert gate.release_all() == (3, [])
+
+
+def test_token_gate_release_all_at_a_normal_finish():
+    gate = TokenGate(prompt_len=4)
+    gate.hold([1, 2, 3])
+    gate.acknowledge(5)
+    assert gate.releasable() == (0, [1, 2])
+    assert gate.release_all() == (2, [3])
