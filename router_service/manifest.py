@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from common.capture_spec import TENSOR_TYPES, tensor_type_from_proto, tensor_type_to_proto
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 TOKEN_KINDS = ("linear", "logistic", "mean_difference", "norm")
@@ -20,13 +21,6 @@ KINDS = (*TOKEN_KINDS, "trajectory", "cascade")
 AGGREGATIONS = ("ema", "rolling_mean", "max_rolling_mean", "count_over")
 WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
 
-TENSOR_TYPES = {
-    "residual_stream": pb.RESIDUAL_STREAM,
-    "attn_out": pb.ATTN_OUT,
-    "mlp_out": pb.MLP_OUT,
-    "final_norm": pb.FINAL_NORM,
-}
-TENSOR_TYPE_NAMES = {value: name for name, value in TENSOR_TYPES.items()}
 ACTIONS = {"observe": pb.OBSERVE, "abort": pb.ABORT}
 SCOPES = {
     "prompt": pb.TokenSelector.PROMPT,
@@ -125,9 +119,12 @@ class Manifest:
             )
         offered = set(model.tensor_types)
         if offered and self.tensor_type not in offered:
-            names = sorted(TENSOR_TYPE_NAMES.get(t, str(t)) for t in offered)
+            names = sorted(
+                pb.TensorType.Name(t).lower() if t in pb.TensorType.values() else str(t)
+                for t in offered
+            )
             return (
-                f"probe {self.name!r}: tensor_type {TENSOR_TYPE_NAMES[self.tensor_type]!r} "
+                f"probe {self.name!r}: tensor_type {tensor_type_from_proto(self.tensor_type)!r} "
                 f"is not offered by the engine (offers {names})"
             )
         return None
@@ -153,7 +150,7 @@ def manifest_from_dict(data: Any) -> Manifest:
         raise ManifestError(f"manifest.name {name!r} must be non-empty without whitespace")
     version = fields.string("version")
     kind = fields.choice("kind", KINDS)
-    tensor_type = TENSOR_TYPES[fields.choice("tensor_type", tuple(TENSOR_TYPES))]
+    tensor_type = tensor_type_to_proto(fields.choice("tensor_type", TENSOR_TYPES))
     layers = _layers(fields, tensor_type)
     hidden_size = fields.integer("hidden_size", minimum=1)
     dtype = fields.choice("dtype", WEIGHT_DTYPES, default="float32")
