@@ -1,0 +1,25 @@
+"""The router image ships without vLLM and torch (requirements/router.txt):
+its code must import and start without them."""
+
+import subprocess
+import sys
+
+BLOCK_HEAVY_IMPORTS = "import sys; sys.modules.update(torch=None, vllm=None, transformers=None); "
+
+
+def test_router_starts_without_vllm_or_torch(tmp_path):
+    code = BLOCK_HEAVY_IMPORTS + (
+        "import runpy, sys; sys.argv = ['router_service', '--help']; "
+        "runpy.run_module('router_service', run_name='__main__')"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "--probes" in result.stdout
+
+
+def test_router_modules_import_without_vllm_or_torch():
+    modules = ["router_service.server", "router_service.session", "router_service.probes",
+               "router_service.probe_files", "common.activations", "common.capture_spec"]
+    code = BLOCK_HEAVY_IMPORTS + "; ".join(f"import {m}" for m in modules)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
