@@ -81,6 +81,9 @@ class ActiveRequest:
     dropped_client_records: int = 0
     dropped_router_records: int = 0
     state_resets: int = 0
+    # Highest token position handed to the router link; the end of the request
+    # waits until the router acknowledged it.
+    sent_position: int = -1
 
     def fail_closed(self) -> bool:
         return any(p.failure_policy == pb.FAIL_CLOSED for p in self.probes)

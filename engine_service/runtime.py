@@ -240,10 +240,9 @@ class EngineRuntime:
             return
         await self._wait_for_drain()
         if request.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
-            last_fed = request.prompt_len + request.generated - 2
             deadline = time.monotonic() + self.settings.router_timeout_s
             while (
-                self.link.processed_position(request.request_id) < last_fed
+                self.link.processed_position(request.request_id) < request.sent_position
                 and request.finish_reason == pb.FINISH_REASON_UNSPECIFIED
                 and self.link.unavailable_since(request.request_id) is None
                 and time.monotonic() < deadline
@@ -354,6 +353,11 @@ class EngineRuntime:
             self.metrics.captured_bytes.inc(block.rows.nbytes)
             (probe_blocks if block.point.startswith(PROBE_POINT_PREFIX) else client_blocks).append(block)
         if probe_blocks and self.link is not None:
+            for block in probe_blocks:
+                for request_id, position in zip(block.request_ids, block.token_positions.tolist()):
+                    request = self.active.get(request_id)
+                    if request is not None and position > request.sent_position:
+                        request.sent_position = position
             self.link.send_step(probe_blocks)
         if client_blocks:
             self._stream_to_clients(client_blocks)

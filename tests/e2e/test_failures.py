@@ -42,12 +42,25 @@ async def two_routers(start_router, tmp_path, engine):
         write_watch_probe(tmp_path / f"probes-{index}")
     routers = [await start_router(i, tmp_path / f"probes-{i}") for i in (0, 1)]
     await stack.wait_for_probe(engine, WATCH)
+    await wait_until_both_score(engine, {r.address for r in routers})
     return routers
 
 
+async def wait_until_both_score(engine, addresses: set[str], timeout: float = 60) -> None:
+    """The engine reconnects with backoff, so the second session may come up
+    seconds after the first: probe with short requests until both replicas score."""
+    seen: set[str] = set()
+    deadline = asyncio.get_running_loop().time() + timeout
+    attempt = 0
+    while seen != addresses:
+        assert asyncio.get_running_loop().time() < deadline, f"only {seen} scored"
+        outcomes = await asyncio.gather(
+            *[stack.generate(engine, request(f"warm-{attempt}-{i}", pb.FAIL_OPEN, 2)) for i in range(4)])
+        seen |= {event.router for outcome in outcomes for event in outcome.scores}
+        attempt += 1
+
+
 async def test_two_replicas_split_requests_and_keep_each_on_one(engine, two_routers):
-    # Both sessions must be up before the split is measured.
-    await asyncio.sleep(1.0)
     outcomes = await asyncio.gather(
         *[stack.generate(engine, request(f"split-{i}", pb.FAIL_CLOSED, 6)) for i in range(12)]
     )
@@ -110,7 +123,6 @@ async def test_no_router_at_start_fails_closed_requests_quickly(engine, start_ro
 
 
 async def test_request_of_a_lost_replica_is_rehomed_and_finishes(engine, two_routers):
-    await asyncio.sleep(1.0)
     scored, progress = asyncio.Event(), stack.Outcome()
     running = asyncio.create_task(stack.generate(
         engine, request("rehomed", pb.FAIL_CLOSED, 480), scored=scored, outcome=progress))

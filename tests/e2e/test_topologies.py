@@ -14,10 +14,13 @@ from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 pytestmark = [pytest.mark.vllm, pytest.mark.multiworker]
 
 PROMPTS = ["The quick brown fox", "Hello, world! How are"]
-MAX_TOKENS = 10
+MAX_TOKENS = 24
+# name: (engine flags, CPU thread binding, tokens vLLM may generate after the
+# trigger before the abort lands). Under PP the scheduler keeps one batch in
+# flight per stage, and the last stage's rows reach the router a step later.
 TOPOLOGIES = {
-    "tp2": (["--tensor-parallel-size", "2"], "0|1"),
-    "pp2": (["--pipeline-parallel-size", "2"], "0|1"),
+    "tp2": (["--tensor-parallel-size", "2"], "0|1", 4),
+    "pp2": (["--pipeline-parallel-size", "2"], "0|1", 8),
 }
 
 
@@ -29,7 +32,7 @@ def request(prompt: str, rid: str, **fields) -> pb.GenerateRequest:
 
 @pytest.fixture(scope="module", params=sorted(TOPOLOGIES))
 async def topology_stack(request, tiny_llama_path, tmp_path_factory):
-    flags, bind = TOPOLOGIES[request.param]
+    flags, bind, _ = TOPOLOGIES[request.param]
     router = stack.router(stack.free_port(), tmp_path_factory.mktemp("probes")).start()
     engine = stack.engine(tiny_llama_path, router.address, *flags, workers_bind=bind).start()
     try:
@@ -67,5 +70,7 @@ async def test_probe_abort_under_topology(topology_stack):
     assert aborted.finished.verdict.token_position == probe.position
     trigger = probe.position - aborted.finished.prompt_tokens
     assert aborted.tokens[: trigger + 1] == baseline[0].tokens[: trigger + 1]
-    assert len(aborted.tokens) - (trigger + 1) <= 4
+    after_trigger = len(aborted.tokens) - (trigger + 1)
+    print(f"{name}: abort latency {after_trigger} tokens after the triggering token")
+    assert after_trigger <= TOPOLOGIES[name][2]
     assert other.reason == "LENGTH" and other.tokens == baseline[1].tokens
