@@ -108,7 +108,7 @@ async def test_killed_router_fails_closed_and_open_requests_by_policy(engine, st
     assert sum(len(e.token_positions) for e in again.scores) == 7
 
 
-async def test_no_router_at_start_fails_closed_requests_quickly(engine, start_router, tmp_path):
+async def test_a_dead_routers_probes_leave_the_catalog(engine, start_router, tmp_path):
     write_watch_probe(tmp_path / "probes-0")
     router = await start_router(0, tmp_path / "probes-0")
     await stack.wait_for_probe(engine, WATCH)
