@@ -1,4 +1,5 @@
-"""Real vLLM engines with capture, shared across the capture tests: start-up
+"""Real vLLM engines with capture, shared across the capture tests (and stopped
+after them, so later packages run on a quiet machine): start-up
 costs about 35 s per engine on CPU, so each configuration starts once."""
 
 import pytest
@@ -13,24 +14,24 @@ from tests.capture.oracle import TransformersOracle
 SMALL_STEPS = dict(block_size=32, max_num_batched_tokens=32, num_gpu_blocks_override=64)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 async def llama_engine(tiny_llama_path):
     async with capture_engine(tiny_llama_path, **SMALL_STEPS) as engine_and_controller:
         yield engine_and_controller
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 async def qwen3_engine(tiny_qwen3_path):
     async with capture_engine(tiny_qwen3_path, **SMALL_STEPS) as engine_and_controller:
         yield engine_and_controller
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def llama_oracle(tiny_llama_path):
     return TransformersOracle(tiny_llama_path)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def qwen3_oracle(tiny_qwen3_path):
     return TransformersOracle(tiny_qwen3_path)
 

@@ -1,4 +1,4 @@
-"""One engine process per session (start-up costs ~35 s), pointed at two router
+"""One engine process for the e2e package (start-up costs ~35 s), pointed at two router
 ports; tests start, kill and restart router processes on those ports."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 pytestmark = pytest.mark.vllm
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def router_ports() -> tuple[int, int]:
     return stack.free_port(), stack.free_port()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 async def engine_service(tiny_llama_path, router_ports):
     service = stack.engine(
         tiny_llama_path, ",".join(f"127.0.0.1:{p}" for p in router_ports), "--max-num-seqs", "16"
