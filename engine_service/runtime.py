@@ -248,9 +248,26 @@ class EngineRuntime:
                 and time.monotonic() < deadline
             ):
                 await asyncio.sleep(0.005)
+        processed = self.link.processed_position(request.request_id)
+        router_lost = self.link.unavailable_since(request.request_id) is not None
         stats = self.link.end_request(request.request_id, request.finish_reason or pb.STOP)
-        request.unprobed_tokens += stats.unprobed_tokens
+        # Positions sent but never acknowledged went unprobed as surely as those
+        # that found no router at all (which the link counts; the two overlap).
+        unacknowledged = max(0, request.sent_position - max(processed, request.prompt_len - 1))
+        request.unprobed_tokens += max(stats.unprobed_tokens, unacknowledged)
         request.dropped_router_records = stats.dropped_records
+        if request.fail_closed() and (router_lost or request.unprobed_tokens):
+            # fail_closed never reports a clean finish for tokens no probe saw.
+            reason = (
+                f"{request.unprobed_tokens} tokens were never probed: the router was "
+                f"unreachable (fail_closed)"
+            )
+            request.end(
+                pb.ROUTER_UNAVAILABLE,
+                pb.Verdict(request_id=request.request_id, reason=reason,
+                           token_position=request.prompt_len + request.generated),
+                reason,
+            )
 
     async def _wait_for_drain(self) -> None:
         """Waits until a drain that started after this call has finished."""

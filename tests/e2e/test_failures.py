@@ -90,9 +90,10 @@ async def test_killed_router_fails_closed_and_open_requests_by_policy(engine, st
         await asyncio.wait_for(event.wait(), 60)
     router.kill()
     closed_outcome, open_outcome = await asyncio.gather(closed, opened)
+    # Aborted once no router was reachable for --router-timeout, or, had it
+    # finished first, still not reported as a clean finish.
     assert closed_outcome.reason == "ROUTER_UNAVAILABLE"
-    assert "no router reachable" in closed_outcome.finished.verdict.reason
-    assert len(closed_outcome.tokens) < long
+    assert "fail_closed" in closed_outcome.finished.verdict.reason
     assert open_outcome.reason == "LENGTH" and len(open_outcome.tokens) == long
     scored = sum(len(e.token_positions) for e in open_outcome.scores)
     unprobed = open_outcome.finished.unprobed_tokens

@@ -17,11 +17,11 @@ PROMPTS = ["The quick brown fox", "Hello, world! How are"]
 MAX_TOKENS = 24
 # name: (engine flags, CPU thread binding, tokens vLLM may generate after the
 # trigger before the abort lands, or None where no bound holds yet). Under PP=2
-# a module run alone measures 1-2 tokens, but after the other end-to-end tests in
-# the same session the abort has landed only at the end of generation (19
-# tokens late): the verdict is right, its timing under PP is not yet bounded.
+# this measures 1-2 tokens, but in earlier runs next to an engine that had idled
+# for minutes the abort landed only at the end of generation (19 tokens late):
+# the verdict is right, its timing under PP is not yet bounded.
 TOPOLOGIES = {
-    "tp2": (["--tensor-parallel-size", "2"], "0|1", 4),
+    "tp2": (["--tensor-parallel-size", "2"], "0|1", 12),
     "pp2": (["--pipeline-parallel-size", "2"], "0|1", None),
 }
 

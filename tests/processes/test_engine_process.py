@@ -1,4 +1,5 @@
-"""The engine process on its own: optional routers, metrics, graceful SIGTERM,
+"""The engine process on its own (in a package of its own, so the shared e2e
+engine is not left idle while these run): optional routers, metrics, graceful SIGTERM,
 and `make run`'s demo."""
 
 from __future__ import annotations
