@@ -8,7 +8,6 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 LOCK := requirements/cpu.lock.txt
 MODELS := .cache/models
-PROTO_OUT := common
 
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_TARGET_DEVICE ?= cpu
@@ -16,7 +15,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: run test install proto proto-check models bench lint clean compose-check
+.PHONY: run test install proto models bench clean compose-check
 
 run: install models
 	$(PY) -m tools.run_demo --model $(MODELS)/tiny-llama $(RUN_ARGS)
