@@ -18,7 +18,6 @@ import asyncio
 import os
 import platform
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import numpy as np
 from common import tensor_codec
 from common.grpc_server import SERVICE_FULL_NAMES, channel_options, start_server
 from router_service.probe_files import write_probe
+from tools.processes import free_port
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc
 
@@ -174,12 +174,6 @@ def start_process(argv: list[str], log: Path) -> tuple[subprocess.Popen, int]:
         proc.kill()
         raise RuntimeError(f"{argv}: did not start: {line!r}")
     return proc, int(match.group(1))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def router_batch_seconds(metrics_port: int) -> float:

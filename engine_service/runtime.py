@@ -21,6 +21,7 @@ from common.capture_spec import parse_points
 from common.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
 from engine_service import requests as reqs
 from engine_service import router_link as links
+from engine_service import routing
 from engine_service.active_request import ActiveRequest, BoundProbe, TokenGate
 from engine_service.capture.controller import CaptureController, require_prompt_computation
 from engine_service.metrics import EngineMetrics
@@ -370,21 +371,16 @@ class EngineRuntime:
             self.metrics.captured_bytes.inc(block.rows.nbytes)
             (probe_blocks if block.point.startswith(PROBE_POINT_PREFIX) else client_blocks).append(block)
         if probe_blocks and self.link is not None:
-            for block in probe_blocks:
-                for request_id, position in zip(block.request_ids, block.token_positions.tolist()):
-                    request = self.active.get(request_id)
-                    if request is not None and position > request.sent_position:
-                        request.sent_position = position
+            for request_id, position in routing.max_positions(probe_blocks).items():
+                request = self.active.get(request_id)
+                if request is not None:
+                    request.sent_position = max(request.sent_position, position)
             self.link.send_step(probe_blocks)
         if client_blocks:
             self._stream_to_clients(client_blocks)
 
     def _stream_to_clients(self, blocks: list[activations.Block]) -> None:
-        by_request: dict[str, list[activations.Block]] = {}
-        for block in blocks:
-            for request_id in dict.fromkeys(block.request_ids):
-                mask = [r == request_id for r in block.request_ids]
-                by_request.setdefault(request_id, []).append(block.select(mask))
+        by_request = routing.partition_by_owner(blocks, owner_of=lambda request_id: request_id)
         for request_id, parts in by_request.items():
             request = self.active.get(request_id)
             if request is None:

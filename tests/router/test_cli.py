@@ -15,17 +15,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tests.router.helpers import HIDDEN, SessionClient, channel, errors, linear_probe, manifest
 from router_service.cli import parse_args
 from tests.conftest import REPO
+from tools.processes import free_port
 
 
 def run_router(*args, **popen):
     return subprocess.Popen([sys.executable, "-m", "router_service", *args], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def test_serves_health_and_metrics_drains_on_sigterm_and_exits_cleanly(tmp_path):
