@@ -59,7 +59,7 @@ async def firing_probe(baseline, start_router, engine):
     return probe
 
 
-async def test_probe_aborts_exactly_the_request_it_fires_on(engine, baseline, firing_probe):
+async def test_probe_aborts_exactly_the_request_it_fires_on(engine, baseline, firing_probe, router_ports):
     binding = pb.ProbeBinding(probe=firing_probe.name, failure_policy=pb.FAIL_CLOSED)
     outcomes = await asyncio.gather(*[
         stack.generate(engine, request(p, f"probed-{i}", probes=[binding]))
@@ -71,7 +71,7 @@ async def test_probe_aborts_exactly_the_request_it_fires_on(engine, baseline, fi
     assert verdict.probe == firing_probe.name and verdict.request_id == "probed-0"
     assert verdict.token_position == firing_probe.position
     assert verdict.score >= firing_probe.threshold
-    assert verdict.router.endswith(str(firing_probe and verdict.router.split(":")[-1]))
+    assert verdict.router == f"127.0.0.1:{router_ports[0]}"
     trigger_index = firing_probe.position - aborted.finished.prompt_tokens
     # Up to the trigger the probed run is the baseline run, token for token.
     assert aborted.tokens[: trigger_index + 1] == baseline[0].tokens[: trigger_index + 1]
