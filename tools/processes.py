@@ -119,10 +119,11 @@ def router(port: int, probes_dir: Path, *extra: str, log_to_file: bool = True) -
 
 
 def engine(model: str, router_addresses: str, *extra: str, workers_bind: str | None = None,
-           log_to_file: bool = True) -> Service:
+           log_to_file: bool = True, max_model_len: int = 512) -> Service:
     port = free_port()
     args = ["engine_service", "--host", "127.0.0.1", "--port", str(port), "--model", model,
-            "--max-model-len", "512", "--dtype", "float32", "--disable-log-stats", *extra]
+            "--max-model-len", str(max_model_len), "--dtype", "float32", "--disable-log-stats",
+            *extra]
     if router_addresses:
         args += ["--router", router_addresses]
     env = {"VLLM_CPU_OMP_THREADS_BIND": workers_bind} if workers_bind else {}

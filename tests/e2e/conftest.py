@@ -11,6 +11,8 @@ from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.vllm
 
+MAX_MODEL_LEN = 1024  # the embedded models' max_position_embeddings
+
 
 @pytest.fixture(scope="package")
 def router_ports() -> tuple[int, int]:
@@ -20,7 +22,9 @@ def router_ports() -> tuple[int, int]:
 @pytest.fixture(scope="package")
 async def engine_service(tiny_llama_path, router_ports):
     service = stack.engine(
-        tiny_llama_path, ",".join(f"127.0.0.1:{p}" for p in router_ports), "--max-num-seqs", "16"
+        tiny_llama_path, ",".join(f"127.0.0.1:{p}" for p in router_ports), "--max-num-seqs", "16",
+        # Room for requests long enough to outlive a router kill on a loaded machine.
+        max_model_len=MAX_MODEL_LEN,
     ).start()
     try:
         async with stack.channel(service.address) as channel:

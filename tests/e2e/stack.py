@@ -21,10 +21,11 @@ def router(port: int, probes_dir: Path, *extra: str) -> Service:
     return processes.router(port, probes_dir, "--heartbeat-interval", "1", *extra)
 
 
-def engine(model: str, router_addresses: str, *extra: str, workers_bind: str | None = None) -> Service:
+def engine(model: str, router_addresses: str, *extra: str, workers_bind: str | None = None,
+           max_model_len: int = 512) -> Service:
     """An engine whose requests give up on an unreachable router after 1.5 s."""
     return processes.engine(model, router_addresses, "--router-timeout", "1.5", *extra,
-                            workers_bind=workers_bind)
+                            workers_bind=workers_bind, max_model_len=max_model_len)
 
 
 @dataclass

@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 
 from common.activations import from_batch
 from tests.e2e import stack
+from tests.e2e.conftest import MAX_MODEL_LEN
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 pytestmark = pytest.mark.vllm
@@ -41,7 +42,7 @@ async def test_model_info_reports_topology(engine):
     assert (info.tensor_parallel_size, info.pipeline_parallel_size) == (1, 1)
     assert [(r.start_layer, r.end_layer, r.has_final_norm) for r in info.ranks] == [(0, 4, True)]
     assert set(info.tensor_types) == {pb.RESIDUAL_STREAM, pb.ATTN_OUT, pb.MLP_OUT, pb.FINAL_NORM}
-    assert info.vocab_size == 512 and info.max_model_len == 512
+    assert info.vocab_size == 512 and info.max_model_len == MAX_MODEL_LEN
 
 
 async def test_bad_requests_get_precise_errors_and_the_engine_keeps_serving(engine):
@@ -50,9 +51,9 @@ async def test_bad_requests_get_precise_errors_and_the_engine_keeps_serving(engi
     await expect_error(engine, pb.GenerateRequest(), invalid, "prompt: set either text or token_ids")
     await expect_error(engine, simple(text=None, token_ids=pb.TokenIds(ids=[1, 9999])), invalid,
                        "prompt.token_ids", "[9999]", "outside the vocabulary")
-    await expect_error(engine, simple(max_tokens=600), invalid, "sampling.max_tokens: 600",
-                       "max_model_len 512")
-    await expect_error(engine, simple(text="x " * 600), invalid, "max_model_len 512")
+    await expect_error(engine, simple(max_tokens=1100), invalid, "sampling.max_tokens: 1100",
+                       f"max_model_len {MAX_MODEL_LEN}")
+    await expect_error(engine, simple(text="x " * 1100), invalid, f"max_model_len {MAX_MODEL_LEN}")
     unowned = simple(extraction_points=[pb.ExtractionPoint(
         name="deep", tensor_type=pb.RESIDUAL_STREAM, layers=[9])])
     await expect_error(engine, unowned, invalid, 'extraction_points[0] "deep"', "layers[0]=9")

@@ -80,7 +80,7 @@ async def test_killed_router_fails_closed_and_open_requests_by_policy(engine, st
     write_watch_probe(tmp_path / "probes-0")
     router = await start_router(0, tmp_path / "probes-0")
     await stack.wait_for_probe(engine, WATCH)
-    long = 480
+    long = 1000
     both_scored = [asyncio.Event(), asyncio.Event()]
     closed = asyncio.create_task(
         stack.generate(engine, request("closed", pb.FAIL_CLOSED, long), scored=both_scored[0]))
@@ -126,7 +126,7 @@ async def test_a_dead_routers_probes_leave_the_catalog(engine, start_router, tmp
 async def test_request_of_a_lost_replica_is_rehomed_and_finishes(engine, two_routers):
     scored, progress = asyncio.Event(), stack.Outcome()
     running = asyncio.create_task(stack.generate(
-        engine, request("rehomed", pb.FAIL_CLOSED, 480), scored=scored, outcome=progress))
+        engine, request("rehomed", pb.FAIL_CLOSED, 1000), scored=scored, outcome=progress))
     await asyncio.wait_for(scored.wait(), 60)
     home = progress.scores[0].router
     next(r for r in two_routers if r.address == home).kill()

@@ -14,12 +14,12 @@ from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 pytestmark = pytest.mark.vllm
 
 PROMPTS = ["The quick brown fox", "Hello, world! How are", "A probe is a small"]
-MAX_TOKENS = 32
+MAX_TOKENS = 64
 # Tokens vLLM may generate after the triggering one before the abort lands:
 # the verdict needs a drain, a router round trip and a scheduler step. Typically
-# 1-2 here; the bound leaves room for a loaded, shared 2-core machine while
-# still failing when an abort does not land (the request would run to 32).
-ABORT_LATENCY_BOUND = 12
+# 1-2 here, but up to 27 seen when the shared 2-core machine was loaded; the
+# bound still fails when an abort does not land (the request would run to 64).
+ABORT_LATENCY_BOUND = 40
 
 
 def request(prompt: str, rid: str, **fields) -> pb.GenerateRequest:
