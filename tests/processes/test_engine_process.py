@@ -28,7 +28,7 @@ def request(rid: str, max_tokens: int) -> pb.GenerateRequest:
 async def test_routerless_engine_serves_reports_metrics_and_drains_on_sigterm(tiny_llama_path):
     metrics_port = stack.free_port()
     service = stack.engine(tiny_llama_path, "", "--metrics-port", str(metrics_port),
-                           "--grace-period", "60").start()
+                           "--grace-period", "60", max_model_len=1024).start()
     try:
         # Without --router the engine needs no router to be SERVING.
         await service.wait_health(want_serving=True, timeout=240)
@@ -41,17 +41,18 @@ async def test_routerless_engine_serves_reports_metrics_and_drains_on_sigterm(ti
             assert "undercurrent_engine_tokens_generated_total 5.0" in metrics
             assert 'undercurrent_engine_requests_finished_total{reason="LENGTH"} 1.0' in metrics
 
-            running = asyncio.create_task(stack.generate(engine, request("draining", 300)))
+            # Long enough to still be running while the checks below look.
+            running = asyncio.create_task(stack.generate(engine, request("draining", 1000)))
             await asyncio.sleep(0.5)
             service.process.send_signal(15)
-            await service.wait_health(want_serving=False, timeout=30)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await stack.generate(engine, request("late", 3))
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "shutting down" in refused.value.details()
+            await service.wait_health(want_serving=False, timeout=30)
             finished = await running
         # --on-shutdown finish (the default): the running request completes.
-        assert finished.reason == "LENGTH" and len(finished.tokens) == 300
+        assert finished.reason == "LENGTH" and len(finished.tokens) == 1000
         assert await asyncio.to_thread(service.process.wait, 60) == 0
     finally:
         service.kill()
