@@ -84,6 +84,8 @@ class ActiveRequest:
     # Highest token position handed to the router link; the end of the request
     # waits until the router acknowledged it.
     sent_position: int = -1
+    # Highest token position a router reported a score for.
+    scored_position: int = -1
 
     def fail_closed(self) -> bool:
         return any(p.failure_policy == pb.FAIL_CLOSED for p in self.probes)

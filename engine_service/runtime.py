@@ -254,6 +254,8 @@ class EngineRuntime:
         stats = self.link.end_request(request.request_id, request.finish_reason or pb.STOP)
         # Positions sent but never acknowledged went unprobed as surely as those
         # that found no router at all (which the link counts; the two overlap).
+        # A scored position was processed even if its ack was lost with the router.
+        processed = max(processed, request.scored_position)
         unacknowledged = max(0, request.sent_position - max(processed, request.prompt_len - 1))
         request.unprobed_tokens += max(stats.unprobed_tokens, unacknowledged)
         request.dropped_router_records = stats.dropped_records
@@ -407,6 +409,8 @@ class EngineRuntime:
             scores = pb.ProbeScores()
             scores.CopyFrom(event.scores)
             scores.router = event.replica
+            if scores.token_positions:
+                request.scored_position = max(request.scored_position, max(scores.token_positions))
             request.events.put_nowait(pb.GenerateResponse(probe_event=pb.ProbeEvent(scores=scores)))
         elif isinstance(event, links.Abort):
             self.metrics.aborts.labels("PROBE_ABORT").inc()
