@@ -55,10 +55,10 @@ def requests_for(mode: str, count: int, tokens: int, layers: int, round_index: i
         )
         if mode == "capture":
             message.extraction_points.add(
-                name="all", tensor_type=pb.RESIDUAL_STREAM, layers=list(range(layers)),
-                tokens=pb.TokenSelector(scope=pb.TokenSelector.GENERATED), stream_to_client=True)
+                name="all", tensor_type=pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=list(range(layers)),
+                tokens=pb.TokenSelector(scope=pb.TokenSelector.SCOPE_GENERATED), stream_to_client=True)
         if mode.startswith("probe"):
-            message.probes.add(probe=PROBE, failure_policy=pb.FAIL_OPEN)
+            message.probes.add(probe=PROBE, failure_policy=pb.FAILURE_POLICY_FAIL_OPEN)
             message.gate_tokens = mode == "probe+gate"
         out.append(message)
     return out
@@ -96,7 +96,7 @@ async def main_async(args) -> str:
         model=args.model, dtype="float32", max_model_len=1024, disable_log_stats=True)))
     runtime = EngineRuntime(llm, CaptureController(llm),
                             link_config=RouterLinkConfig(targets=router.address),
-                            settings=EngineSettings(default_failure_policy=pb.FAIL_OPEN))
+                            settings=EngineSettings(default_failure_policy=pb.FAILURE_POLICY_FAIL_OPEN))
     await runtime.start()
     await runtime.link.wait_ready(timeout=30)
     await asyncio.sleep(0.5)  # the router's catalog reaches the link after hello

@@ -42,21 +42,21 @@ LAYER = 16
 STALL_SECONDS = 30.0
 
 
-class AckOnly(undercurrent_pb2_grpc.ProbeRouterServicer):
+class AckOnly(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
     """The transport alone: hello answered, every batch acknowledged, nothing decoded."""
 
     async def Session(self, request_iterator, context):
         async for message in request_iterator:
             kind = message.WhichOneof("message")
             if kind == "hello":
-                yield pb.RouterMessage(hello=pb.RouterHello(router_id="ack-only"))
+                yield pb.SessionResponse(hello=pb.RouterHello(router_id="ack-only"))
             elif kind == "batch":
-                yield pb.RouterMessage(ack=pb.StepAck(step=message.batch.step))
+                yield pb.SessionResponse(ack=pb.StepAck(step=message.batch.step))
 
 
 async def serve_ack_only() -> None:
     handle = await start_server(
-        [(undercurrent_pb2_grpc.add_ProbeRouterServicer_to_server, AckOnly(), SERVICE_FULL_NAMES["ProbeRouter"])],
+        [(undercurrent_pb2_grpc.add_ProbeRouterServiceServicer_to_server, AckOnly(), SERVICE_FULL_NAMES["ProbeRouterService"])],
         "127.0.0.1", 0,
     )
     print(f"listening on 127.0.0.1:{handle.port}", flush=True)
@@ -102,16 +102,16 @@ def payloads(rows: int, hidden: int, count: int = 4) -> list[pb.Tensor]:
 async def drive(name: str, port: int, args, probe_names: list[str], tensors: list[pb.Tensor]) -> Result:
     """One round: streams steps for args.seconds with args.window in flight; counts acked steps."""
     model = pb.ModelInfo(model="bench", hidden_size=args.hidden, num_layers=32, dtype="bfloat16",
-                         tensor_types=[pb.RESIDUAL_STREAM])
+                         tensor_types=[pb.TENSOR_TYPE_RESIDUAL_STREAM])
     request_ids = [f"req-{i}" for i in range(args.rows)]
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options()) as channel:
-        call = undercurrent_pb2_grpc.ProbeRouterStub(channel).Session()
-        await call.write(pb.EngineMessage(hello=pb.SessionHello(engine_id="bench", model=model)))
+        call = undercurrent_pb2_grpc.ProbeRouterServiceStub(channel).Session()
+        await call.write(pb.SessionRequest(hello=pb.SessionHello(engine_id="bench", model=model)))
         hello = await call.read()
         assert hello.WhichOneof("message") == "hello", hello
         bindings = [pb.ProbeBinding(probe=p) for p in probe_names]
         for rid in request_ids:
-            await call.write(pb.EngineMessage(request_start=pb.RequestStart(
+            await call.write(pb.SessionRequest(request_start=pb.RequestStart(
                 request_id=rid, probes=bindings, prompt_length=1)))
         window = asyncio.Semaphore(args.window)
         sent_at: dict[int, float] = {}
@@ -147,11 +147,11 @@ async def drive(name: str, port: int, args, probe_names: list[str], tensors: lis
                 latencies.clear()
                 deadline = start + args.seconds
             block = pb.ActivationBlock(
-                point="resid", tensor_type=pb.RESIDUAL_STREAM, layer=LAYER, rows=tensors[step % len(tensors)],
+                point="resid", tensor_type=pb.TENSOR_TYPE_RESIDUAL_STREAM, layer=LAYER, rows=tensors[step % len(tensors)],
                 request_index=range(args.rows), token_positions=[step] * args.rows,
                 is_generated=[True] * args.rows)
             sent_at[step] = time.perf_counter()
-            await call.write(pb.EngineMessage(batch=pb.ActivationBatch(
+            await call.write(pb.SessionRequest(batch=pb.ActivationBatch(
                 step=step, request_ids=request_ids, blocks=[block])))
         drained_by = time.perf_counter() + STALL_SECONDS
         while sent_at and time.perf_counter() < drained_by:

@@ -22,10 +22,10 @@ from undercurrent.v1 import undercurrent_pb2 as pb
 TENSOR_TYPES = ("residual_stream", "attn_out", "mlp_out", "final_norm")
 
 _TENSOR_TYPE_TO_PROTO = {
-    "residual_stream": pb.RESIDUAL_STREAM,
-    "attn_out": pb.ATTN_OUT,
-    "mlp_out": pb.MLP_OUT,
-    "final_norm": pb.FINAL_NORM,
+    "residual_stream": pb.TENSOR_TYPE_RESIDUAL_STREAM,
+    "attn_out": pb.TENSOR_TYPE_ATTN_OUT,
+    "mlp_out": pb.TENSOR_TYPE_MLP_OUT,
+    "final_norm": pb.TENSOR_TYPE_FINAL_NORM,
 }
 _TENSOR_TYPE_FROM_PROTO = {v: k for k, v in _TENSOR_TYPE_TO_PROTO.items()}
 
@@ -48,14 +48,14 @@ class Scope(str, Enum):
 
 _SCOPE_FROM_PROTO = {
     pb.TokenSelector.SCOPE_UNSPECIFIED: Scope.ALL,
-    pb.TokenSelector.PROMPT: Scope.PROMPT,
-    pb.TokenSelector.GENERATED: Scope.GENERATED,
-    pb.TokenSelector.ALL: Scope.ALL,
+    pb.TokenSelector.SCOPE_PROMPT: Scope.PROMPT,
+    pb.TokenSelector.SCOPE_GENERATED: Scope.GENERATED,
+    pb.TokenSelector.SCOPE_ALL: Scope.ALL,
 }
 _SCOPE_TO_PROTO = {
-    Scope.PROMPT: pb.TokenSelector.PROMPT,
-    Scope.GENERATED: pb.TokenSelector.GENERATED,
-    Scope.ALL: pb.TokenSelector.ALL,
+    Scope.PROMPT: pb.TokenSelector.SCOPE_PROMPT,
+    Scope.GENERATED: pb.TokenSelector.SCOPE_GENERATED,
+    Scope.ALL: pb.TokenSelector.SCOPE_ALL,
 }
 
 

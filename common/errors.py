@@ -53,6 +53,20 @@ class Unavailable(UndercurrentError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+def status_code_value(name: str) -> int:
+    """The proto StatusCode value of a gRPC status-code name ("NOT_FOUND")."""
+    from undercurrent.v1 import undercurrent_pb2 as pb
+
+    return pb.StatusCode.Value(f"STATUS_CODE_{name}")
+
+
+def status_code_name(value: int) -> str:
+    """The gRPC status-code name ("NOT_FOUND") of a proto StatusCode value."""
+    from undercurrent.v1 import undercurrent_pb2 as pb
+
+    return pb.StatusCode.Name(value).removeprefix("STATUS_CODE_")
+
+
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, UndercurrentError):
         return exc.code, str(exc)

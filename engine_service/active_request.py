@@ -16,8 +16,8 @@ class BoundProbe:
 
     name: str
     info: pb.ProbeInfo
-    failure_policy: int  # pb.FAIL_CLOSED or pb.FAIL_OPEN
-    action: int  # pb.OBSERVE or pb.ABORT
+    failure_policy: int  # pb.FAILURE_POLICY_FAIL_CLOSED or pb.FAILURE_POLICY_FAIL_OPEN
+    action: int  # pb.PROBE_ACTION_OBSERVE or pb.PROBE_ACTION_ABORT
 
 
 @dataclass
@@ -88,7 +88,7 @@ class ActiveRequest:
     scored_position: int = -1
 
     def fail_closed(self) -> bool:
-        return any(p.failure_policy == pb.FAIL_CLOSED for p in self.probes)
+        return any(p.failure_policy == pb.FAILURE_POLICY_FAIL_CLOSED for p in self.probes)
 
     def end(self, reason: int, verdict: pb.Verdict | None = None, message: str = "") -> bool:
         """Records the first reason the engine stopped this request; False if already ended."""

@@ -16,7 +16,7 @@ from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 
 log = logging.getLogger("engine_service")
 
-FAILURE_POLICIES = {"fail_closed": pb.FAIL_CLOSED, "fail_open": pb.FAIL_OPEN}
+FAILURE_POLICIES = {"fail_closed": pb.FAILURE_POLICY_FAIL_CLOSED, "fail_open": pb.FAILURE_POLICY_FAIL_OPEN}
 HEALTH_POLL_S = 0.5
 
 
@@ -61,8 +61,8 @@ async def run(args) -> int:
     holder: dict = {}
     try:
         server = await start_server(
-            [(pb_grpc.add_EngineServicer_to_server, _StartingServicer(holder),
-              SERVICE_FULL_NAMES["Engine"])],
+            [(pb_grpc.add_EngineServiceServicer_to_server, _StartingServicer(holder),
+              SERVICE_FULL_NAMES["EngineService"])],
             args.host,
             args.port,
         )

@@ -124,4 +124,4 @@ def sampling_choice(sampling: pb.SamplingParams, prompt_len: int, limits: ModelL
 
 
 # vLLM finish reasons -> ours; abort is refined by who asked for it.
-VLLM_FINISH_REASONS = {"stop": pb.STOP, "length": pb.LENGTH, "abort": pb.CLIENT_ABORT, "error": pb.ERROR}
+VLLM_FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_CLIENT_ABORT, "error": pb.FINISH_REASON_ERROR}

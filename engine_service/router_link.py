@@ -259,7 +259,7 @@ class RouterLink:
         self.config = config
         self.registry = registry if registry is not None else CollectorRegistry()
         self._metrics = _metrics_for(self.registry)
-        self._hello = pb.EngineMessage(
+        self._hello = pb.SessionRequest(
             hello=pb.SessionHello(engine_id=config.engine_id, model=model)
         )
         self._on_event = on_event
@@ -350,7 +350,7 @@ class RouterLink:
             request.replica.requests.discard(request_id)
             self._send_control(
                 request.replica,
-                pb.EngineMessage(
+                pb.SessionRequest(
                     request_end=pb.RequestEnd(request_id=request_id, finish_reason=finish_reason)
                 ),
             )
@@ -416,7 +416,7 @@ class RouterLink:
         replica.requests.add(request.request_id)
         self._send_control(
             replica,
-            pb.EngineMessage(
+            pb.SessionRequest(
                 request_start=pb.RequestStart(
                     request_id=request.request_id,
                     probes=request.bindings,
@@ -437,7 +437,7 @@ class RouterLink:
 
     # -- queues -------------------------------------------------------------
 
-    def _send_control(self, replica: _Replica, message: pb.EngineMessage) -> None:
+    def _send_control(self, replica: _Replica, message: pb.SessionRequest) -> None:
         replica.queue.put_control(message)
         replica.wake.set()
 
@@ -449,7 +449,7 @@ class RouterLink:
             self._count_dropped(routing.rows_per_request(blocks), "too_large")
             return
         for part in parts:
-            message = pb.EngineMessage()
+            message = pb.SessionRequest()
             message.batch.CopyFrom(to_batch(part))
             item = QueuedBatch(
                 message,
@@ -568,7 +568,7 @@ class RouterLink:
         channel = aio.insecure_channel(
             replica.address, options=channel_options(self.config.max_message_bytes)
         )
-        call = undercurrent_pb2_grpc.ProbeRouterStub(channel).Session()
+        call = undercurrent_pb2_grpc.ProbeRouterServiceStub(channel).Session()
         tasks: list[asyncio.Task] = []
         try:
             async with asyncio.timeout(self.config.heartbeat_timeout_s):
@@ -639,12 +639,12 @@ class RouterLink:
             if now >= next_heartbeat and not self._closing:
                 self._send_control(
                     replica,
-                    pb.EngineMessage(heartbeat=pb.Heartbeat(sent_unix_nanos=time.time_ns())),
+                    pb.SessionRequest(heartbeat=pb.Heartbeat(sent_unix_nanos=time.time_ns())),
                 )
                 next_heartbeat = now + interval
             await asyncio.sleep(tick)
 
-    def _on_router_message(self, replica: _Replica, message: pb.RouterMessage) -> None:
+    def _on_router_message(self, replica: _Replica, message: pb.SessionResponse) -> None:
         kind = message.WhichOneof("message")
         if kind == "scores":
             self._emit(Scores(message.scores.request_id, message.scores, replica.address))
@@ -727,7 +727,7 @@ class RouterLink:
                 replica.requests.discard(request_id)
                 self._send_control(
                     replica,
-                    pb.EngineMessage(
+                    pb.SessionRequest(
                         request_end=pb.RequestEnd(
                             request_id=request_id, finish_reason=pb.FINISH_REASON_UNSPECIFIED
                         )

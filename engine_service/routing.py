@@ -124,7 +124,7 @@ def partition_by_owner(
 
 
 _WIRE_ITEMSIZE = {"bfloat16": 2}
-# Bytes a batch may need beyond its rows: the EngineMessage envelope, the step,
+# Bytes a batch may need beyond its rows: the SessionRequest envelope, the step,
 # and per block its header and key-array tags. Generous on purpose.
 _BATCH_OVERHEAD = 64
 _BLOCK_OVERHEAD = 96
@@ -235,7 +235,7 @@ class OverflowPolicy(StrEnum):
 class QueuedBatch:
     """One ActivationBatch waiting for its replica, with the bookkeeping it carries."""
 
-    message: object  # pb.EngineMessage with .batch set; step filled in at send time
+    message: object  # pb.SessionRequest with .batch set; step filled in at send time
     nbytes: int
     rows: Counter[str]  # rows per request, counted when dropped
     positions: dict[str, int]  # max token position per request, for acks

@@ -18,7 +18,14 @@ from typing import AsyncIterator
 
 from common import activations
 from common.capture_spec import parse_points
-from common.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
+from common.enum_names import short_name
+from common.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    NotFound,
+    Unavailable,
+    status_code_name,
+)
 from engine_service import requests as reqs
 from engine_service import router_link as links
 from engine_service import routing
@@ -33,7 +40,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class EngineSettings:
-    default_failure_policy: int = pb.FAIL_CLOSED
+    default_failure_policy: int = pb.FAILURE_POLICY_FAIL_CLOSED
     # A request whose router stays unreachable this long is aborted
     # (fail_closed) or marked unprobed (fail_open); gated tokens wait at most this.
     router_timeout_s: float = 3.0
@@ -89,12 +96,12 @@ class EngineRuntime:
         self.accepting = False
         if abort_running:
             for request in list(self.active.values()):
-                await self._stop(request, pb.ERROR, message="the engine is shutting down")
+                await self._stop(request, pb.FINISH_REASON_ERROR, message="the engine is shutting down")
         deadline = time.monotonic() + grace_s
         while self.active and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for request in list(self.active.values()):
-            await self._stop(request, pb.ERROR, message="the engine shut down before it finished")
+            await self._stop(request, pb.FINISH_REASON_ERROR, message="the engine shut down before it finished")
         await self.close()
 
     async def close(self) -> None:
@@ -113,7 +120,7 @@ class EngineRuntime:
         request = self.active.get(request_id)
         if request is None:
             return False
-        await self._stop(request, pb.CLIENT_ABORT, message="aborted by Engine.Abort")
+        await self._stop(request, pb.FINISH_REASON_CLIENT_ABORT, message="aborted by Engine.Abort")
         return True
 
     async def generate(self, message: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
@@ -155,7 +162,7 @@ class EngineRuntime:
             await producer
         finally:
             if not producer.done():  # the client went away
-                await self._stop(request, pb.CLIENT_ABORT, message="client cancelled the stream")
+                await self._stop(request, pb.FINISH_REASON_CLIENT_ABORT, message="client cancelled the stream")
                 await asyncio.gather(producer, return_exceptions=True)
             self.active.pop(request_id, None)
 
@@ -183,7 +190,7 @@ class EngineRuntime:
                     name=binding.probe,
                     info=info,
                     failure_policy=binding.failure_policy or self.settings.default_failure_policy,
-                    action=binding.action or info.action or pb.OBSERVE,
+                    action=binding.action or info.action or pb.PROBE_ACTION_OBSERVE,
                 )
             )
         return bound
@@ -223,7 +230,7 @@ class EngineRuntime:
             raise
         except Exception as exc:  # vLLM refused or failed this request only
             log.exception("request %s failed", request.request_id)
-            request.end(pb.ERROR, message=f"engine error: {type(exc).__name__}: {exc}")
+            request.end(pb.FINISH_REASON_ERROR, message=f"engine error: {type(exc).__name__}: {exc}")
         finally:
             if registered:
                 await self.capture.unregister(request.request_id)
@@ -231,7 +238,7 @@ class EngineRuntime:
             await self._settle(request)
         except Exception as exc:
             log.exception("request %s: settling with its router failed", request.request_id)
-            request.end(pb.ERROR, message=f"engine error after generation: {exc}")
+            request.end(pb.FINISH_REASON_ERROR, message=f"engine error after generation: {exc}")
         self._finish(request, vllm_reason)
 
     async def _settle(self, request: ActiveRequest) -> None:
@@ -251,7 +258,7 @@ class EngineRuntime:
                 await asyncio.sleep(0.005)
         processed = self.link.processed_position(request.request_id)
         router_lost = self.link.unavailable_since(request.request_id) is not None
-        stats = self.link.end_request(request.request_id, request.finish_reason or pb.STOP)
+        stats = self.link.end_request(request.request_id, request.finish_reason or pb.FINISH_REASON_STOP)
         # Positions sent but never acknowledged went unprobed as surely as those
         # that found no router at all (which the link counts; the two overlap).
         # A scored position was processed even if its ack was lost with the router.
@@ -266,7 +273,7 @@ class EngineRuntime:
                 f"unreachable (fail_closed)"
             )
             request.end(
-                pb.ROUTER_UNAVAILABLE,
+                pb.FINISH_REASON_ROUTER_UNAVAILABLE,
                 pb.Verdict(request_id=request.request_id, reason=reason,
                            token_position=request.prompt_len + request.generated),
                 reason,
@@ -308,10 +315,10 @@ class EngineRuntime:
 
     def _finish(self, request: ActiveRequest, vllm_reason: str | None) -> None:
         if request.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
-            request.end(reqs.VLLM_FINISH_REASONS.get(vllm_reason, pb.ERROR))
-        if request.gate is not None and request.finish_reason in (pb.STOP, pb.LENGTH):
+            request.end(reqs.VLLM_FINISH_REASONS.get(vllm_reason, pb.FINISH_REASON_ERROR))
+        if request.gate is not None and request.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH):
             self._release_gated(request, everything=True)
-        self.metrics.requests_finished.labels(pb.FinishReason.Name(request.finish_reason)).inc()
+        self.metrics.requests_finished.labels(short_name(pb.FinishReason, request.finish_reason)).inc()
         request.events.put_nowait(
             pb.GenerateResponse(
                 finished=pb.GenerateFinished(
@@ -354,7 +361,7 @@ class EngineRuntime:
             for request_id, error in errors.items():
                 request = self.active.get(request_id)
                 if request is not None:
-                    await self._stop(request, pb.ERROR, message=error)
+                    await self._stop(request, pb.FINISH_REASON_ERROR, message=error)
             if blocks:
                 self._deliver(blocks)
             async with self._drained:
@@ -417,7 +424,7 @@ class EngineRuntime:
             verdict = pb.Verdict()
             verdict.CopyFrom(event.verdict)
             verdict.router = event.replica
-            self._spawn(self._stop(request, pb.PROBE_ABORT, verdict=verdict))
+            self._spawn(self._stop(request, pb.FINISH_REASON_PROBE_ABORT, verdict=verdict))
         elif isinstance(event, links.Processed):
             if request.gate is not None:
                 request.gate.acknowledge(event.token_position)
@@ -441,16 +448,17 @@ class EngineRuntime:
                 reason=f"no router reachable for {waited:.1f} s (fail_closed)",
             )
             self._spawn(
-                self._stop(request, pb.ROUTER_UNAVAILABLE, verdict=verdict, message=verdict.reason)
+                self._stop(request, pb.FINISH_REASON_ROUTER_UNAVAILABLE, verdict=verdict, message=verdict.reason)
             )
         else:
             log.warning("request %s continues unprobed (fail_open): no router for %.1f s",
                         request.request_id, waited)
 
     def _on_router_error(self, request: ActiveRequest, error: pb.RequestError) -> None:
-        text = f"router error for probe {error.probe or '-'}: {error.code}: {error.message}"
+        code = status_code_name(error.code)
+        text = f"router error for probe {error.probe or '-'}: {code}: {error.message}"
         log.warning("request %s: %s", request.request_id, text)
-        if request.fail_closed() and error.code in ("NOT_FOUND", "FAILED_PRECONDITION"):
-            self._spawn(self._stop(request, pb.ERROR, message=text))
+        if request.fail_closed() and code in ("NOT_FOUND", "FAILED_PRECONDITION"):
+            self._spawn(self._stop(request, pb.FINISH_REASON_ERROR, message=text))
         else:
             request.message = "; ".join(filter(None, [request.message, text]))

@@ -11,7 +11,7 @@ from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 
 
-class EngineServicer(pb_grpc.EngineServicer):
+class EngineServicer(pb_grpc.EngineServiceServicer):
     def __init__(self, runtime: EngineRuntime):
         self.runtime = runtime
 
@@ -23,4 +23,4 @@ class EngineServicer(pb_grpc.EngineServicer):
         return pb.AbortResponse(found=await self.runtime.abort(request.request_id))
 
     async def GetModelInfo(self, request, context):
-        return self.runtime.model_info()
+        return pb.GetModelInfoResponse(model=self.runtime.model_info())

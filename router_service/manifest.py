@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.capture_spec import TENSOR_TYPES, tensor_type_from_proto, tensor_type_to_proto
+from common.enum_names import short_name
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 TOKEN_KINDS = ("linear", "logistic", "mean_difference", "norm")
@@ -21,11 +22,11 @@ KINDS = (*TOKEN_KINDS, "trajectory", "cascade")
 AGGREGATIONS = ("ema", "rolling_mean", "max_rolling_mean", "count_over")
 WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
 
-ACTIONS = {"observe": pb.OBSERVE, "abort": pb.ABORT}
+ACTIONS = {"observe": pb.PROBE_ACTION_OBSERVE, "abort": pb.PROBE_ACTION_ABORT}
 SCOPES = {
-    "prompt": pb.TokenSelector.PROMPT,
-    "generated": pb.TokenSelector.GENERATED,
-    "all": pb.TokenSelector.ALL,
+    "prompt": pb.TokenSelector.SCOPE_PROMPT,
+    "generated": pb.TokenSelector.SCOPE_GENERATED,
+    "all": pb.TokenSelector.SCOPE_ALL,
 }
 
 
@@ -72,7 +73,7 @@ class MemberSpec:
 class TokenScope:
     """Which of a request's rows a probe reads (the proto's TokenSelector)."""
 
-    scope: int = pb.TokenSelector.GENERATED
+    scope: int = pb.TokenSelector.SCOPE_GENERATED
     indexes: tuple[int, ...] = ()
     ranges: tuple[tuple[int, int | None], ...] = ()
 
@@ -120,7 +121,7 @@ class Manifest:
         offered = set(model.tensor_types)
         if offered and self.tensor_type not in offered:
             names = sorted(
-                pb.TensorType.Name(t).lower() if t in pb.TensorType.values() else str(t)
+                short_name(pb.TensorType, t).lower()
                 for t in offered
             )
             return (
@@ -132,7 +133,7 @@ class Manifest:
     def reads(self, tensor_type: int, layer: int) -> bool:
         if tensor_type != self.tensor_type:
             return False
-        return tensor_type == pb.FINAL_NORM or layer in self.layers
+        return tensor_type == pb.TENSOR_TYPE_FINAL_NORM or layer in self.layers
 
 
 def parse_manifest(text: str | bytes) -> Manifest:
@@ -194,7 +195,7 @@ def manifest_from_dict(data: Any) -> Manifest:
 def _layers(fields: "_Fields", tensor_type: int) -> tuple[int, ...]:
     if "layer" in fields.data and "layers" in fields.data:
         raise ManifestError("manifest: set either layer or layers, not both")
-    if tensor_type == pb.FINAL_NORM:
+    if tensor_type == pb.TENSOR_TYPE_FINAL_NORM:
         if fields.data.get("layers") or "layer" in fields.data:
             raise ManifestError("manifest.layers: final_norm has no layer; leave layers out")
         fields.optional("layers", list, [])
@@ -218,7 +219,7 @@ def _token_scope(data: dict) -> TokenScope:
     indexes = fields.optional("indexes", list, [])
     ranges_raw = fields.optional("ranges", list, [])
     fields.done()
-    negative_ok = scope == pb.TokenSelector.PROMPT
+    negative_ok = scope == pb.TokenSelector.SCOPE_PROMPT
     for i, index in enumerate(indexes):
         if not _is_int(index) or (index < 0 and not negative_ok):
             raise ManifestError(

@@ -72,10 +72,10 @@ class Router:
         self.registry.subscribe(self._on_probes_changed)
         self.handle = await start_server(
             [
-                (undercurrent_pb2_grpc.add_ProbeRouterServicer_to_server, SessionServicer(self),
-                 SERVICE_FULL_NAMES["ProbeRouter"]),
-                (undercurrent_pb2_grpc.add_ProbeAdminServicer_to_server, AdminServicer(self),
-                 SERVICE_FULL_NAMES["ProbeAdmin"]),
+                (undercurrent_pb2_grpc.add_ProbeRouterServiceServicer_to_server, SessionServicer(self),
+                 SERVICE_FULL_NAMES["ProbeRouterService"]),
+                (undercurrent_pb2_grpc.add_ProbeAdminServiceServicer_to_server, AdminServicer(self),
+                 SERVICE_FULL_NAMES["ProbeAdminService"]),
             ],
             self.config.host,
             self.config.port,
@@ -86,8 +86,8 @@ class Router:
         log.info("router started", extra={"router_id": self.router_id, "port": self.port,
                                           "probes": [p.name for p in self.registry.probes()]})
 
-    def drain_message(self) -> pb.RouterMessage:
-        return pb.RouterMessage(drain=pb.Drain(reason=f"router {self.router_id} is shutting down"))
+    def drain_message(self) -> pb.SessionResponse:
+        return pb.SessionResponse(drain=pb.Drain(reason=f"router {self.router_id} is shutting down"))
 
     async def shutdown(self, grace_period: float | None = None) -> None:
         """Drains: NOT_SERVING, Drain to every session, new requests refused; then

@@ -45,7 +45,7 @@ class LiveSession:
             scores_interval=router.config.scores_interval,
             draining=lambda: router.draining,
         )
-        self.outbox: asyncio.Queue[pb.RouterMessage | None] = asyncio.Queue(OUTBOX_SIZE)
+        self.outbox: asyncio.Queue[pb.SessionResponse | None] = asyncio.Queue(OUTBOX_SIZE)
         self._tasks: set[asyncio.Task] = set()
         self._scoring: concurrent.futures.Future | None = None
 
@@ -54,15 +54,15 @@ class LiveSession:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def send_all(self, messages: list[pb.RouterMessage]) -> None:
+    async def send_all(self, messages: list[pb.SessionResponse]) -> None:
         for message in messages:
             await self.outbox.put(message)
 
     def send_catalog(self) -> None:
         probes, errors = self.state.catalog()
-        self.spawn(self.send_all([*errors, pb.RouterMessage(catalog=pb.ProbeCatalog(probes=probes))]))
+        self.spawn(self.send_all([*errors, pb.SessionResponse(catalog=pb.ProbeCatalog(probes=probes))]))
 
-    async def read(self, engine_messages: AsyncIterator[pb.EngineMessage]) -> None:
+    async def read(self, engine_messages: AsyncIterator[pb.SessionRequest]) -> None:
         try:
             async for message in engine_messages:
                 await self.send_all(await self._handle(message))
@@ -72,7 +72,7 @@ class LiveSession:
             log.info("session read ended", extra={"session": self.id, "reason": repr(err)})
         await self.outbox.put(None)
 
-    async def _handle(self, message: pb.EngineMessage) -> list[pb.RouterMessage]:
+    async def _handle(self, message: pb.SessionRequest) -> list[pb.SessionResponse]:
         kind = message.WhichOneof("message")
         request_id = ""
         try:
@@ -89,21 +89,21 @@ class LiveSession:
                 request_id = message.request_end.request_id
                 return self.state.end(message.request_end)
             if kind == "heartbeat":
-                return [pb.RouterMessage(heartbeat=message.heartbeat)]
+                return [pb.SessionResponse(heartbeat=message.heartbeat)]
             if kind == "hello":
                 return [error("", "FAILED_PRECONDITION", "hello: the session already said hello; ignored")]
-            return [error("", "INVALID_ARGUMENT", "EngineMessage: no message set")]
+            return [error("", "INVALID_ARGUMENT", "SessionRequest: no message set")]
         except Exception as err:  # a bug must not take the other requests down
             log.exception("error handling engine message", extra={"session": self.id, "kind": kind})
             out = [error(request_id, "INTERNAL", f"{kind}: internal error: {type(err).__name__}: {err}")]
             if kind == "batch":  # the engine still gets its ack, so its step tracking moves on
-                out.append(pb.RouterMessage(ack=pb.StepAck(step=message.batch.step)))
+                out.append(pb.SessionResponse(ack=pb.StepAck(step=message.batch.step)))
             return out
 
     async def heartbeat(self, interval: float) -> None:
         while True:
             await asyncio.sleep(interval)
-            await self.outbox.put(pb.RouterMessage(heartbeat=pb.Heartbeat(sent_unix_nanos=time.time_ns())))
+            await self.outbox.put(pb.SessionResponse(heartbeat=pb.Heartbeat(sent_unix_nanos=time.time_ns())))
 
     async def stop(self) -> None:
         """Cancels the tasks and waits for a batch still scoring, so state can be freed."""
@@ -114,7 +114,7 @@ class LiveSession:
             await asyncio.gather(asyncio.wrap_future(self._scoring), return_exceptions=True)
 
 
-class SessionServicer(undercurrent_pb2_grpc.ProbeRouterServicer):
+class SessionServicer(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
     def __init__(self, router: "Router"):
         self.router = router
 
@@ -125,7 +125,7 @@ class SessionServicer(undercurrent_pb2_grpc.ProbeRouterServicer):
             return
         if first.WhichOneof("message") != "hello":
             raise InvalidArgument(
-                f"the first EngineMessage must be hello, got {first.WhichOneof('message')!r}"
+                f"the first SessionRequest must be hello, got {first.WhichOneof('message')!r}"
             )
         model = first.hello.model
         if model.hidden_size <= 0 or model.num_layers <= 0:
@@ -143,7 +143,7 @@ class SessionServicer(undercurrent_pb2_grpc.ProbeRouterServicer):
         session.spawn(session.read(request_iterator))
         session.spawn(session.heartbeat(self.router.config.heartbeat_interval))
         try:
-            yield pb.RouterMessage(hello=pb.RouterHello(router_id=self.router.router_id, probes=probes))
+            yield pb.SessionResponse(hello=pb.RouterHello(router_id=self.router.router_id, probes=probes))
             for message in errors:
                 yield message
             if self.router.draining:
@@ -160,11 +160,11 @@ class SessionServicer(undercurrent_pb2_grpc.ProbeRouterServicer):
                                               "requests_freed": freed})
 
 
-class AdminServicer(undercurrent_pb2_grpc.ProbeAdminServicer):
+class AdminServicer(undercurrent_pb2_grpc.ProbeAdminServiceServicer):
     def __init__(self, router: "Router"):
         self.router = router
 
-    async def LoadProbe(self, request: pb.LoadProbeRequest, context) -> pb.ProbeInfo:
+    async def LoadProbe(self, request: pb.LoadProbeRequest, context) -> pb.LoadProbeResponse:
         source = request.WhichOneof("source")
         try:
             if source == "path":
@@ -178,7 +178,7 @@ class AdminServicer(undercurrent_pb2_grpc.ProbeAdminServicer):
         except (ProbeFileError, ManifestError) as err:
             raise InvalidArgument(str(err)) from None
         registry = self.router.registry
-        return registry.info(registry.load(probe, replace=request.replace))
+        return pb.LoadProbeResponse(probe=registry.info(registry.load(probe, replace=request.replace)))
 
     async def ListProbes(self, request, context) -> pb.ListProbesResponse:
         registry = self.router.registry

@@ -1,6 +1,6 @@
 """One engine session's requests and their probe state, without gRPC.
 
-The servicer feeds each EngineMessage to `SessionState` and sends back the
+The servicer feeds each SessionRequest to `SessionState` and sends back the
 RouterMessages it returns, in order. For a batch that order is: scores, then at
 most one abort per request, then the StepAck, so every verdict caused by step N
 precedes ack N. A bad record yields an in-band RequestError naming the field;
@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 
 from common.activations import BatchDecodeError, decode_block
-from common.errors import UndercurrentError
+from common.errors import UndercurrentError, status_code_value
 from router_service.metrics import RouterMetrics
 from router_service.probes import Probe, ProjectionPlan, first_firing_segments
 from router_service.registry import ProbeRegistry
@@ -34,7 +34,7 @@ PLAN_CACHE_SIZE = 64
 @dataclass
 class Binding:
     probe: Probe
-    action: int  # pb.OBSERVE or pb.ABORT
+    action: int  # pb.PROBE_ACTION_OBSERVE or pb.PROBE_ACTION_ABORT
     order: int  # position in the request's bindings: breaks ties between aborts
     row: int  # this binding's row in its probe's _BoundProbe rule arrays
     state: list = field(default_factory=list)
@@ -108,9 +108,12 @@ class _Candidate:
         return (self.position, self.layer, self.binding.order)
 
 
-def error(request_id: str, code: str, message: str, probe: str = "") -> pb.RouterMessage:
-    return pb.RouterMessage(
-        error=pb.RequestError(request_id=request_id, probe=probe, code=code, message=message)
+def error(request_id: str, code: str, message: str, probe: str = "") -> pb.SessionResponse:
+    """An in-band RequestError; code is a gRPC status-code name such as "INVALID_ARGUMENT"."""
+    return pb.SessionResponse(
+        error=pb.RequestError(
+            request_id=request_id, probe=probe, code=status_code_value(code), message=message
+        )
     )
 
 
@@ -138,7 +141,7 @@ class SessionState:
 
     # -- catalog ------------------------------------------------------------
 
-    def catalog(self) -> tuple[list[pb.ProbeInfo], list[pb.RouterMessage]]:
+    def catalog(self) -> tuple[list[pb.ProbeInfo], list[pb.SessionResponse]]:
         """The probes this engine can use, and an error for each newly seen one it cannot."""
         infos, errors = [], []
         for probe in self.registry.probes():
@@ -156,7 +159,7 @@ class SessionState:
 
     # -- request lifecycle --------------------------------------------------
 
-    def start(self, msg: pb.RequestStart) -> list[pb.RouterMessage]:
+    def start(self, msg: pb.RequestStart) -> list[pb.SessionResponse]:
         rid = msg.request_id
         if not rid:
             return [self._error("", "INVALID_ARGUMENT", "request_start.request_id is empty")]
@@ -167,7 +170,7 @@ class SessionState:
         if msg.prompt_length < 0:
             return [self._error(rid, "INVALID_ARGUMENT",
                                 f"request_start.prompt_length {msg.prompt_length} is negative")]
-        out: list[pb.RouterMessage] = []
+        out: list[pb.SessionResponse] = []
         bindings: dict[int, Binding] = {}
         names: set[str] = set()
         for i, wanted in enumerate(msg.probes):
@@ -189,14 +192,14 @@ class SessionState:
                 continue
             names.add(wanted.probe)
             action = wanted.action if wanted.action != pb.PROBE_ACTION_UNSPECIFIED else probe.manifest.action
-            row = self._bound.setdefault(id(probe), _BoundProbe(probe)).allocate(action == pb.ABORT)
+            row = self._bound.setdefault(id(probe), _BoundProbe(probe)).allocate(action == pb.PROBE_ACTION_ABORT)
             bindings[id(probe)] = Binding(probe, action, len(bindings), row, probe.new_state())
         self.requests[rid] = RequestState(rid, msg.prompt_length, bindings)
         self._ended.pop(rid, None)
         self.metrics.live_requests.inc()
         return out
 
-    def end(self, msg: pb.RequestEnd) -> list[pb.RouterMessage]:
+    def end(self, msg: pb.RequestEnd) -> list[pb.SessionResponse]:
         request = self.requests.pop(msg.request_id, None)
         if request is None:
             return [self._error(msg.request_id, "NOT_FOUND",
@@ -231,9 +234,9 @@ class SessionState:
 
     # -- batches ------------------------------------------------------------
 
-    def batch(self, batch: pb.ActivationBatch) -> list[pb.RouterMessage]:
+    def batch(self, batch: pb.ActivationBatch) -> list[pb.SessionResponse]:
         started = time.perf_counter()
-        out: list[pb.RouterMessage] = []
+        out: list[pb.SessionResponse] = []
         reported: set[tuple[str, str]] = set()  # (request, problem): one error per batch each
         requests = [self.requests.get(rid) for rid in batch.request_ids]
         binds: dict[int, np.ndarray] = {}  # id(probe) -> which slots bind it
@@ -252,7 +255,7 @@ class SessionState:
                 request.aborted = True
                 best = min(found, key=_Candidate.key)
                 out.append(self._abort(request, best.binding, best.score, best.position, best.layer))
-        out.append(pb.RouterMessage(ack=pb.StepAck(step=batch.step)))
+        out.append(pb.SessionResponse(ack=pb.StepAck(step=batch.step)))
         self.metrics.batches.inc()
         self.metrics.batch_seconds.observe(time.perf_counter() - started)
         return out
@@ -265,7 +268,7 @@ class SessionState:
         binds: dict[int, np.ndarray],
         gathered: dict[int, _Gathered],
         reported: set[tuple[str, str]],
-    ) -> list[pb.RouterMessage]:
+    ) -> list[pb.SessionResponse]:
         """Checks block i and files its usable rows under each probe that reads them."""
         msg = batch.blocks[i]
         where = f"blocks[{i}] ({msg.point}@{msg.layer})"
@@ -326,7 +329,7 @@ class SessionState:
     def _score_probe(
         self, part: _Gathered, requests: list[RequestState | None], prompt_lengths: np.ndarray,
         candidates: dict[int, list[_Candidate]],
-    ) -> list[pb.RouterMessage]:
+    ) -> list[pb.SessionResponse]:
         """Scores one probe over all its requests' rows; files abort candidates; returns scores."""
         probe, m = part.probe, part.probe.manifest
         slots, positions, layers, generated, values = part.arrays()
@@ -366,7 +369,7 @@ class SessionState:
         return out
 
     def _abort(self, request: RequestState, binding: Binding, score: float, position: int,
-               layer: int) -> pb.RouterMessage:
+               layer: int) -> pb.SessionResponse:
         m = binding.probe.manifest
         reason = (
             f"probe {m.name!r} (version {m.version}) scored {score:.4g} >= threshold {m.threshold:g} "
@@ -375,11 +378,11 @@ class SessionState:
         self.metrics.aborts.labels(m.name).inc()
         log.info("abort", extra={"request_id": request.request_id, "probe": m.name, "score": score,
                                  "token_position": position})
-        return pb.RouterMessage(abort=pb.Verdict(
+        return pb.SessionResponse(abort=pb.Verdict(
             request_id=request.request_id, probe=m.name, score=score, token_position=position,
             reason=reason))
 
-    def _flush_scores(self, request: RequestState, binding: Binding, force: bool) -> pb.RouterMessage | None:
+    def _flush_scores(self, request: RequestState, binding: Binding, force: bool) -> pb.SessionResponse | None:
         if not binding.pending_scores:
             return None
         now = self.clock()
@@ -394,11 +397,11 @@ class SessionState:
         )
         binding.pending_positions.clear()
         binding.pending_scores.clear()
-        return pb.RouterMessage(scores=message)
+        return pb.SessionResponse(scores=message)
 
     # -- helpers ------------------------------------------------------------
 
-    def detach_retired(self) -> list[pb.RouterMessage]:
+    def detach_retired(self) -> list[pb.SessionResponse]:
         """Drops bindings of probes unloaded by force; tells each request once.
 
         Call it before `batch`, on the thread that owns the registry."""
@@ -424,7 +427,7 @@ class SessionState:
             self._plans.move_to_end(key)
         return plan
 
-    def _unknown_request(self, rid: str, where: str, reported: set[tuple[str, str]]) -> list[pb.RouterMessage]:
+    def _unknown_request(self, rid: str, where: str, reported: set[tuple[str, str]]) -> list[pb.SessionResponse]:
         if (rid, "unknown") in reported:
             return []
         reported.add((rid, "unknown"))
@@ -436,7 +439,7 @@ class SessionState:
                             "(no request_start); its records were not scored")]
 
     def _block_error(self, request_ids: list[str], code: str, message: str,
-                     reported: set[tuple[str, str]]) -> list[pb.RouterMessage]:
+                     reported: set[tuple[str, str]]) -> list[pb.SessionResponse]:
         out = []
         for rid in sorted({r for r in request_ids if r}) or [""]:
             if (rid, message) not in reported:
@@ -444,7 +447,7 @@ class SessionState:
                 out.append(self._error(rid, code, message + "; the block was not scored"))
         return out
 
-    def _error(self, request_id: str, code: str, message: str, probe: str = "") -> pb.RouterMessage:
+    def _error(self, request_id: str, code: str, message: str, probe: str = "") -> pb.SessionResponse:
         self.metrics.errors.labels(code).inc()
         log.warning("request error", extra={"request_id": request_id, "probe": probe, "code": code,
                                             "error": message})
@@ -455,9 +458,9 @@ def selects(scope, positions: np.ndarray, generated: np.ndarray, prompt_lengths:
     """Mask of the rows a probe's token scope reads (the proto's TokenSelector rules).
 
     prompt_lengths: per row, its request's prompt length (a scalar works too)."""
-    if scope.scope == pb.TokenSelector.PROMPT:
+    if scope.scope == pb.TokenSelector.SCOPE_PROMPT:
         in_scope, index = ~generated, positions
-    elif scope.scope == pb.TokenSelector.GENERATED:
+    elif scope.scope == pb.TokenSelector.SCOPE_GENERATED:
         in_scope, index = generated, positions - prompt_lengths
     else:
         in_scope, index = np.ones_like(generated), positions

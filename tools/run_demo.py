@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 
+from common.enum_names import short_name
 from common.grpc_server import channel_options
 from tools import processes
 from undercurrent.v1 import undercurrent_pb2 as pb
@@ -25,8 +26,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 async def demo(engine_address: str, prompt: str, max_tokens: int, probe: str | None) -> None:
     async with grpc.aio.insecure_channel(engine_address, options=channel_options()) as channel:
-        engine = pb_grpc.EngineStub(channel)
-        info = await engine.GetModelInfo(pb.GetModelInfoRequest())
+        engine = pb_grpc.EngineServiceStub(channel)
+        info = (await engine.GetModelInfo(pb.GetModelInfoRequest())).model
         print(
             f"model {info.architecture}: {info.num_layers} layers, hidden {info.hidden_size}, "
             f"{info.dtype}, TP={info.tensor_parallel_size} PP={info.pipeline_parallel_size}"
@@ -36,7 +37,7 @@ async def demo(engine_address: str, prompt: str, max_tokens: int, probe: str | N
             sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0),
         )
         if probe:
-            request.probes.add(probe=probe, failure_policy=pb.FAIL_OPEN)
+            request.probes.add(probe=probe, failure_policy=pb.FAILURE_POLICY_FAIL_OPEN)
         print(f"prompt: {prompt!r}\n--- streamed text (random weights: the words are noise) ---")
         scores: list[tuple[int, float]] = []
         async for response in engine.Generate(request):
@@ -49,7 +50,7 @@ async def demo(engine_address: str, prompt: str, max_tokens: int, probe: str | N
             elif kind == "finished":
                 done = response.finished
                 print(
-                    f"\n--- finished: {pb.FinishReason.Name(done.finish_reason)}, "
+                    f"\n--- finished: {short_name(pb.FinishReason, done.finish_reason)}, "
                     f"{done.generated_tokens} tokens ---"
                 )
         if scores:

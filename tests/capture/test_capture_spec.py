@@ -53,10 +53,10 @@ def test_mask_matches_streamed_positions_one_at_a_time():
 def test_proto_round_trip_keeps_every_field():
     msg = pb.ExtractionPoint(
         name="late",
-        tensor_type=pb.MLP_OUT,
+        tensor_type=pb.TENSOR_TYPE_MLP_OUT,
         layers=[2, 3],
         tokens=pb.TokenSelector(
-            scope=pb.TokenSelector.PROMPT,
+            scope=pb.TokenSelector.SCOPE_PROMPT,
             indexes=[-1, 0],
             ranges=[pb.IndexRange(start=1, stop=3), pb.IndexRange(start=-2)],
         ),
@@ -75,7 +75,7 @@ def test_proto_round_trip_keeps_every_field():
 
 def test_unspecified_scope_means_all():
     point = ExtractionPoint.from_proto(
-        pb.ExtractionPoint(name="p", tensor_type=pb.RESIDUAL_STREAM, layers=[0])
+        pb.ExtractionPoint(name="p", tensor_type=pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=[0])
     )
     assert point.tokens == TokenSelector(Scope.ALL)
 
@@ -88,7 +88,7 @@ def error_of(points, num_layers=4) -> str:
 
 def rs(name="p", layers=(0,), **tokens):
     return pb.ExtractionPoint(
-        name=name, tensor_type=pb.RESIDUAL_STREAM, layers=list(layers), tokens=pb.TokenSelector(**tokens)
+        name=name, tensor_type=pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=list(layers), tokens=pb.TokenSelector(**tokens)
     )
 
 
@@ -103,21 +103,22 @@ def test_unknown_tensor_type_is_refused():
     msg = pb.ExtractionPoint(name="x", tensor_type=pb.TENSOR_TYPE_UNSPECIFIED, layers=[0])
     assert error_of([msg]) == (
         'extraction_points[0] "x": tensor_type TENSOR_TYPE_UNSPECIFIED is not one of '
-        "['RESIDUAL_STREAM', 'ATTN_OUT', 'MLP_OUT', 'FINAL_NORM']"
+        "['TENSOR_TYPE_RESIDUAL_STREAM', 'TENSOR_TYPE_ATTN_OUT', 'TENSOR_TYPE_MLP_OUT', "
+            "'TENSOR_TYPE_FINAL_NORM']"
     )
     msg.tensor_type = 42
     assert "tensor_type 42 is not one of" in error_of([msg])
 
 
 def test_negative_generated_index_is_refused():
-    message = error_of([rs("tail", scope=pb.TokenSelector.GENERATED, indexes=[0, -1])])
+    message = error_of([rs("tail", scope=pb.TokenSelector.SCOPE_GENERATED, indexes=[0, -1])])
     assert message.startswith(
         'extraction_points[0] "tail": tokens.indexes[1]=-1 is negative, which only scope PROMPT allows'
     )
 
 
 def test_negative_range_outside_prompt_scope_is_refused():
-    message = error_of([rs("r", scope=pb.TokenSelector.ALL, ranges=[pb.IndexRange(start=-2)])])
+    message = error_of([rs("r", scope=pb.TokenSelector.SCOPE_ALL, ranges=[pb.IndexRange(start=-2)])])
     assert message == (
         'extraction_points[0] "r": tokens.ranges[0]=[-2, end) has a negative bound, '
         "which only scope PROMPT allows"
@@ -138,12 +139,12 @@ def test_structure_errors():
     assert error_of([rs("a"), rs("a")]) == (
         'extraction_points[1] "a": name is already used by extraction_points[0]'
     )
-    norm = pb.ExtractionPoint(name="n", tensor_type=pb.FINAL_NORM, layers=[3])
+    norm = pb.ExtractionPoint(name="n", tensor_type=pb.TENSOR_TYPE_FINAL_NORM, layers=[3])
     assert error_of([norm]).startswith('extraction_points[0] "n": layers must be empty for final_norm')
 
 
 def test_final_norm_records_carry_layer_num_layers():
-    point = parse_points([pb.ExtractionPoint(name="n", tensor_type=pb.FINAL_NORM)], 4)[0]
+    point = parse_points([pb.ExtractionPoint(name="n", tensor_type=pb.TENSOR_TYPE_FINAL_NORM)], 4)[0]
     assert point.capture_layers(4) == (4,)
 
 

@@ -20,7 +20,7 @@ def block(point, layer, keys, hidden=2, offset=0.0):
     request_ids = [k[0] for k in keys]
     positions = np.array([k[1] for k in keys], dtype=np.int64)
     rows = np.stack([np.full(hidden, p * 10 + layer + offset, dtype=np.float32) for p in positions])
-    return Block(point, pb.RESIDUAL_STREAM, layer, rows, request_ids, positions, positions >= 3)
+    return Block(point, pb.TENSOR_TYPE_RESIDUAL_STREAM, layer, rows, request_ids, positions, positions >= 3)
 
 
 def keys_of(b: Block):
@@ -31,7 +31,7 @@ def test_wire_part_round_trip_and_bfloat16_widens_exactly():
     rows = np.array([[1.5, -2.0], [0.25, 3.0]], dtype=np.float32)
     part = encode_part("p", "mlp_out", 2, rows, "float32", ["a", "b"], np.array([4, 0]), np.array([True, False]))
     got = decode_part(part)
-    assert (got.point, got.tensor_type, got.layer) == ("p", pb.MLP_OUT, 2)
+    assert (got.point, got.tensor_type, got.layer) == ("p", pb.TENSOR_TYPE_MLP_OUT, 2)
     assert got.request_ids == ["a", "b"] and got.token_positions.tolist() == [4, 0]
     assert got.is_generated.tolist() == [True, False]
     np.testing.assert_array_equal(got.rows, rows)

@@ -63,7 +63,7 @@ def test_model_info_fills_every_field():
     assert [(r.rank, r.pp_rank, r.start_layer, r.end_layer, r.has_final_norm) for r in info.ranks] == [
         (0, 0, 0, 2, False), (1, 1, 2, 4, True)
     ]
-    assert list(info.tensor_types) == [pb.RESIDUAL_STREAM, pb.ATTN_OUT, pb.MLP_OUT, pb.FINAL_NORM]
+    assert list(info.tensor_types) == [pb.TENSOR_TYPE_RESIDUAL_STREAM, pb.TENSOR_TYPE_ATTN_OUT, pb.TENSOR_TYPE_MLP_OUT, pb.TENSOR_TYPE_FINAL_NORM]
     assert (info.pipeline_parallel_size, info.num_layers, info.vllm_version) == (2, 4, "0.32.0")
 
 

@@ -28,7 +28,7 @@ async def engine_service(tiny_llama_path, router_ports):
     ).start()
     try:
         async with stack.channel(service.address) as channel:
-            await _wait_model_info(pb_grpc.EngineStub(channel), service)
+            await _wait_model_info(pb_grpc.EngineServiceStub(channel), service)
         yield service
     finally:
         service.kill()
@@ -45,7 +45,7 @@ async def _wait_model_info(stub, service, timeout: float = 240) -> pb.ModelInfo:
         if service.process.poll() is not None:
             raise RuntimeError(f"engine exited:\n{service.log_tail()}")
         try:
-            return await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=2)
+            return (await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=2)).model
         except grpc.aio.AioRpcError:
             if time.monotonic() > deadline:
                 raise
@@ -55,7 +55,7 @@ async def _wait_model_info(stub, service, timeout: float = 240) -> pb.ModelInfo:
 @pytest.fixture
 async def engine(engine_service):
     async with stack.channel(engine_service.address) as channel:
-        yield pb_grpc.EngineStub(channel)
+        yield pb_grpc.EngineServiceStub(channel)
 
 
 @pytest.fixture

@@ -19,8 +19,8 @@ TRACE_POINT = "trace"
 def trace_point() -> pb.ExtractionPoint:
     """The residual stream after LAYER for every generated token, streamed back."""
     return pb.ExtractionPoint(
-        name=TRACE_POINT, tensor_type=pb.RESIDUAL_STREAM, layers=[LAYER],
-        tokens=pb.TokenSelector(scope=pb.TokenSelector.GENERATED), stream_to_client=True,
+        name=TRACE_POINT, tensor_type=pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=[LAYER],
+        tokens=pb.TokenSelector(scope=pb.TokenSelector.SCOPE_GENERATED), stream_to_client=True,
     )
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grpc
 
+from common.enum_names import short_name
 from common.grpc_server import channel_options
 from tools import processes
 from tools.processes import Service, free_port  # noqa: F401  (re-exported for the tests)
@@ -41,10 +42,10 @@ class Outcome:
 
     @property
     def reason(self) -> str:
-        return pb.FinishReason.Name(self.finished.finish_reason)
+        return short_name(pb.FinishReason, self.finished.finish_reason)
 
 
-async def generate(stub: pb_grpc.EngineStub, request: pb.GenerateRequest, timeout=120,
+async def generate(stub: pb_grpc.EngineServiceStub, request: pb.GenerateRequest, timeout=120,
                    scored: asyncio.Event | None = None, outcome: Outcome | None = None) -> Outcome:
     """Runs one Generate stream to its end, filling `outcome` as responses arrive;
     sets `scored` at the first probe event."""
@@ -73,13 +74,13 @@ def channel(address: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, options=channel_options())
 
 
-async def wait_for_probe(stub: pb_grpc.EngineStub, probe: str, timeout: float = 30) -> None:
+async def wait_for_probe(stub: pb_grpc.EngineServiceStub, probe: str, timeout: float = 30) -> None:
     """Waits until the engine's router catalog offers `probe` (catalogs propagate
     asynchronously after a router starts or loads a probe)."""
     deadline = time.monotonic() + timeout
     request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7]),
                                  sampling=pb.SamplingParams(max_tokens=1, temperature=0))
-    request.probes.add(probe=probe, failure_policy=pb.FAIL_OPEN)
+    request.probes.add(probe=probe, failure_policy=pb.FAILURE_POLICY_FAIL_OPEN)
     while True:
         try:
             await generate(stub, request)

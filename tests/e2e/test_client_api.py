@@ -36,12 +36,12 @@ async def expect_error(engine, message: pb.GenerateRequest, code, *fragments):
 
 
 async def test_model_info_reports_topology(engine):
-    info = await engine.GetModelInfo(pb.GetModelInfoRequest())
+    info = (await engine.GetModelInfo(pb.GetModelInfoRequest())).model
     assert info.architecture == "LlamaForCausalLM"
     assert (info.num_layers, info.hidden_size, info.dtype) == (4, 128, "float32")
     assert (info.tensor_parallel_size, info.pipeline_parallel_size) == (1, 1)
     assert [(r.start_layer, r.end_layer, r.has_final_norm) for r in info.ranks] == [(0, 4, True)]
-    assert set(info.tensor_types) == {pb.RESIDUAL_STREAM, pb.ATTN_OUT, pb.MLP_OUT, pb.FINAL_NORM}
+    assert set(info.tensor_types) == {pb.TENSOR_TYPE_RESIDUAL_STREAM, pb.TENSOR_TYPE_ATTN_OUT, pb.TENSOR_TYPE_MLP_OUT, pb.TENSOR_TYPE_FINAL_NORM}
     assert info.vocab_size == 512 and info.max_model_len == MAX_MODEL_LEN
 
 
@@ -55,11 +55,11 @@ async def test_bad_requests_get_precise_errors_and_the_engine_keeps_serving(engi
                        f"max_model_len {MAX_MODEL_LEN}")
     await expect_error(engine, simple(text="x " * 1100), invalid, f"max_model_len {MAX_MODEL_LEN}")
     unowned = simple(extraction_points=[pb.ExtractionPoint(
-        name="deep", tensor_type=pb.RESIDUAL_STREAM, layers=[9])])
+        name="deep", tensor_type=pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=[9])])
     await expect_error(engine, unowned, invalid, 'extraction_points[0] "deep"', "layers[0]=9")
     bad_selector = simple(extraction_points=[pb.ExtractionPoint(
-        name="sel", tensor_type=pb.MLP_OUT, layers=[1],
-        tokens=pb.TokenSelector(scope=pb.TokenSelector.GENERATED, indexes=[-1]))])
+        name="sel", tensor_type=pb.TENSOR_TYPE_MLP_OUT, layers=[1],
+        tokens=pb.TokenSelector(scope=pb.TokenSelector.SCOPE_GENERATED, indexes=[-1]))])
     await expect_error(engine, bad_selector, invalid, 'extraction_points[0] "sel"')
     unknown_type = simple(extraction_points=[pb.ExtractionPoint(name="t", tensor_type=99, layers=[1])])
     await expect_error(engine, unknown_type, invalid, '"t"', "tensor_type 99")
@@ -101,8 +101,8 @@ async def test_cancelled_stream_aborts_the_request_in_vllm(engine):
 
 async def test_capture_streamed_to_the_client_without_any_router(engine):
     point = pb.ExtractionPoint(
-        name="last_prompt", tensor_type=pb.MLP_OUT, layers=[0, 2],
-        tokens=pb.TokenSelector(scope=pb.TokenSelector.PROMPT, indexes=[-1]), stream_to_client=True)
+        name="last_prompt", tensor_type=pb.TENSOR_TYPE_MLP_OUT, layers=[0, 2],
+        tokens=pb.TokenSelector(scope=pb.TokenSelector.SCOPE_PROMPT, indexes=[-1]), stream_to_client=True)
     outcome = await stack.generate(engine, simple("capture", max_tokens=3, extraction_points=[point]))
     blocks = [b for batch in outcome.batches for b in from_batch(batch)]
     last = outcome.finished.prompt_tokens - 1
@@ -114,8 +114,8 @@ async def test_capture_streamed_to_the_client_without_any_router(engine):
 async def test_reflection_and_health_list_every_service(engine_service, start_router):
     router = await start_router(1)
     expected = {
-        engine_service.address: {"undercurrent.v1.Engine", "grpc.health.v1.Health"},
-        router.address: {"undercurrent.v1.ProbeRouter", "undercurrent.v1.ProbeAdmin",
+        engine_service.address: {"undercurrent.v1.EngineService", "grpc.health.v1.Health"},
+        router.address: {"undercurrent.v1.ProbeRouterService", "undercurrent.v1.ProbeAdminService",
                          "grpc.health.v1.Health"},
     }
     for address, services in expected.items():

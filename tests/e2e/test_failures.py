@@ -55,14 +55,14 @@ async def wait_until_both_score(engine, addresses: set[str], timeout: float = 60
     while seen != addresses:
         assert asyncio.get_running_loop().time() < deadline, f"only {seen} scored"
         outcomes = await asyncio.gather(
-            *[stack.generate(engine, request(f"warm-{attempt}-{i}", pb.FAIL_OPEN, 2)) for i in range(4)])
+            *[stack.generate(engine, request(f"warm-{attempt}-{i}", pb.FAILURE_POLICY_FAIL_OPEN, 2)) for i in range(4)])
         seen |= {event.router for outcome in outcomes for event in outcome.scores}
         attempt += 1
 
 
 async def test_two_replicas_split_requests_and_keep_each_on_one(engine, two_routers):
     outcomes = await asyncio.gather(
-        *[stack.generate(engine, request(f"split-{i}", pb.FAIL_CLOSED, 6)) for i in range(12)]
+        *[stack.generate(engine, request(f"split-{i}", pb.FAILURE_POLICY_FAIL_CLOSED, 6)) for i in range(12)]
     )
     homes = {}
     for outcome in outcomes:
@@ -83,9 +83,9 @@ async def test_killed_router_fails_closed_and_open_requests_by_policy(engine, st
     long = 1000
     both_scored = [asyncio.Event(), asyncio.Event()]
     closed = asyncio.create_task(
-        stack.generate(engine, request("closed", pb.FAIL_CLOSED, long), scored=both_scored[0]))
+        stack.generate(engine, request("closed", pb.FAILURE_POLICY_FAIL_CLOSED, long), scored=both_scored[0]))
     opened = asyncio.create_task(
-        stack.generate(engine, request("open", pb.FAIL_OPEN, long), scored=both_scored[1]))
+        stack.generate(engine, request("open", pb.FAILURE_POLICY_FAIL_OPEN, long), scored=both_scored[1]))
     for event in both_scored:
         await asyncio.wait_for(event.wait(), 60)
     router.kill()
@@ -104,7 +104,7 @@ async def test_killed_router_fails_closed_and_open_requests_by_policy(engine, st
     # The router comes back on the same port: new requests are probed again, no engine restart.
     await start_router(0, tmp_path / "probes-0")
     await stack.wait_for_probe(engine, WATCH)
-    again = await stack.generate(engine, request("after-restart", pb.FAIL_CLOSED, 8))
+    again = await stack.generate(engine, request("after-restart", pb.FAILURE_POLICY_FAIL_CLOSED, 8))
     assert again.reason == "LENGTH" and again.finished.unprobed_tokens == 0
     assert sum(len(e.token_positions) for e in again.scores) == 7
 
@@ -117,7 +117,7 @@ async def test_a_dead_routers_probes_leave_the_catalog(engine, start_router, tmp
     await asyncio.sleep(0.5)
     # The catalog forgets a dead router's probes: binding it is now NOT_FOUND.
     with pytest.raises(grpc.aio.AioRpcError) as failure:
-        await stack.generate(engine, request("orphan", pb.FAIL_CLOSED, 4))
+        await stack.generate(engine, request("orphan", pb.FAILURE_POLICY_FAIL_CLOSED, 4))
     assert failure.value.code() == grpc.StatusCode.NOT_FOUND
     assert "'watch_norm' is not loaded in any reachable router" in failure.value.details()
 
@@ -126,7 +126,7 @@ async def test_a_dead_routers_probes_leave_the_catalog(engine, start_router, tmp
 async def test_request_of_a_lost_replica_is_rehomed_and_finishes(engine, two_routers):
     scored, progress = asyncio.Event(), stack.Outcome()
     running = asyncio.create_task(stack.generate(
-        engine, request("rehomed", pb.FAIL_CLOSED, 1000), scored=scored, outcome=progress))
+        engine, request("rehomed", pb.FAILURE_POLICY_FAIL_CLOSED, 1000), scored=scored, outcome=progress))
     await asyncio.wait_for(scored.wait(), 60)
     home = progress.scores[0].router
     next(r for r in two_routers if r.address == home).kill()

@@ -33,7 +33,7 @@ def request(prompt: str, rid: str, **fields) -> pb.GenerateRequest:
 async def baseline(engine_service):
     """Greedy tokens and layer-3 residual rows of each prompt, captured without any router."""
     async with stack.channel(engine_service.address) as ch:
-        stub = pb_grpc.EngineStub(ch)
+        stub = pb_grpc.EngineServiceStub(ch)
         outcomes = await asyncio.gather(*[
             stack.generate(stub, request(p, f"base-{i}", extraction_points=[probes.trace_point()]))
             for i, p in enumerate(PROMPTS)
@@ -53,14 +53,14 @@ async def firing_probe(baseline, start_router, engine):
     probe = probes.probe_firing_at("fires_on_a", rows[0], rows[1:], min_index=4)
     router = await start_router(0)
     async with stack.channel(router.address) as ch:
-        info = await pb_grpc.ProbeAdminStub(ch).LoadProbe(probe.load_request())
-    assert info.name == probe.name and info.action == pb.ABORT
+        info = (await pb_grpc.ProbeAdminServiceStub(ch).LoadProbe(probe.load_request())).probe
+    assert info.name == probe.name and info.action == pb.PROBE_ACTION_ABORT
     await stack.wait_for_probe(engine, probe.name)
     return probe
 
 
 async def test_probe_aborts_exactly_the_request_it_fires_on(engine, baseline, firing_probe, router_ports):
-    binding = pb.ProbeBinding(probe=firing_probe.name, failure_policy=pb.FAIL_CLOSED)
+    binding = pb.ProbeBinding(probe=firing_probe.name, failure_policy=pb.FAILURE_POLICY_FAIL_CLOSED)
     outcomes = await asyncio.gather(*[
         stack.generate(engine, request(p, f"probed-{i}", probes=[binding]))
         for i, p in enumerate(PROMPTS)
@@ -85,7 +85,7 @@ async def test_probe_aborts_exactly_the_request_it_fires_on(engine, baseline, fi
 
 
 async def test_gated_client_sees_no_token_at_or_after_the_trigger(engine, firing_probe):
-    binding = pb.ProbeBinding(probe=firing_probe.name, failure_policy=pb.FAIL_CLOSED)
+    binding = pb.ProbeBinding(probe=firing_probe.name, failure_policy=pb.FAILURE_POLICY_FAIL_CLOSED)
     outcome = await stack.generate(engine, request(PROMPTS[0], "gated-0", probes=[binding], gate_tokens=True))
     assert outcome.reason == "PROBE_ABORT"
     trigger_index = firing_probe.position - outcome.finished.prompt_tokens
@@ -96,7 +96,7 @@ async def test_gated_client_sees_no_token_at_or_after_the_trigger(engine, firing
 
 
 async def test_observe_binding_reports_scores_and_never_aborts(engine, baseline, firing_probe):
-    binding = pb.ProbeBinding(probe=firing_probe.name, action=pb.OBSERVE, failure_policy=pb.FAIL_CLOSED)
+    binding = pb.ProbeBinding(probe=firing_probe.name, action=pb.PROBE_ACTION_OBSERVE, failure_policy=pb.FAILURE_POLICY_FAIL_CLOSED)
     outcome = await stack.generate(engine, request(PROMPTS[0], "observed-0", probes=[binding]))
     assert outcome.reason == "LENGTH" and outcome.tokens == baseline[0].tokens
     scored = {p: s for event in outcome.scores for p, s in zip(event.token_positions, event.scores)}

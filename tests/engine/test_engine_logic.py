@@ -44,13 +44,13 @@ def test_request_ids():
         reqs.request_id_of(pb.GenerateRequest(request_id="x" * 300))
 
 
-def probe(name, layers, scope=pb.TokenSelector.GENERATED, tensor_type=pb.RESIDUAL_STREAM):
+def probe(name, layers, scope=pb.TokenSelector.SCOPE_GENERATED, tensor_type=pb.TENSOR_TYPE_RESIDUAL_STREAM):
     return pb.ProbeInfo(name=name, tensor_type=tensor_type, layers=layers,
                         tokens=pb.TokenSelector(scope=scope))
 
 
 def test_probe_points_capture_each_tensor_and_layer_once():
-    points = probe_points([probe("a", [1]), probe("b", [1, 3]), probe("c", [], tensor_type=pb.FINAL_NORM)])
+    points = probe_points([probe("a", [1]), probe("b", [1, 3]), probe("c", [], tensor_type=pb.TENSOR_TYPE_FINAL_NORM)])
     assert [(p.name, p.tensor_type, p.layers, p.tokens.scope) for p in points] == [
         ("probe.final_norm", "final_norm", (), Scope.GENERATED),
         ("probe.residual_stream.1", "residual_stream", (1,), Scope.GENERATED),
@@ -59,7 +59,7 @@ def test_probe_points_capture_each_tensor_and_layer_once():
 
 
 def test_probes_with_different_scopes_on_one_layer_capture_every_token():
-    points = probe_points([probe("a", [2]), probe("b", [2], scope=pb.TokenSelector.PROMPT)])
+    points = probe_points([probe("a", [2]), probe("b", [2], scope=pb.TokenSelector.SCOPE_PROMPT)])
     assert len(points) == 1 and points[0].tokens.scope == Scope.ALL
 
 

@@ -64,7 +64,7 @@ def step(
     rows[:, 1] = positions
     return Block(
         "p",
-        pb.RESIDUAL_STREAM,
+        pb.TENSOR_TYPE_RESIDUAL_STREAM,
         layer,
         rows,
         request_ids,

@@ -20,7 +20,7 @@ from common.activations import from_batch
 from common.grpc_server import SERVICE_FULL_NAMES, ServerHandle, start_server
 
 PROBE = pb.ProbeInfo(
-    name="first_element", kind="threshold", tensor_type=pb.RESIDUAL_STREAM, layers=[0]
+    name="first_element", kind="threshold", tensor_type=pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=[0]
 )
 
 
@@ -34,7 +34,7 @@ class Received:
     ended: bool = False
 
 
-class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServicer):
+class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
     def __init__(
         self, name: str, probes=(PROBE,), threshold: float = 100.0, heartbeat_s: float = 0.1
     ) -> None:
@@ -62,9 +62,9 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServicer):
         self.handle = await start_server(
             [
                 (
-                    undercurrent_pb2_grpc.add_ProbeRouterServicer_to_server,
+                    undercurrent_pb2_grpc.add_ProbeRouterServiceServicer_to_server,
                     self,
-                    SERVICE_FULL_NAMES["ProbeRouter"],
+                    SERVICE_FULL_NAMES["ProbeRouterService"],
                 )
             ],
             "127.0.0.1",
@@ -81,16 +81,16 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServicer):
         """Ends every stream abruptly, as a crash would."""
         await self.handle.server.stop(grace=None)
 
-    def push(self, message: pb.RouterMessage) -> None:
+    def push(self, message: pb.SessionResponse) -> None:
         for outbox in self._outboxes:
             outbox.put_nowait(message)
 
     def drain(self, reason: str = "shutting down") -> None:
-        self.push(pb.RouterMessage(drain=pb.Drain(reason=reason)))
+        self.push(pb.SessionResponse(drain=pb.Drain(reason=reason)))
 
     def set_probes(self, probes) -> None:
         self.probes = list(probes)
-        self.push(pb.RouterMessage(catalog=pb.ProbeCatalog(probes=self.probes)))
+        self.push(pb.SessionResponse(catalog=pb.ProbeCatalog(probes=self.probes)))
 
     async def wait_for(self, predicate, timeout: float = 10.0) -> None:
         async with asyncio.timeout(timeout):
@@ -119,7 +119,7 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServicer):
         while True:
             await asyncio.sleep(self.heartbeat_s)
             outbox.put_nowait(
-                pb.RouterMessage(heartbeat=pb.Heartbeat(sent_unix_nanos=time.time_ns()))
+                pb.SessionResponse(heartbeat=pb.Heartbeat(sent_unix_nanos=time.time_ns()))
             )
 
     async def _read(self, request_iterator, outbox: asyncio.Queue) -> None:
@@ -131,25 +131,25 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServicer):
         self.half_closed += 1
         outbox.put_nowait(None)  # the engine half-closed: end the stream too
 
-    def _handle(self, message: pb.EngineMessage) -> list[pb.RouterMessage]:
+    def _handle(self, message: pb.SessionRequest) -> list[pb.SessionResponse]:
         kind = message.WhichOneof("message")
         if kind == "hello":
             self.hellos.append(message.hello)
-            return [pb.RouterMessage(hello=pb.RouterHello(router_id=self.name, probes=self.probes))]
+            return [pb.SessionResponse(hello=pb.RouterHello(router_id=self.name, probes=self.probes))]
         if kind == "heartbeat":
             self.heartbeats += 1
-            return [pb.RouterMessage(heartbeat=message.heartbeat)]  # the echo
+            return [pb.SessionResponse(heartbeat=message.heartbeat)]  # the echo
         if kind == "request_start":
             start = message.request_start
             self.requests.setdefault(start.request_id, Received()).starts.append(start)
             self.log.append(("start", start.request_id))
             known = {p.name for p in self.probes}
             return [
-                pb.RouterMessage(
+                pb.SessionResponse(
                     error=pb.RequestError(
                         request_id=start.request_id,
                         probe=b.probe,
-                        code="NOT_FOUND",
+                        code=pb.STATUS_CODE_NOT_FOUND,
                         message=f"probe {b.probe!r} is not loaded",
                     )
                 )
@@ -164,7 +164,7 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServicer):
             return self._score(message.batch)
         return []
 
-    def _score(self, batch: pb.ActivationBatch) -> list[pb.RouterMessage]:
+    def _score(self, batch: pb.ActivationBatch) -> list[pb.SessionResponse]:
         self.batches.append(batch)
         per_request: dict[str, list[tuple[int, float]]] = {}
         for block in from_batch(batch):
@@ -178,7 +178,7 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServicer):
             received.steps.append(batch.step)
             self.log.append(("batch", request_id))
             replies.append(
-                pb.RouterMessage(
+                pb.SessionResponse(
                     scores=pb.ProbeScores(
                         request_id=request_id,
                         probe=PROBE.name,
@@ -192,7 +192,7 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServicer):
                 self._aborted.add(request_id)
                 position, score = over[0]
                 replies.append(
-                    pb.RouterMessage(
+                    pb.SessionResponse(
                         abort=pb.Verdict(
                             request_id=request_id,
                             probe=PROBE.name,
@@ -202,5 +202,5 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServicer):
                         )
                     )
                 )
-        replies.append(pb.RouterMessage(ack=pb.StepAck(step=batch.step)))
+        replies.append(pb.SessionResponse(ack=pb.StepAck(step=batch.step)))
         return replies

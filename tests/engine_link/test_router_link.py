@@ -24,7 +24,7 @@ from engine_service.router_link import (
 
 from .helpers import FAST, MODEL, step, until
 
-BINDING = [pb.ProbeBinding(probe="first_element", failure_policy=pb.FAIL_OPEN)]
+BINDING = [pb.ProbeBinding(probe="first_element", failure_policy=pb.FAILURE_POLICY_FAIL_OPEN)]
 
 
 def metric(link: RouterLink, name: str, **labels) -> float:
@@ -50,7 +50,7 @@ async def test_two_replicas_split_requests_and_each_request_stays_on_one(routers
             ]
         )
     for request_id in ids:
-        assert link.end_request(request_id, pb.STOP) == RequestStats(0, 0)
+        assert link.end_request(request_id, pb.FINISH_REASON_STOP) == RequestStats(0, 0)
     for router in (a, b):
         mine = [r for r in ids if owners[r] == router.address]
         await router.wait_for(
@@ -106,7 +106,7 @@ async def test_in_band_error_leaves_the_stream_up(routers, links):
     [failed] = events.of(RequestFailed)
     assert (failed.request_id, failed.error.code, failed.error.probe) == (
         "bad",
-        "NOT_FOUND",
+        pb.STATUS_CODE_NOT_FOUND,
         "missing",
     )
     assert link.replicas_up() == [router.address]
@@ -229,7 +229,7 @@ async def test_overflow_policies_count_drops_per_request(routers, links, policy,
     assert router.requests["r2"].positions == [p for p in delivered for _ in range(2)]
     await events.wait_for(lambda: link.processed_position("r1") == delivered[-1])
     assert not link.is_backpressured("r1")
-    assert link.end_request("r1", pb.STOP) == RequestStats(dropped_records=3, unprobed_tokens=0)
+    assert link.end_request("r1", pb.FINISH_REASON_STOP) == RequestStats(dropped_records=3, unprobed_tokens=0)
 
 
 async def test_a_stalled_router_never_blocks_the_caller_and_every_loss_is_counted(routers, links):
@@ -286,7 +286,7 @@ async def test_a_step_over_the_message_limit_is_split(routers, links):
     await events.wait_for(lambda: link.processed_position("big") == 99)
     assert len(router.batches) >= 2
     assert [b.step for b in router.batches] == list(range(1, len(router.batches) + 1))
-    assert all(pb.EngineMessage(batch=b).ByteSize() <= limit for b in router.batches)
+    assert all(pb.SessionRequest(batch=b).ByteSize() <= limit for b in router.batches)
     assert router.requests["big"].positions == list(range(100))
 
 
@@ -349,7 +349,7 @@ async def test_no_reachable_replica_counts_unprobed_tokens_and_signals_unavailab
     assert [s.state_reset for s in back.requests["r"].starts] == [True]
     assert link.unavailable_since("r") is None
     assert len(events.of(Unavailable)) == 1
-    assert link.end_request("r", pb.STOP) == RequestStats(dropped_records=0, unprobed_tokens=2)
+    assert link.end_request("r", pb.FINISH_REASON_STOP) == RequestStats(dropped_records=0, unprobed_tokens=2)
 
 
 async def test_a_request_started_before_any_replica_is_up_starts_clean(routers, links):
@@ -365,7 +365,7 @@ async def test_a_request_started_before_any_replica_is_up_starts_clean(routers, 
 
 
 async def test_drain_moves_requests_away_and_drops_its_probes_from_the_catalog(routers, links):
-    only_a = pb.ProbeInfo(name="only_on_a", tensor_type=pb.MLP_OUT, layers=[1])
+    only_a = pb.ProbeInfo(name="only_on_a", tensor_type=pb.TENSOR_TYPE_MLP_OUT, layers=[1])
     a = await routers(probes=[only_a])
     b = await routers()
     link, events = links(f"{a.address},{b.address}")
@@ -426,7 +426,7 @@ async def test_catalog_follows_router_pushes(routers, links):
     await link.start()
     await link.wait_ready(timeout=10)
     assert list(link.catalog()) == ["first_element"]
-    router.set_probes([pb.ProbeInfo(name="second", tensor_type=pb.ATTN_OUT, layers=[0, 1])])
+    router.set_probes([pb.ProbeInfo(name="second", tensor_type=pb.TENSOR_TYPE_ATTN_OUT, layers=[0, 1])])
     await until(lambda: list(link.catalog()) == ["second"])
     assert list(link.catalog()["second"].layers) == [0, 1]
 

@@ -133,7 +133,7 @@ def test_split_by_size_fits_limit_and_keeps_every_row_in_order():
     parts = routing.split_by_size(blocks, limit)
     assert len(parts) > 1
     for part in parts:
-        message = pb.EngineMessage(batch=to_batch(part, step=2**40))
+        message = pb.SessionRequest(batch=to_batch(part, step=2**40))
         assert message.ByteSize() <= limit
     sent = [
         (b.layer, r, int(p))

@@ -20,6 +20,6 @@ def test_stubs_import_absolutely_and_define_the_three_services():
     from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 
     assert pb.DESCRIPTOR.package == "undercurrent.v1"
-    assert set(pb.DESCRIPTOR.services_by_name) == {"Engine", "ProbeRouter", "ProbeAdmin"}
-    for name in ("EngineStub", "ProbeRouterStub", "ProbeAdminStub"):
+    assert set(pb.DESCRIPTOR.services_by_name) == {"EngineService", "ProbeRouterService", "ProbeAdminService"}
+    for name in ("EngineServiceStub", "ProbeRouterServiceStub", "ProbeAdminServiceStub"):
         assert hasattr(pb_grpc, name)

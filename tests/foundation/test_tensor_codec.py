@@ -37,7 +37,7 @@ def test_unknown_dtype_is_refused():
 def test_batch_round_trip_interns_request_ids_and_keeps_order():
     rng = np.random.default_rng(2)
     blocks = [
-        activations.Block("p", pb.RESIDUAL_STREAM, layer, rng.normal(size=(3, 8)).astype(np.float32),
+        activations.Block("p", pb.TENSOR_TYPE_RESIDUAL_STREAM, layer, rng.normal(size=(3, 8)).astype(np.float32),
                           ["a", "b", "a"], np.array([4, 4, 5]), np.array([True, False, True]))
         for layer in (1, 3)
     ]
@@ -54,15 +54,15 @@ def test_forward_order_interleaves_layers_by_token():
     """Two pipeline stages deliver layer 1 and layer 3 as separate blocks; a
     probe must see them in the order the forward pass computed them."""
     rows = np.zeros((2, 4), np.float32)
-    early = activations.Block("p", pb.RESIDUAL_STREAM, 1, rows, ["r", "r"], np.array([7, 8]), np.array([True, True]))
-    late = activations.Block("p", pb.RESIDUAL_STREAM, 3, rows, ["r", "r"], np.array([7, 8]), np.array([True, True]))
+    early = activations.Block("p", pb.TENSOR_TYPE_RESIDUAL_STREAM, 1, rows, ["r", "r"], np.array([7, 8]), np.array([True, True]))
+    late = activations.Block("p", pb.TENSOR_TYPE_RESIDUAL_STREAM, 3, rows, ["r", "r"], np.array([7, 8]), np.array([True, True]))
     order = [(rec.token_position, rec.layer) for rec in activations.forward_order([late, early])]
     assert order == [(7, 1), (7, 3), (8, 1), (8, 3)]
 
 
 def test_batch_with_bad_request_index_is_refused_with_the_block_named():
     batch = activations.to_batch(
-        [activations.Block("p", pb.MLP_OUT, 2, np.zeros((1, 4), np.float32), ["a"], np.array([0]), np.array([False]))]
+        [activations.Block("p", pb.TENSOR_TYPE_MLP_OUT, 2, np.zeros((1, 4), np.float32), ["a"], np.array([0]), np.array([False]))]
     )
     batch.blocks[0].request_index[0] = 5
     with pytest.raises(activations.BatchDecodeError, match=r"blocks\[0\] \(p@2\).request_index"):

@@ -33,7 +33,7 @@ async def test_routerless_engine_serves_reports_metrics_and_drains_on_sigterm(ti
         # Without --router the engine needs no router to be SERVING.
         await service.wait_health(want_serving=True, timeout=240)
         async with stack.channel(service.address) as channel:
-            engine = pb_grpc.EngineStub(channel)
+            engine = pb_grpc.EngineServiceStub(channel)
             first = await stack.generate(engine, request("m1", 5))
             assert first.reason == "LENGTH"
             metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics").read().decode()

@@ -49,8 +49,8 @@ async def topology_stack(request, tiny_llama_path, tmp_path_factory):
 async def test_probe_abort_under_topology(topology_stack):
     name, engine_service, router = topology_stack
     async with stack.channel(engine_service.address) as ch:
-        engine = pb_grpc.EngineStub(ch)
-        info = await engine.GetModelInfo(pb.GetModelInfoRequest())
+        engine = pb_grpc.EngineServiceStub(ch)
+        info = (await engine.GetModelInfo(pb.GetModelInfoRequest())).model
         expected_ranks = {"tp2": [(0, 4), (0, 4)], "pp2": [(0, 2), (2, 4)]}[name]
         assert [(r.start_layer, r.end_layer) for r in info.ranks] == expected_ranks
         baseline = await asyncio.gather(*[
@@ -62,9 +62,9 @@ async def test_probe_abort_under_topology(topology_stack):
             assert sorted(captured) == list(range(first, first + MAX_TOKENS - 1))
         probe = probes.probe_firing_at(f"fires_{name}", rows[0], rows[1:], min_index=3)
         async with stack.channel(router.address) as admin_channel:
-            await pb_grpc.ProbeAdminStub(admin_channel).LoadProbe(probe.load_request())
+            await pb_grpc.ProbeAdminServiceStub(admin_channel).LoadProbe(probe.load_request())
         await stack.wait_for_probe(engine, probe.name)
-        binding = pb.ProbeBinding(probe=probe.name, failure_policy=pb.FAIL_CLOSED)
+        binding = pb.ProbeBinding(probe=probe.name, failure_policy=pb.FAILURE_POLICY_FAIL_CLOSED)
         aborted, other = await asyncio.gather(*[
             stack.generate(engine, request(p, f"{name}-probed-{i}", probes=[binding]))
             for i, p in enumerate(PROMPTS)])

@@ -20,7 +20,7 @@ LAYERS = 4
 TIMEOUT = 20.0  # only a failing test waits this long; shared cores can be very busy
 
 
-def model_info(hidden: int = HIDDEN, layers: int = LAYERS, tensor_types=(pb.RESIDUAL_STREAM, pb.MLP_OUT)):
+def model_info(hidden: int = HIDDEN, layers: int = LAYERS, tensor_types=(pb.TENSOR_TYPE_RESIDUAL_STREAM, pb.TENSOR_TYPE_MLP_OUT)):
     return pb.ModelInfo(model="test-model", hidden_size=hidden, num_layers=layers, dtype="bfloat16",
                         tensor_types=list(tensor_types))
 
@@ -51,7 +51,7 @@ def channel(router: Router | int) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options())
 
 
-def block(rows, request_ids, positions, generated=None, layer=1, tensor_type=pb.RESIDUAL_STREAM,
+def block(rows, request_ids, positions, generated=None, layer=1, tensor_type=pb.TENSOR_TYPE_RESIDUAL_STREAM,
           dtype="float32", point="p") -> Block:
     rows = np.asarray(rows, dtype=np.float32)
     positions = np.asarray(positions, dtype=np.int64)
@@ -64,7 +64,7 @@ class SessionClient:
 
     def __init__(self, router: Router | int, engine_id: str = "engine-1"):
         self.channel = channel(router)
-        self.stub = undercurrent_pb2_grpc.ProbeRouterStub(self.channel)
+        self.stub = undercurrent_pb2_grpc.ProbeRouterServiceStub(self.channel)
         self.outgoing: asyncio.Queue = asyncio.Queue()
         self.engine_id = engine_id
         self.call = None
@@ -82,7 +82,7 @@ class SessionClient:
         return first.hello
 
     def send(self, **message) -> None:
-        self.outgoing.put_nowait(pb.EngineMessage(**message))
+        self.outgoing.put_nowait(pb.SessionRequest(**message))
 
     def start(self, request_id: str, *probes, prompt_length: int = 4, actions=None) -> None:
         bindings = [pb.ProbeBinding(probe=p, action=(actions or {}).get(p, 0)) for p in probes]
@@ -90,7 +90,7 @@ class SessionClient:
                                                 prompt_length=prompt_length))
 
     def end(self, request_id: str) -> None:
-        self.send(request_end=pb.RequestEnd(request_id=request_id, finish_reason=pb.STOP))
+        self.send(request_end=pb.RequestEnd(request_id=request_id, finish_reason=pb.FINISH_REASON_STOP))
 
     def batch(self, *blocks: Block) -> int:
         self.step += 1
@@ -103,10 +103,10 @@ class SessionClient:
         self.send(batch=batch)
         return self.step
 
-    async def recv(self, timeout: float = TIMEOUT) -> pb.RouterMessage:
+    async def recv(self, timeout: float = TIMEOUT) -> pb.SessionResponse:
         return await asyncio.wait_for(self.call.read(), timeout)
 
-    async def until_ack(self, step: int, skip=("heartbeat", "catalog")) -> list[pb.RouterMessage]:
+    async def until_ack(self, step: int, skip=("heartbeat", "catalog")) -> list[pb.SessionResponse]:
         """Every message up to and including the ack of `step`, minus the skipped kinds."""
         out = []
         while True:
@@ -117,11 +117,11 @@ class SessionClient:
             if kind == "ack" and message.ack.step == step:
                 return out
 
-    async def sync(self) -> list[pb.RouterMessage]:
+    async def sync(self) -> list[pb.SessionResponse]:
         """Sends an empty batch and returns everything before its ack (excluded)."""
         return (await self.until_ack(self.batch()))[:-1]
 
-    async def until(self, kind: str) -> pb.RouterMessage:
+    async def until(self, kind: str) -> pb.SessionResponse:
         while True:
             message = await self.recv()
             if message.WhichOneof("message") == kind:

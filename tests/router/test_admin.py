@@ -17,7 +17,7 @@ E0 = np.eye(HIDDEN)[0]
 
 
 def admin(router):
-    return undercurrent_pb2_grpc.ProbeAdminStub(channel(router))
+    return undercurrent_pb2_grpc.ProbeAdminServiceStub(channel(router))
 
 
 def inline(name, weight, **fields):
@@ -28,7 +28,7 @@ def inline(name, weight, **fields):
 
 async def health_status(router):
     stub = health_pb2_grpc.HealthStub(channel(router))
-    reply = await stub.Check(health_pb2.HealthCheckRequest(service="undercurrent.v1.ProbeRouter"))
+    reply = await stub.Check(health_pb2.HealthCheckRequest(service="undercurrent.v1.ProbeRouterService"))
     return reply.status
 
 
@@ -41,7 +41,7 @@ async def test_load_list_unload_live_without_dropping_the_session(make_router, t
 
     # Load by path and inline: each pushes a catalog to the open session.
     path = linear_probe(tmp_path / "more", "by_path", E0 * 2, kind="linear", threshold=0.0, action="observe")
-    info = await stub.LoadProbe(pb.LoadProbeRequest(path=str(path)))
+    info = (await stub.LoadProbe(pb.LoadProbeRequest(path=str(path)))).probe
     assert (info.name, info.kind, list(info.layers)) == ("by_path", "linear", [1])
     catalog = (await client.until("catalog")).catalog
     assert [p.name for p in catalog.probes] == ["by_path", "first"]
@@ -64,7 +64,7 @@ async def test_load_list_unload_live_without_dropping_the_session(make_router, t
     assert (listed["by_path"].unloading, listed["by_path"].active_requests) == (True, 1)
     client.start("s", "by_path")
     replies = await client.sync()
-    assert [(e.request_id, e.code) for e in errors(replies)] == [("s", "FAILED_PRECONDITION")]
+    assert [(e.request_id, e.code) for e in errors(replies)] == [("s", pb.STATUS_CODE_FAILED_PRECONDITION)]
     assert "being unloaded" in errors(replies)[0].message
     replies = await client.until_ack(client.batch(block(np.ones((1, HIDDEN)), ["r"], [1])))
     assert "by_path" in [m.scores.probe for m in replies]  # still scoring its running request
@@ -87,7 +87,7 @@ async def test_forced_unload_detaches_running_requests_with_an_error(make_router
     assert (await stub.UnloadProbe(pb.UnloadProbeRequest(name="p", force=True))).unloaded is True
     replies = await client.until_ack(client.batch(block(np.ones((1, HIDDEN)), ["r"], [0])))
     assert kinds(replies) == ["error", "ack"]
-    assert (replies[0].error.request_id, replies[0].error.probe, replies[0].error.code) == ("r", "p", "NOT_FOUND")
+    assert (replies[0].error.request_id, replies[0].error.probe, replies[0].error.code) == ("r", "p", pb.STATUS_CODE_NOT_FOUND)
     assert "unloaded by force" in replies[0].error.message
     client.end("r")
     await client.sync()
@@ -107,7 +107,7 @@ async def test_replace_keeps_running_requests_on_the_old_version(make_router, tm
         await stub.LoadProbe(pb.LoadProbeRequest(inline=inline("p", E0 * 10, version="2")))
     assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
     assert "probe 'p' is already loaded (version '1'); set replace" in err.value.details()
-    info = await stub.LoadProbe(pb.LoadProbeRequest(inline=inline("p", E0 * 10, version="2"), replace=True))
+    info = (await stub.LoadProbe(pb.LoadProbeRequest(inline=inline("p", E0 * 10, version="2"), replace=True))).probe
     assert info.version == "2"
     client.start("new", "p", prompt_length=0)
     rows = np.ones((2, HIDDEN))

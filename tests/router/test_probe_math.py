@@ -205,12 +205,12 @@ def test_token_scopes_select_the_right_rows():
     generated = positions >= 5  # prompt_length 5
     S = pb.TokenSelector
     cases = [
-        (TokenScope(S.GENERATED), [5, 6, 7]),
-        (TokenScope(S.PROMPT), [0, 1, 2, 3, 4]),
-        (TokenScope(S.ALL), list(range(8))),
-        (TokenScope(S.PROMPT, indexes=(-1,)), [4]),
-        (TokenScope(S.GENERATED, ranges=((1, None),)), [6, 7]),
-        (TokenScope(S.ALL, indexes=(0,), ranges=((6, 7),)), [0, 6]),
+        (TokenScope(S.SCOPE_GENERATED), [5, 6, 7]),
+        (TokenScope(S.SCOPE_PROMPT), [0, 1, 2, 3, 4]),
+        (TokenScope(S.SCOPE_ALL), list(range(8))),
+        (TokenScope(S.SCOPE_PROMPT, indexes=(-1,)), [4]),
+        (TokenScope(S.SCOPE_GENERATED, ranges=((1, None),)), [6, 7]),
+        (TokenScope(S.SCOPE_ALL, indexes=(0,), ranges=((6, 7),)), [0, 6]),
     ]
     for scope, expected in cases:
         assert positions[selects(scope, positions, generated, 5)].tolist() == expected, scope

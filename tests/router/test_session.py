@@ -141,7 +141,7 @@ async def test_token_scope_and_action_override(make_router, probes_dir):
     client = SessionClient(router)
     await client.open()
     # tox bound as observe: scores, never an abort.
-    client.start("r", "tox", "prompt", prompt_length=2, actions={"tox": pb.OBSERVE})
+    client.start("r", "tox", "prompt", prompt_length=2, actions={"tox": pb.PROBE_ACTION_OBSERVE})
     rows = np.zeros((4, HIDDEN))
     rows[:, 0] = 9.0
     rows[:, 3] = [1, 2, 3, 4]
@@ -243,17 +243,17 @@ async def test_bad_records_get_in_band_errors_and_the_stream_lives_on(make_route
         b.request_index[1] = 5
 
     cases = [
-        (corrupt(good_batch(), set_dtype), "r", "INVALID_ARGUMENT",
+        (corrupt(good_batch(), set_dtype), "r", pb.STATUS_CODE_INVALID_ARGUMENT,
          "blocks[0] (p@1).rows: tensor.dtype 'int8' is not supported"),
-        (corrupt(good_batch(), cut_bytes), "r", "INVALID_ARGUMENT",
+        (corrupt(good_batch(), cut_bytes), "r", pb.STATUS_CODE_INVALID_ARGUMENT,
          "blocks[0] (p@1).rows: tensor.data has 125 bytes but shape [2, 16] of float32 needs 128"),
-        (to_batch([block(np.zeros((2, HIDDEN + 1)), ["r", "r"], [0, 1])]), "r", "INVALID_ARGUMENT",
+        (to_batch([block(np.zeros((2, HIDDEN + 1)), ["r", "r"], [0, 1])]), "r", pb.STATUS_CODE_INVALID_ARGUMENT,
          "blocks[0] (p@1).rows.shape: hidden size 17 does not match the model's hidden_size 16"),
-        (corrupt(good_batch(), bad_index), "r", "INVALID_ARGUMENT",
+        (corrupt(good_batch(), bad_index), "r", pb.STATUS_CODE_INVALID_ARGUMENT,
          "blocks[0] (p@1).request_index: index out of range of 1 request ids"),
-        (good_batch("never"), "never", "NOT_FOUND",
+        (good_batch("never"), "never", pb.STATUS_CODE_NOT_FOUND,
          "blocks[0] (p@1): request 'never' was never started on this session"),
-        (good_batch("gone"), "gone", "FAILED_PRECONDITION",
+        (good_batch("gone"), "gone", pb.STATUS_CODE_FAILED_PRECONDITION,
          "blocks[0] (p@1): records for request 'gone' after its request_end"),
     ]
     for batch, rid, code, message in cases:
@@ -279,7 +279,7 @@ async def test_bad_records_get_in_band_errors_and_the_stream_lives_on(make_route
     client.start("s", "nope", "tox")
     replies = await client.sync()
     assert [(e.request_id, e.probe, e.code) for e in errors(replies)] == [
-        ("r", "", "ALREADY_EXISTS"), ("s", "nope", "NOT_FOUND")]
+        ("r", "", pb.STATUS_CODE_ALREADY_EXISTS), ("s", "nope", pb.STATUS_CODE_NOT_FOUND)]
     assert "probe 'nope' is not loaded" in errors(replies)[1].message
     assert router.live_requests() == 2
     await client.close()
@@ -312,15 +312,15 @@ async def test_incompatible_probes_are_left_out_of_the_catalog_and_reported(make
     assert [p.name for p in hello.probes] == ["fits"]
     reported = [await client.recv() for _ in range(3)]
     assert {(m.error.request_id, m.error.probe, m.error.code) for m in reported} == {
-        ("", "attn", "FAILED_PRECONDITION"), ("", "deep", "FAILED_PRECONDITION"),
-        ("", "wide", "FAILED_PRECONDITION")}
+        ("", "attn", pb.STATUS_CODE_FAILED_PRECONDITION), ("", "deep", pb.STATUS_CODE_FAILED_PRECONDITION),
+        ("", "wide", pb.STATUS_CODE_FAILED_PRECONDITION)}
     messages = {m.error.probe: m.error.message for m in reported}
     assert messages["wide"] == "probe 'wide': hidden_size 32 does not match the model's hidden_size 16"
     assert "layers [7] are out of range" in messages["deep"]
     assert "tensor_type 'attn_out' is not offered" in messages["attn"]
     client.start("r", "deep")
     replies = await client.sync()
-    assert [(e.code, e.probe) for e in errors(replies)] == [("FAILED_PRECONDITION", "deep")]
+    assert [(e.code, e.probe) for e in errors(replies)] == [(pb.STATUS_CODE_FAILED_PRECONDITION, "deep")]
     await client.close()
 
 
@@ -342,7 +342,7 @@ async def test_first_message_must_be_hello(make_router, probes_dir):
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await client.recv()
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "first EngineMessage must be hello, got 'request_start'" in err.value.details()
+    assert "first SessionRequest must be hello, got 'request_start'" in err.value.details()
     await client.close()
 
 
@@ -357,7 +357,7 @@ async def test_drain_refuses_new_requests_and_stops_after_active_ones_end(make_r
     assert "shutting down" in drain.drain.reason
     client.start("late", "tox")
     replies = await client.sync()
-    assert [(e.request_id, e.code) for e in errors(replies)] == [("late", "UNAVAILABLE")]
+    assert [(e.request_id, e.code) for e in errors(replies)] == [("late", pb.STATUS_CODE_UNAVAILABLE)]
     # The running request is still scored while draining.
     hot = np.full((2, HIDDEN), 6.0)
     replies = await client.until_ack(client.batch(block(hot, ["running"] * 2, [0, 1])))
@@ -422,7 +422,7 @@ async def test_an_internal_failure_still_acks_the_step_and_keeps_the_session(mak
     monkeypatch.setattr(tox, "score", broken)
     replies = await client.until_ack(client.batch(block(np.zeros((1, HIDDEN)), ["r"], [0])))
     assert kinds(replies) == ["error", "ack"]
-    assert replies[0].error.code == "INTERNAL"
+    assert replies[0].error.code == pb.STATUS_CODE_INTERNAL
     assert replies[0].error.message == "batch: internal error: RuntimeError: injected fault"
     monkeypatch.undo()
     hot = np.full((2, HIDDEN), 6.0)

@@ -10,50 +10,87 @@ DESCRIPTOR: _descriptor.FileDescriptor
 class TensorType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TENSOR_TYPE_UNSPECIFIED: _ClassVar[TensorType]
-    RESIDUAL_STREAM: _ClassVar[TensorType]
-    ATTN_OUT: _ClassVar[TensorType]
-    MLP_OUT: _ClassVar[TensorType]
-    FINAL_NORM: _ClassVar[TensorType]
+    TENSOR_TYPE_RESIDUAL_STREAM: _ClassVar[TensorType]
+    TENSOR_TYPE_ATTN_OUT: _ClassVar[TensorType]
+    TENSOR_TYPE_MLP_OUT: _ClassVar[TensorType]
+    TENSOR_TYPE_FINAL_NORM: _ClassVar[TensorType]
 
 class FailurePolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FAILURE_POLICY_UNSPECIFIED: _ClassVar[FailurePolicy]
-    FAIL_CLOSED: _ClassVar[FailurePolicy]
-    FAIL_OPEN: _ClassVar[FailurePolicy]
+    FAILURE_POLICY_FAIL_CLOSED: _ClassVar[FailurePolicy]
+    FAILURE_POLICY_FAIL_OPEN: _ClassVar[FailurePolicy]
 
 class ProbeAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PROBE_ACTION_UNSPECIFIED: _ClassVar[ProbeAction]
-    OBSERVE: _ClassVar[ProbeAction]
-    ABORT: _ClassVar[ProbeAction]
+    PROBE_ACTION_OBSERVE: _ClassVar[ProbeAction]
+    PROBE_ACTION_ABORT: _ClassVar[ProbeAction]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
-    STOP: _ClassVar[FinishReason]
-    LENGTH: _ClassVar[FinishReason]
-    PROBE_ABORT: _ClassVar[FinishReason]
-    CLIENT_ABORT: _ClassVar[FinishReason]
-    ROUTER_UNAVAILABLE: _ClassVar[FinishReason]
-    ERROR: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_PROBE_ABORT: _ClassVar[FinishReason]
+    FINISH_REASON_CLIENT_ABORT: _ClassVar[FinishReason]
+    FINISH_REASON_ROUTER_UNAVAILABLE: _ClassVar[FinishReason]
+    FINISH_REASON_ERROR: _ClassVar[FinishReason]
+
+class StatusCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STATUS_CODE_UNSPECIFIED: _ClassVar[StatusCode]
+    STATUS_CODE_CANCELLED: _ClassVar[StatusCode]
+    STATUS_CODE_UNKNOWN: _ClassVar[StatusCode]
+    STATUS_CODE_INVALID_ARGUMENT: _ClassVar[StatusCode]
+    STATUS_CODE_DEADLINE_EXCEEDED: _ClassVar[StatusCode]
+    STATUS_CODE_NOT_FOUND: _ClassVar[StatusCode]
+    STATUS_CODE_ALREADY_EXISTS: _ClassVar[StatusCode]
+    STATUS_CODE_PERMISSION_DENIED: _ClassVar[StatusCode]
+    STATUS_CODE_RESOURCE_EXHAUSTED: _ClassVar[StatusCode]
+    STATUS_CODE_FAILED_PRECONDITION: _ClassVar[StatusCode]
+    STATUS_CODE_ABORTED: _ClassVar[StatusCode]
+    STATUS_CODE_OUT_OF_RANGE: _ClassVar[StatusCode]
+    STATUS_CODE_UNIMPLEMENTED: _ClassVar[StatusCode]
+    STATUS_CODE_INTERNAL: _ClassVar[StatusCode]
+    STATUS_CODE_UNAVAILABLE: _ClassVar[StatusCode]
+    STATUS_CODE_DATA_LOSS: _ClassVar[StatusCode]
+    STATUS_CODE_UNAUTHENTICATED: _ClassVar[StatusCode]
 TENSOR_TYPE_UNSPECIFIED: TensorType
-RESIDUAL_STREAM: TensorType
-ATTN_OUT: TensorType
-MLP_OUT: TensorType
-FINAL_NORM: TensorType
+TENSOR_TYPE_RESIDUAL_STREAM: TensorType
+TENSOR_TYPE_ATTN_OUT: TensorType
+TENSOR_TYPE_MLP_OUT: TensorType
+TENSOR_TYPE_FINAL_NORM: TensorType
 FAILURE_POLICY_UNSPECIFIED: FailurePolicy
-FAIL_CLOSED: FailurePolicy
-FAIL_OPEN: FailurePolicy
+FAILURE_POLICY_FAIL_CLOSED: FailurePolicy
+FAILURE_POLICY_FAIL_OPEN: FailurePolicy
 PROBE_ACTION_UNSPECIFIED: ProbeAction
-OBSERVE: ProbeAction
-ABORT: ProbeAction
+PROBE_ACTION_OBSERVE: ProbeAction
+PROBE_ACTION_ABORT: ProbeAction
 FINISH_REASON_UNSPECIFIED: FinishReason
-STOP: FinishReason
-LENGTH: FinishReason
-PROBE_ABORT: FinishReason
-CLIENT_ABORT: FinishReason
-ROUTER_UNAVAILABLE: FinishReason
-ERROR: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_PROBE_ABORT: FinishReason
+FINISH_REASON_CLIENT_ABORT: FinishReason
+FINISH_REASON_ROUTER_UNAVAILABLE: FinishReason
+FINISH_REASON_ERROR: FinishReason
+STATUS_CODE_UNSPECIFIED: StatusCode
+STATUS_CODE_CANCELLED: StatusCode
+STATUS_CODE_UNKNOWN: StatusCode
+STATUS_CODE_INVALID_ARGUMENT: StatusCode
+STATUS_CODE_DEADLINE_EXCEEDED: StatusCode
+STATUS_CODE_NOT_FOUND: StatusCode
+STATUS_CODE_ALREADY_EXISTS: StatusCode
+STATUS_CODE_PERMISSION_DENIED: StatusCode
+STATUS_CODE_RESOURCE_EXHAUSTED: StatusCode
+STATUS_CODE_FAILED_PRECONDITION: StatusCode
+STATUS_CODE_ABORTED: StatusCode
+STATUS_CODE_OUT_OF_RANGE: StatusCode
+STATUS_CODE_UNIMPLEMENTED: StatusCode
+STATUS_CODE_INTERNAL: StatusCode
+STATUS_CODE_UNAVAILABLE: StatusCode
+STATUS_CODE_DATA_LOSS: StatusCode
+STATUS_CODE_UNAUTHENTICATED: StatusCode
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")
@@ -78,13 +115,13 @@ class TokenSelector(_message.Message):
     class Scope(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         SCOPE_UNSPECIFIED: _ClassVar[TokenSelector.Scope]
-        PROMPT: _ClassVar[TokenSelector.Scope]
-        GENERATED: _ClassVar[TokenSelector.Scope]
-        ALL: _ClassVar[TokenSelector.Scope]
+        SCOPE_PROMPT: _ClassVar[TokenSelector.Scope]
+        SCOPE_GENERATED: _ClassVar[TokenSelector.Scope]
+        SCOPE_ALL: _ClassVar[TokenSelector.Scope]
     SCOPE_UNSPECIFIED: TokenSelector.Scope
-    PROMPT: TokenSelector.Scope
-    GENERATED: TokenSelector.Scope
-    ALL: TokenSelector.Scope
+    SCOPE_PROMPT: TokenSelector.Scope
+    SCOPE_GENERATED: TokenSelector.Scope
+    SCOPE_ALL: TokenSelector.Scope
     SCOPE_FIELD_NUMBER: _ClassVar[int]
     INDEXES_FIELD_NUMBER: _ClassVar[int]
     RANGES_FIELD_NUMBER: _ClassVar[int]
@@ -335,6 +372,12 @@ class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class GetModelInfoResponse(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: ModelInfo
+    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ...) -> None: ...
+
 class SessionHello(_message.Message):
     __slots__ = ("engine_id", "model")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -369,7 +412,7 @@ class Heartbeat(_message.Message):
     sent_unix_nanos: int
     def __init__(self, sent_unix_nanos: _Optional[int] = ...) -> None: ...
 
-class EngineMessage(_message.Message):
+class SessionRequest(_message.Message):
     __slots__ = ("hello", "request_start", "batch", "request_end", "heartbeat")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     REQUEST_START_FIELD_NUMBER: _ClassVar[int]
@@ -439,9 +482,9 @@ class RequestError(_message.Message):
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     probe: str
-    code: str
+    code: StatusCode
     message: str
-    def __init__(self, request_id: _Optional[str] = ..., probe: _Optional[str] = ..., code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., probe: _Optional[str] = ..., code: _Optional[_Union[StatusCode, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Drain(_message.Message):
     __slots__ = ("reason",)
@@ -449,7 +492,7 @@ class Drain(_message.Message):
     reason: str
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
-class RouterMessage(_message.Message):
+class SessionResponse(_message.Message):
     __slots__ = ("hello", "scores", "abort", "ack", "heartbeat", "drain", "error", "catalog")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     SCORES_FIELD_NUMBER: _ClassVar[int]
@@ -478,6 +521,12 @@ class LoadProbeRequest(_message.Message):
     inline: InlineProbe
     replace: bool
     def __init__(self, path: _Optional[str] = ..., inline: _Optional[_Union[InlineProbe, _Mapping]] = ..., replace: _Optional[bool] = ...) -> None: ...
+
+class LoadProbeResponse(_message.Message):
+    __slots__ = ("probe",)
+    PROBE_FIELD_NUMBER: _ClassVar[int]
+    probe: ProbeInfo
+    def __init__(self, probe: _Optional[_Union[ProbeInfo, _Mapping]] = ...) -> None: ...
 
 class InlineProbe(_message.Message):
     __slots__ = ("manifest_json", "weights_safetensors")

@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class EngineStub:
+class EngineServiceStub:
     """---------------------------------------------------------------------------
     Engine: the client-facing service
     ---------------------------------------------------------------------------
@@ -39,23 +39,23 @@ class EngineStub:
             channel: A grpc.Channel.
         """
         self.Generate = channel.unary_stream(
-                '/undercurrent.v1.Engine/Generate',
+                '/undercurrent.v1.EngineService/Generate',
                 request_serializer=undercurrent_dot_v1_dot_undercurrent__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=undercurrent_dot_v1_dot_undercurrent__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
-                '/undercurrent.v1.Engine/Abort',
+                '/undercurrent.v1.EngineService/Abort',
                 request_serializer=undercurrent_dot_v1_dot_undercurrent__pb2.AbortRequest.SerializeToString,
                 response_deserializer=undercurrent_dot_v1_dot_undercurrent__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
-                '/undercurrent.v1.Engine/GetModelInfo',
+                '/undercurrent.v1.EngineService/GetModelInfo',
                 request_serializer=undercurrent_dot_v1_dot_undercurrent__pb2.GetModelInfoRequest.SerializeToString,
-                response_deserializer=undercurrent_dot_v1_dot_undercurrent__pb2.ModelInfo.FromString,
+                response_deserializer=undercurrent_dot_v1_dot_undercurrent__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
 
 
-class EngineServicer:
+class EngineServiceServicer:
     """---------------------------------------------------------------------------
     Engine: the client-facing service
     ---------------------------------------------------------------------------
@@ -83,7 +83,7 @@ class EngineServicer:
         raise NotImplementedError('Method not implemented!')
 
 
-def add_EngineServicer_to_server(servicer, server):
+def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
@@ -98,17 +98,17 @@ def add_EngineServicer_to_server(servicer, server):
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
                     request_deserializer=undercurrent_dot_v1_dot_undercurrent__pb2.GetModelInfoRequest.FromString,
-                    response_serializer=undercurrent_dot_v1_dot_undercurrent__pb2.ModelInfo.SerializeToString,
+                    response_serializer=undercurrent_dot_v1_dot_undercurrent__pb2.GetModelInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'undercurrent.v1.Engine', rpc_method_handlers)
+            'undercurrent.v1.EngineService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('undercurrent.v1.Engine', rpc_method_handlers)
+    server.add_registered_method_handlers('undercurrent.v1.EngineService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class Engine:
+class EngineService:
     """---------------------------------------------------------------------------
     Engine: the client-facing service
     ---------------------------------------------------------------------------
@@ -129,7 +129,7 @@ class Engine:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/undercurrent.v1.Engine/Generate',
+            '/undercurrent.v1.EngineService/Generate',
             undercurrent_dot_v1_dot_undercurrent__pb2.GenerateRequest.SerializeToString,
             undercurrent_dot_v1_dot_undercurrent__pb2.GenerateResponse.FromString,
             options,
@@ -156,7 +156,7 @@ class Engine:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/undercurrent.v1.Engine/Abort',
+            '/undercurrent.v1.EngineService/Abort',
             undercurrent_dot_v1_dot_undercurrent__pb2.AbortRequest.SerializeToString,
             undercurrent_dot_v1_dot_undercurrent__pb2.AbortResponse.FromString,
             options,
@@ -183,9 +183,9 @@ class Engine:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/undercurrent.v1.Engine/GetModelInfo',
+            '/undercurrent.v1.EngineService/GetModelInfo',
             undercurrent_dot_v1_dot_undercurrent__pb2.GetModelInfoRequest.SerializeToString,
-            undercurrent_dot_v1_dot_undercurrent__pb2.ModelInfo.FromString,
+            undercurrent_dot_v1_dot_undercurrent__pb2.GetModelInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -197,7 +197,7 @@ class Engine:
             _registered_method=True)
 
 
-class ProbeRouterStub:
+class ProbeRouterServiceStub:
     """---------------------------------------------------------------------------
     ProbeRouter: the engine <-> router Session
     ---------------------------------------------------------------------------
@@ -211,13 +211,13 @@ class ProbeRouterStub:
             channel: A grpc.Channel.
         """
         self.Session = channel.stream_stream(
-                '/undercurrent.v1.ProbeRouter/Session',
-                request_serializer=undercurrent_dot_v1_dot_undercurrent__pb2.EngineMessage.SerializeToString,
-                response_deserializer=undercurrent_dot_v1_dot_undercurrent__pb2.RouterMessage.FromString,
+                '/undercurrent.v1.ProbeRouterService/Session',
+                request_serializer=undercurrent_dot_v1_dot_undercurrent__pb2.SessionRequest.SerializeToString,
+                response_deserializer=undercurrent_dot_v1_dot_undercurrent__pb2.SessionResponse.FromString,
                 _registered_method=True)
 
 
-class ProbeRouterServicer:
+class ProbeRouterServiceServicer:
     """---------------------------------------------------------------------------
     ProbeRouter: the engine <-> router Session
     ---------------------------------------------------------------------------
@@ -232,22 +232,22 @@ class ProbeRouterServicer:
         raise NotImplementedError('Method not implemented!')
 
 
-def add_ProbeRouterServicer_to_server(servicer, server):
+def add_ProbeRouterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Session': grpc.stream_stream_rpc_method_handler(
                     servicer.Session,
-                    request_deserializer=undercurrent_dot_v1_dot_undercurrent__pb2.EngineMessage.FromString,
-                    response_serializer=undercurrent_dot_v1_dot_undercurrent__pb2.RouterMessage.SerializeToString,
+                    request_deserializer=undercurrent_dot_v1_dot_undercurrent__pb2.SessionRequest.FromString,
+                    response_serializer=undercurrent_dot_v1_dot_undercurrent__pb2.SessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'undercurrent.v1.ProbeRouter', rpc_method_handlers)
+            'undercurrent.v1.ProbeRouterService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('undercurrent.v1.ProbeRouter', rpc_method_handlers)
+    server.add_registered_method_handlers('undercurrent.v1.ProbeRouterService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class ProbeRouter:
+class ProbeRouterService:
     """---------------------------------------------------------------------------
     ProbeRouter: the engine <-> router Session
     ---------------------------------------------------------------------------
@@ -268,9 +268,9 @@ class ProbeRouter:
         return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/undercurrent.v1.ProbeRouter/Session',
-            undercurrent_dot_v1_dot_undercurrent__pb2.EngineMessage.SerializeToString,
-            undercurrent_dot_v1_dot_undercurrent__pb2.RouterMessage.FromString,
+            '/undercurrent.v1.ProbeRouterService/Session',
+            undercurrent_dot_v1_dot_undercurrent__pb2.SessionRequest.SerializeToString,
+            undercurrent_dot_v1_dot_undercurrent__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -282,7 +282,7 @@ class ProbeRouter:
             _registered_method=True)
 
 
-class ProbeAdminStub:
+class ProbeAdminServiceStub:
     """---------------------------------------------------------------------------
     ProbeAdmin: live probe management on one router
     ---------------------------------------------------------------------------
@@ -296,23 +296,23 @@ class ProbeAdminStub:
             channel: A grpc.Channel.
         """
         self.LoadProbe = channel.unary_unary(
-                '/undercurrent.v1.ProbeAdmin/LoadProbe',
+                '/undercurrent.v1.ProbeAdminService/LoadProbe',
                 request_serializer=undercurrent_dot_v1_dot_undercurrent__pb2.LoadProbeRequest.SerializeToString,
-                response_deserializer=undercurrent_dot_v1_dot_undercurrent__pb2.ProbeInfo.FromString,
+                response_deserializer=undercurrent_dot_v1_dot_undercurrent__pb2.LoadProbeResponse.FromString,
                 _registered_method=True)
         self.ListProbes = channel.unary_unary(
-                '/undercurrent.v1.ProbeAdmin/ListProbes',
+                '/undercurrent.v1.ProbeAdminService/ListProbes',
                 request_serializer=undercurrent_dot_v1_dot_undercurrent__pb2.ListProbesRequest.SerializeToString,
                 response_deserializer=undercurrent_dot_v1_dot_undercurrent__pb2.ListProbesResponse.FromString,
                 _registered_method=True)
         self.UnloadProbe = channel.unary_unary(
-                '/undercurrent.v1.ProbeAdmin/UnloadProbe',
+                '/undercurrent.v1.ProbeAdminService/UnloadProbe',
                 request_serializer=undercurrent_dot_v1_dot_undercurrent__pb2.UnloadProbeRequest.SerializeToString,
                 response_deserializer=undercurrent_dot_v1_dot_undercurrent__pb2.UnloadProbeResponse.FromString,
                 _registered_method=True)
 
 
-class ProbeAdminServicer:
+class ProbeAdminServiceServicer:
     """---------------------------------------------------------------------------
     ProbeAdmin: live probe management on one router
     ---------------------------------------------------------------------------
@@ -338,12 +338,12 @@ class ProbeAdminServicer:
         raise NotImplementedError('Method not implemented!')
 
 
-def add_ProbeAdminServicer_to_server(servicer, server):
+def add_ProbeAdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'LoadProbe': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadProbe,
                     request_deserializer=undercurrent_dot_v1_dot_undercurrent__pb2.LoadProbeRequest.FromString,
-                    response_serializer=undercurrent_dot_v1_dot_undercurrent__pb2.ProbeInfo.SerializeToString,
+                    response_serializer=undercurrent_dot_v1_dot_undercurrent__pb2.LoadProbeResponse.SerializeToString,
             ),
             'ListProbes': grpc.unary_unary_rpc_method_handler(
                     servicer.ListProbes,
@@ -357,13 +357,13 @@ def add_ProbeAdminServicer_to_server(servicer, server):
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'undercurrent.v1.ProbeAdmin', rpc_method_handlers)
+            'undercurrent.v1.ProbeAdminService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('undercurrent.v1.ProbeAdmin', rpc_method_handlers)
+    server.add_registered_method_handlers('undercurrent.v1.ProbeAdminService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class ProbeAdmin:
+class ProbeAdminService:
     """---------------------------------------------------------------------------
     ProbeAdmin: live probe management on one router
     ---------------------------------------------------------------------------
@@ -384,9 +384,9 @@ class ProbeAdmin:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/undercurrent.v1.ProbeAdmin/LoadProbe',
+            '/undercurrent.v1.ProbeAdminService/LoadProbe',
             undercurrent_dot_v1_dot_undercurrent__pb2.LoadProbeRequest.SerializeToString,
-            undercurrent_dot_v1_dot_undercurrent__pb2.ProbeInfo.FromString,
+            undercurrent_dot_v1_dot_undercurrent__pb2.LoadProbeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -411,7 +411,7 @@ class ProbeAdmin:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/undercurrent.v1.ProbeAdmin/ListProbes',
+            '/undercurrent.v1.ProbeAdminService/ListProbes',
             undercurrent_dot_v1_dot_undercurrent__pb2.ListProbesRequest.SerializeToString,
             undercurrent_dot_v1_dot_undercurrent__pb2.ListProbesResponse.FromString,
             options,
@@ -438,7 +438,7 @@ class ProbeAdmin:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/undercurrent.v1.ProbeAdmin/UnloadProbe',
+            '/undercurrent.v1.ProbeAdminService/UnloadProbe',
             undercurrent_dot_v1_dot_undercurrent__pb2.UnloadProbeRequest.SerializeToString,
             undercurrent_dot_v1_dot_undercurrent__pb2.UnloadProbeResponse.FromString,
             options,
