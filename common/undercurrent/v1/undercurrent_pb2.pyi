@@ -227,34 +227,38 @@ class ActivationBatch(_message.Message):
     def __init__(self, step: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., blocks: _Optional[_Iterable[_Union[ActivationBlock, _Mapping]]] = ...) -> None: ...
 
 class ProbeScores(_message.Message):
-    __slots__ = ("request_id", "probe", "token_positions", "scores", "router")
+    __slots__ = ("request_id", "probe", "token_positions", "scores", "router", "incarnation")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     SCORES_FIELD_NUMBER: _ClassVar[int]
     ROUTER_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     probe: str
     token_positions: _containers.RepeatedScalarFieldContainer[int]
     scores: _containers.RepeatedScalarFieldContainer[float]
     router: str
-    def __init__(self, request_id: _Optional[str] = ..., probe: _Optional[str] = ..., token_positions: _Optional[_Iterable[int]] = ..., scores: _Optional[_Iterable[float]] = ..., router: _Optional[str] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, request_id: _Optional[str] = ..., probe: _Optional[str] = ..., token_positions: _Optional[_Iterable[int]] = ..., scores: _Optional[_Iterable[float]] = ..., router: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("request_id", "probe", "score", "token_position", "reason", "router")
+    __slots__ = ("request_id", "probe", "score", "token_position", "reason", "router", "incarnation")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_POSITION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     ROUTER_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     probe: str
     score: float
     token_position: int
     reason: str
     router: str
-    def __init__(self, request_id: _Optional[str] = ..., probe: _Optional[str] = ..., score: _Optional[float] = ..., token_position: _Optional[int] = ..., reason: _Optional[str] = ..., router: _Optional[str] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, request_id: _Optional[str] = ..., probe: _Optional[str] = ..., score: _Optional[float] = ..., token_position: _Optional[int] = ..., reason: _Optional[str] = ..., router: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "repetition_penalty")
@@ -387,24 +391,28 @@ class SessionHello(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ...) -> None: ...
 
 class RequestStart(_message.Message):
-    __slots__ = ("request_id", "probes", "prompt_length", "state_reset")
+    __slots__ = ("request_id", "probes", "prompt_length", "state_reset", "incarnation")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROBES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     STATE_RESET_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     probes: _containers.RepeatedCompositeFieldContainer[ProbeBinding]
     prompt_length: int
     state_reset: bool
-    def __init__(self, request_id: _Optional[str] = ..., probes: _Optional[_Iterable[_Union[ProbeBinding, _Mapping]]] = ..., prompt_length: _Optional[int] = ..., state_reset: _Optional[bool] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, request_id: _Optional[str] = ..., probes: _Optional[_Iterable[_Union[ProbeBinding, _Mapping]]] = ..., prompt_length: _Optional[int] = ..., state_reset: _Optional[bool] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class RequestEnd(_message.Message):
-    __slots__ = ("request_id", "finish_reason")
+    __slots__ = ("request_id", "finish_reason", "incarnation")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     finish_reason: FinishReason
-    def __init__(self, request_id: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, request_id: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("sent_unix_nanos",)
@@ -475,16 +483,20 @@ class StepAck(_message.Message):
     def __init__(self, step: _Optional[int] = ...) -> None: ...
 
 class RequestError(_message.Message):
-    __slots__ = ("request_id", "probe", "code", "message")
+    __slots__ = ("request_id", "probe", "code", "message", "incarnation", "step")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     probe: str
     code: StatusCode
     message: str
-    def __init__(self, request_id: _Optional[str] = ..., probe: _Optional[str] = ..., code: _Optional[_Union[StatusCode, str]] = ..., message: _Optional[str] = ...) -> None: ...
+    incarnation: int
+    step: int
+    def __init__(self, request_id: _Optional[str] = ..., probe: _Optional[str] = ..., code: _Optional[_Union[StatusCode, str]] = ..., message: _Optional[str] = ..., incarnation: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class Drain(_message.Message):
     __slots__ = ("reason",)
