@@ -1,0 +1,268 @@
+"""One request's probe rows from capture to score: the single answer to "which
+positions did a router score, may generated token g be shown, what was lost".
+
+Every captured probe row travels in exactly one message (one part of one
+engine step for one replica). A message is QUEUED, then SENT (it got a step
+number), then ACKED when the replica that owns the request acknowledges that
+step; or it FAILED: dropped by the send queue, lost with its replica, refused
+or errored by the router, or left unacknowledged past the router timeout.
+FAILED is final: a late ack never makes a failed row scored.
+
+A position is *settled* when every row captured at it was acknowledged and
+none failed. Token gating shows token g (at position prompt_len + g) only once
+every captured position up to it is settled, or, for failures that concern only
+fail_open bindings, resolved (no row still in flight). The finish counts
+(`unprobed_tokens`, `dropped_records`) are read from here too.
+
+Plain logic: no gRPC, no event loop; the clock is passed in.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from undercurrent.v1 import undercurrent_pb2 as pb
+
+
+class MessageState(enum.Enum):
+    QUEUED = "queued"
+    SENT = "sent"
+    ACKED = "acked"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why some rows went unscored, and whether a fail_closed binding cares."""
+
+    reason: str
+    fail_closed: bool
+    rows: int
+    dropped: bool  # never reached a router (counted in dropped_records)
+
+
+@dataclass(eq=False)
+class Message:
+    """This request's rows in one message to one replica."""
+
+    replica: str
+    rows: dict[int, int]  # token position -> rows
+    queued_at: float
+    step: int = 0
+    state: MessageState = MessageState.QUEUED
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.rows.values())
+
+
+@dataclass
+class _Position:
+    outstanding: int = 0  # rows queued or sent, not yet acknowledged or failed
+    acknowledged: int = 0
+    failed: int = 0
+    blocking: bool = False  # a failure that concerns a fail_closed binding
+
+
+@dataclass
+class RequestLedger:
+    """Per-request row accounting; `policies` maps each bound probe to its
+    failure policy (pb.FAILURE_POLICY_FAIL_CLOSED or pb.FAILURE_POLICY_FAIL_OPEN)."""
+
+    prompt_len: int
+    policies: Mapping[str, int]
+    dropped_records: int = 0
+    failures: list[Failure] = field(default_factory=list)
+    _positions: dict[int, _Position] = field(default_factory=dict)
+    _order: list[int] = field(default_factory=list)  # captured positions, ascending
+    _live: list[Message] = field(default_factory=list)  # QUEUED or SENT, oldest first
+    _sent: dict[tuple[str, int], Message] = field(default_factory=dict)
+    _refusal: str | None = None
+    _refusal_closes: bool = False
+    # _order[:_clean] are settled (all rows acknowledged, none failed): the
+    # questions below start after them, so a long request costs O(1) per ack.
+    _clean: int = 0
+
+    # -- policy -------------------------------------------------------------
+
+    def closes(self, probe: str | None) -> bool:
+        """Does a failure concerning `probe` (None: every binding) fall under fail_closed?"""
+        closed = pb.FAILURE_POLICY_FAIL_CLOSED
+        if probe and probe in self.policies:
+            return self.policies[probe] == closed
+        return any(policy == closed for policy in self.policies.values())
+
+    # -- rows moving forward ---------------------------------------------------
+
+    def queued(self, replica: str, rows: Mapping[int, int], now: float) -> Message:
+        """Captured rows placed on `replica`'s send queue as one message."""
+        message = Message(replica, dict(rows), now)
+        for position, count in message.rows.items():
+            below_settled = position <= self._last_clean()
+            self._position(position).outstanding += count
+            if below_settled:  # rows again at (or before) a settled position
+                self._clean = bisect.bisect_left(self._order, position)
+        self._live.append(message)
+        if self._refusal is not None:
+            # The router refused the request: nothing it is sent will be scored.
+            self._fail([message], self._refusal, self._refusal_closes, dropped=False)
+        return message
+
+    def sent(self, message: Message, step: int) -> None:
+        """The message went out as `step` of its replica's session."""
+        if message.state is not MessageState.QUEUED:
+            return
+        message.step, message.state = step, MessageState.SENT
+        self._sent[(message.replica, step)] = message
+
+    def acknowledged(self, replica: str, step: int) -> int:
+        """A cumulative StepAck from `replica`: every step <= `step` it was sent is
+        scored. Returns the rows that became acknowledged."""
+        settled = 0
+        for message in [m for m in self._live if m.state is MessageState.SENT]:
+            if message.replica != replica or message.step > step:
+                continue
+            message.state = MessageState.ACKED
+            self._live.remove(message)
+            for position, count in message.rows.items():
+                entry = self._positions[position]
+                entry.outstanding -= count
+                entry.acknowledged += count
+            settled += message.num_rows
+        return settled
+
+    # -- rows failing ----------------------------------------------------------
+
+    def not_sent(self, replica: str, rows: Mapping[int, int], now: float, reason: str) -> Failure:
+        """Captured rows that never made it into a message (no replica, too large)."""
+        message = self.queued(replica, rows, now)
+        if message.state is MessageState.FAILED:  # already counted under the refusal
+            return self.failures[-1]
+        return self._fail([message], reason, self.closes(None), dropped=True)
+
+    def dropped(self, message: Message, reason: str) -> Failure | None:
+        """A queued (or being written) message the link gave up on: overflow, replica down."""
+        return self._fail([message], reason, self.closes(None), dropped=True)
+
+    def step_failed(self, replica: str, step: int, reason: str, probe: str | None) -> Failure | None:
+        """The router reported an error about the rows it got in `step`."""
+        message = self._sent.get((replica, step))
+        if message is None:
+            return None
+        return self._fail([message], reason, self.closes(probe), dropped=False)
+
+    def replica_failed(self, replica: str, reason: str, probe: str | None = None) -> Failure | None:
+        """Every row sent to `replica` and not yet acknowledged is unscored
+        (the replica was lost, or reported an error naming no step)."""
+        lost = [m for m in self._live if m.replica == replica and m.state is MessageState.SENT]
+        return self._fail(lost, reason, self.closes(probe), dropped=False)
+
+    def refused(self, reason: str, probe: str | None) -> Failure | None:
+        """The router refused the request (request_start error): what is in flight
+        and everything captured later goes unscored."""
+        closes = self.closes(probe)
+        if self._refusal is None or (closes and not self._refusal_closes):
+            self._refusal, self._refusal_closes = reason, closes
+        failure = self._fail(list(self._live), reason, closes, dropped=False)
+        if failure is None:  # nothing in flight: still a failure to act on
+            failure = Failure(reason, closes, 0, dropped=False)
+            self.failures.append(failure)
+        return failure
+
+    def expire(self, older_than: float, reason: str) -> Failure | None:
+        """Rows queued before `older_than` and still unacknowledged go unscored."""
+        stale = [m for m in self._live if m.queued_at <= older_than]
+        return self._fail(stale, reason, self.closes(None), dropped=False)
+
+    def _fail(
+        self, messages: Iterable[Message], reason: str, closes: bool, dropped: bool
+    ) -> Failure | None:
+        rows = 0
+        for message in messages:
+            if message.state is MessageState.FAILED:
+                continue
+            was_acked = message.state is MessageState.ACKED
+            if was_acked:
+                self._clean = 0  # an error after the ack unsettles those positions
+            else:
+                self._live.remove(message)
+            message.state = MessageState.FAILED
+            for position, count in message.rows.items():
+                entry = self._positions[position]
+                if was_acked:
+                    entry.acknowledged -= count
+                else:
+                    entry.outstanding -= count
+                entry.failed += count
+                entry.blocking = entry.blocking or closes
+            rows += message.num_rows
+        if not rows:
+            return None
+        if dropped:
+            self.dropped_records += rows
+        failure = Failure(reason, closes, rows, dropped)
+        self.failures.append(failure)
+        return failure
+
+    # -- questions -------------------------------------------------------------
+
+    def first_unsettled(self) -> int:
+        """The first position with a row not yet scored (in flight or failed);
+        one past the last captured position when all are settled, 0 before any."""
+        self._advance_clean()
+        for position in self._order[self._clean :]:
+            entry = self._positions[position]
+            if entry.outstanding or entry.failed:
+                return position
+        return self._order[-1] + 1 if self._order else 0
+
+    def releasable_through(self) -> int:
+        """The last position a gated token may be shown at: every captured row up
+        to it is acknowledged, or failed only for fail_open bindings. -1 if none."""
+        self._advance_clean()
+        through = self._last_clean()
+        for position in self._order[self._clean :]:
+            entry = self._positions[position]
+            if entry.outstanding or entry.blocking:
+                break
+            through = position
+        return through
+
+    def in_flight(self) -> int:
+        """Rows queued or sent and not yet acknowledged or failed."""
+        return sum(m.num_rows for m in self._live)
+
+    def oldest_in_flight(self) -> float | None:
+        """When the oldest row still waiting for its ack was queued."""
+        return self._live[0].queued_at if self._live else None
+
+    def unprobed_tokens(self) -> int:
+        """Positions with a row that no router scored (failed or never acknowledged)."""
+        return sum(1 for e in self._positions.values() if e.outstanding or e.failed)
+
+    def fail_closed_failure(self) -> Failure | None:
+        """The first failure a fail_closed binding cannot accept."""
+        return next((f for f in self.failures if f.fail_closed), None)
+
+    def _advance_clean(self) -> None:
+        while self._clean < len(self._order):
+            entry = self._positions[self._order[self._clean]]
+            if entry.outstanding or entry.failed:
+                return
+            self._clean += 1
+
+    def _last_clean(self) -> int:
+        return self._order[self._clean - 1] if self._clean else -1
+
+    def _position(self, position: int) -> _Position:
+        entry = self._positions.get(position)
+        if entry is None:
+            entry = self._positions[position] = _Position()
+            if not self._order or position > self._order[-1]:
+                self._order.append(position)
+            else:
+                bisect.insort(self._order, position)
+        return entry

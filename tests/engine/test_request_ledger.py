@@ -1,0 +1,174 @@
+"""The per-request ledger: which positions are settled, what went unscored, what was dropped."""
+
+from undercurrent.v1 import undercurrent_pb2 as pb
+
+from engine_service.request_ledger import MessageState, RequestLedger
+
+CLOSED, OPEN = pb.FAILURE_POLICY_FAIL_CLOSED, pb.FAILURE_POLICY_FAIL_OPEN
+
+
+def ledger(**policies) -> RequestLedger:
+    return RequestLedger(prompt_len=10, policies=policies or {"p": CLOSED})
+
+
+def sent(led: RequestLedger, replica: str, step: int, rows: dict[int, int], now: float = 0.0):
+    message = led.queued(replica, rows, now)
+    led.sent(message, step)
+    return message
+
+
+def test_positions_settle_only_when_every_row_is_acknowledged():
+    led = ledger()
+    sent(led, "r", 1, {10: 2, 11: 2})
+    sent(led, "r", 2, {12: 2})
+    assert (led.first_unsettled(), led.releasable_through(), led.in_flight()) == (10, -1, 6)
+    assert led.acknowledged("r", 1) == 4
+    assert (led.first_unsettled(), led.releasable_through()) == (12, 11)
+    assert led.acknowledged("r", 2) == 2
+    assert (led.first_unsettled(), led.releasable_through(), led.unprobed_tokens()) == (13, 12, 0)
+
+
+def test_the_ack_of_part_0_of_a_split_step_does_not_settle_rows_in_part_1():
+    led = ledger()
+    # One engine step, too big for one message: layers 0..1 in part 0, layer 2 in part 1,
+    # both carrying position 12.
+    sent(led, "r", 1, {12: 2})
+    sent(led, "r", 2, {12: 1})
+    led.acknowledged("r", 1)
+    assert led.releasable_through() == -1 and led.first_unsettled() == 12
+    led.acknowledged("r", 2)
+    assert led.releasable_through() == 12
+
+
+def test_acks_are_cumulative_and_only_count_from_the_replica_the_rows_went_to():
+    led = ledger()
+    sent(led, "a", 1, {10: 1})
+    sent(led, "a", 2, {11: 1})
+    assert led.acknowledged("b", 5) == 0  # another replica's step 5 is not ours
+    assert led.releasable_through() == -1
+    assert led.acknowledged("a", 2) == 2
+    assert led.releasable_through() == 11
+
+
+def test_a_router_error_about_a_step_leaves_its_rows_unscored_and_a_late_ack_changes_nothing():
+    led = ledger()
+    sent(led, "r", 1, {10: 1})
+    sent(led, "r", 2, {11: 1})
+    failure = led.step_failed("r", 2, "router error: INTERNAL: boom", probe=None)
+    assert failure.fail_closed and failure.rows == 1 and not failure.dropped
+    led.acknowledged("r", 2)
+    assert (led.releasable_through(), led.first_unsettled(), led.unprobed_tokens()) == (10, 11, 1)
+    assert led.fail_closed_failure().reason == "router error: INTERNAL: boom"
+    assert led.dropped_records == 0
+    assert led.step_failed("r", 9, "unknown step", None) is None
+
+
+def test_an_error_after_the_ack_unsettles_the_positions_again():
+    led = ledger()
+    sent(led, "r", 1, {10: 1, 11: 1})
+    led.acknowledged("r", 1)
+    assert led.releasable_through() == 11
+    led.step_failed("r", 1, "late error", None)
+    assert (led.releasable_through(), led.first_unsettled(), led.unprobed_tokens()) == (-1, 10, 2)
+
+
+def test_a_failure_of_a_fail_open_binding_counts_but_does_not_hold_tokens():
+    led = ledger(strict=CLOSED, lenient=OPEN)
+    sent(led, "r", 1, {10: 1})
+    sent(led, "r", 2, {11: 1})
+    led.acknowledged("r", 2)
+    failure = led.step_failed("r", 2, "bad row for lenient", probe="lenient")
+    assert not failure.fail_closed
+    assert led.releasable_through() == 11 and led.unprobed_tokens() == 1
+    assert led.fail_closed_failure() is None
+    # An error naming no probe concerns every binding, the fail_closed one too.
+    sent(led, "r", 3, {12: 1})
+    assert led.step_failed("r", 3, "decode error", probe=None).fail_closed
+    assert led.releasable_through() == 11
+
+
+def test_fail_open_only_request_releases_past_failures():
+    led = ledger(p=OPEN)
+    message = led.queued("r", {10: 1}, 0.0)
+    led.dropped(message, "drop_oldest")
+    sent(led, "r", 1, {11: 1})
+    led.acknowledged("r", 1)
+    assert led.releasable_through() == 11
+    assert (led.unprobed_tokens(), led.dropped_records, led.fail_closed_failure()) == (1, 1, None)
+
+
+def test_overflow_drops_count_as_dropped_records_and_unscored():
+    led = ledger()
+    first = led.queued("r", {10: 3}, 0.0)
+    led.queued("r", {11: 3}, 0.0)
+    failure = led.dropped(first, "dropped by drop_oldest")
+    assert failure.dropped and failure.fail_closed and failure.rows == 3
+    assert led.dropped_records == 3 and led.first_unsettled() == 10
+    assert led.dropped(first, "twice") is None and led.dropped_records == 3
+
+
+def test_rows_with_no_replica_are_dropped():
+    led = ledger()
+    failure = led.not_sent("", {10: 2}, 0.0, "no router replica reachable")
+    assert failure.dropped and led.dropped_records == 2 and led.unprobed_tokens() == 1
+
+
+def test_a_lost_replica_takes_its_unacknowledged_rows_with_it():
+    led = ledger()
+    sent(led, "a", 1, {10: 1})
+    sent(led, "a", 2, {11: 1})
+    led.acknowledged("a", 1)
+    queued = led.queued("b", {12: 1}, 0.0)
+    failure = led.replica_failed("a", "a down")
+    assert failure.rows == 1 and not failure.dropped
+    assert queued.state is MessageState.QUEUED  # rows bound for another replica stay in flight
+    led.acknowledged("a", 2)  # a late ack from the lost session
+    assert (led.releasable_through(), led.first_unsettled(), led.unprobed_tokens()) == (10, 11, 2)
+
+
+def test_a_refused_request_fails_what_is_in_flight_and_everything_after():
+    led = ledger()
+    sent(led, "r", 1, {10: 1})
+    failure = led.refused("router refused request_start: RESOURCE_EXHAUSTED", probe=None)
+    assert failure.fail_closed and failure.rows == 1
+    later = led.queued("r", {11: 1}, 0.0)
+    assert later.state is MessageState.FAILED
+    led.sent(later, 2)
+    led.acknowledged("r", 2)
+    assert led.unprobed_tokens() == 2 and led.first_unsettled() == 10
+
+
+def test_a_refusal_with_nothing_in_flight_is_still_a_failure():
+    led = ledger()
+    failure = led.refused("probe 'p' is not loaded", probe="p")
+    assert failure.fail_closed and failure.rows == 0
+    assert led.fail_closed_failure() is failure
+
+
+def test_rows_unacknowledged_past_the_timeout_expire():
+    led = ledger()
+    sent(led, "r", 1, {10: 1}, now=1.0)
+    sent(led, "r", 2, {11: 1}, now=5.0)
+    assert led.oldest_in_flight() == 1.0
+    failure = led.expire(older_than=4.0, reason="no ack for 3.0 s")
+    assert failure.rows == 1 and led.oldest_in_flight() == 5.0
+    assert led.expire(older_than=4.0, reason="again") is None
+    led.acknowledged("r", 2)
+    assert (led.first_unsettled(), led.releasable_through(), led.unprobed_tokens()) == (10, -1, 1)
+
+
+def test_rows_again_at_a_settled_position_unsettle_it():
+    led = ledger()
+    sent(led, "r", 1, {10: 1, 11: 1})
+    led.acknowledged("r", 1)
+    assert led.first_unsettled() == 12
+    sent(led, "r", 2, {11: 1})  # recomputed after preemption
+    assert (led.first_unsettled(), led.releasable_through()) == (11, 10)
+    sent(led, "r", 3, {9: 1})  # a position before every captured one
+    assert (led.first_unsettled(), led.releasable_through()) == (9, -1)
+
+
+def test_nothing_captured():
+    led = ledger()
+    assert (led.first_unsettled(), led.releasable_through(), led.unprobed_tokens()) == (0, -1, 0)
+    assert led.oldest_in_flight() is None and led.in_flight() == 0
