@@ -84,7 +84,7 @@ async def main_async(args) -> str:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from engine_service.capture.controller import CaptureController, capture_engine_kwargs
-    from engine_service.router_link import RouterLinkConfig
+    from engine_service.link import RouterLinkConfig
     from engine_service.runtime import EngineRuntime, EngineSettings
 
     config = json.loads((Path(args.model) / "config.json").read_text())

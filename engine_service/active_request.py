@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 from undercurrent.v1 import undercurrent_pb2 as pb
 
+from engine_service.request_ledger import RequestLedger
+
 
 @dataclass
 class BoundProbe:
@@ -22,33 +24,25 @@ class BoundProbe:
 
 @dataclass
 class TokenGate:
-    """Holds generated tokens until routers acknowledged the step that fed them.
+    """Holds generated tokens until every row up to their position is settled.
 
     Generated token g sits at position prompt_len + g; its activations exist
-    only once it is fed back in the next step. Releasing token g only after
-    every row up to its position was acknowledged means a client never sees a
-    token at or after the one that triggered an abort.
+    only once it is fed back in the next step. The request's ledger says up to
+    which position rows are settled; releasing token g only up to there means a
+    client never sees a token at or after the one that triggered an abort, nor
+    one whose rows a fail_closed binding never had scored.
     """
 
     prompt_len: int
     held: list[int] = field(default_factory=list)
     first_held_index: int = 0
-    acked_position: int = -1
 
     def hold(self, token_ids: list[int]) -> None:
         self.held.extend(token_ids)
 
-    def acknowledge(self, position: int) -> None:
-        self.acked_position = max(self.acked_position, position)
-
-    def releasable(self) -> tuple[int, list[int]]:
-        """(first index, tokens) that may be shown now; removes them from the gate."""
-        count = 0
-        while count < len(self.held):
-            position = self.prompt_len + self.first_held_index + count
-            if position > self.acked_position:
-                break
-            count += 1
+    def releasable(self, through_position: int) -> tuple[int, list[int]]:
+        """(first index, tokens) at positions <= through_position; removes them from the gate."""
+        count = max(0, min(len(self.held), through_position - self.prompt_len - self.first_held_index + 1))
         first, released = self.first_held_index, self.held[:count]
         del self.held[:count]
         self.first_held_index += count
@@ -69,23 +63,23 @@ class TokenGate:
 @dataclass
 class ActiveRequest:
     request_id: str
+    # This run of request_id, unique in the engine process: router messages and
+    # link events about another run of the same id are not about this one.
+    incarnation: int
     prompt_len: int
     probes: list[BoundProbe]
     gate: TokenGate | None
     events: asyncio.Queue  # pb.GenerateResponse items for the client stream
+    # Where every probe row of this request stands; None without probes.
+    ledger: RequestLedger | None = None
+    # Set whenever the ledger moved (acks, failures); the end of the request waits on it.
+    ledger_changed: asyncio.Event = field(default_factory=asyncio.Event)
+    captures: bool = False  # registered extraction points (client or probe)
     generated: int = 0
     finish_reason: int = pb.FINISH_REASON_UNSPECIFIED  # set when we end it
     verdict: pb.Verdict | None = None
     message: str = ""
-    unprobed_tokens: int = 0
     dropped_client_records: int = 0
-    dropped_router_records: int = 0
-    state_resets: int = 0
-    # Highest token position handed to the router link; the end of the request
-    # waits until the router acknowledged it.
-    sent_position: int = -1
-    # Highest token position a router reported a score for.
-    scored_position: int = -1
 
     def fail_closed(self) -> bool:
         return any(p.failure_policy == pb.FAILURE_POLICY_FAIL_CLOSED for p in self.probes)

@@ -36,7 +36,7 @@ def create_llm(args):
 
 
 def link_config(args):
-    from engine_service.router_link import RouterLinkConfig
+    from engine_service.link import RouterLinkConfig
 
     if not args.router:
         return None
@@ -107,14 +107,15 @@ async def run(args) -> int:
 
 
 async def _track_health(server, runtime, routers_optional: bool) -> None:
-    """SERVING while vLLM is up and at least one router session is (unless optional)."""
+    """SERVING while vLLM and the drain loop run and at least one router session
+    is up (unless optional)."""
     serving = None
     while True:
-        now = routers_optional or runtime.routers_up() > 0
+        now, why_not = runtime.health(routers_optional)
         if now != serving:
             serving = now
             await server.set_serving(now)
-            state = "SERVING" if now else "NOT_SERVING (no router session)"
+            state = "SERVING" if now else f"NOT_SERVING ({why_not})"
             print(f"engine_service: {state}; {runtime.routers_up()} router(s) up", flush=True)
         await asyncio.sleep(HEALTH_POLL_S)
 

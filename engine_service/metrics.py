@@ -27,6 +27,11 @@ class EngineMetrics:
         self.aborts = Counter(
             "undercurrent_engine_aborts", "Requests the engine aborted, by reason", ["reason"], registry=r
         )
+        self.drain_failures = Counter(
+            "undercurrent_engine_drain_failures",
+            "Capture drain iterations that failed (and the drain loop stopping)",
+            registry=r,
+        )
         self.dropped_records = Counter(
             "undercurrent_engine_dropped_records",
             "Activation records dropped on the way to clients, by queue",

@@ -172,6 +172,12 @@ class RequestLedger:
             self.failures.append(failure)
         return failure
 
+    def outage(self, reason: str) -> Failure:
+        """No router was reachable for the request: a failure even with no row in flight."""
+        failure = Failure(reason, self.closes(None), 0, dropped=False)
+        self.failures.append(failure)
+        return failure
+
     def expire(self, older_than: float, reason: str) -> Failure | None:
         """Rows queued before `older_than` and still unacknowledged go unscored."""
         stale = [m for m in self._live if m.queued_at <= older_than]

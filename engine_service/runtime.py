@@ -6,11 +6,17 @@ steps), streams client-requested records back in-band and hands probe records
 to the router link, whose sends never wait on the network. Router verdicts
 come back as link events and become AsyncLLM.abort calls, which vLLM's single
 scheduler applies on every rank at the next step.
+
+Each probed request's RequestLedger is the one account of its rows: gated
+tokens are released up to its settled positions, a failure a fail_closed
+binding cannot accept ends the request ROUTER_UNAVAILABLE at its first
+unsettled position, and GenerateFinished's counts are read from it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -26,16 +32,23 @@ from common.errors import (
     Unavailable,
     status_code_name,
 )
+from engine_service import link as links
 from engine_service import requests as reqs
-from engine_service import router_link as links
-from engine_service import routing
 from engine_service.active_request import ActiveRequest, BoundProbe, TokenGate
 from engine_service.capture.controller import CaptureController, require_prompt_computation
 from engine_service.metrics import EngineMetrics
+from engine_service.link.batching import partition_by_owner
 from engine_service.probe_points import PROBE_POINT_PREFIX, check_client_point_names, probe_points
+from engine_service.request_ledger import Failure, RequestLedger
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+# After a failed drain iteration, wait this long before the next one.
+DRAIN_RETRY_S = 0.1
+# The end of a request waits for its last acks at most the router timeout plus
+# this, by which the link's watchdog has expired whatever is still in flight.
+SETTLE_MARGIN_S = 1.0
 
 
 @dataclass
@@ -67,10 +80,14 @@ class EngineRuntime:
         self.metrics = metrics or EngineMetrics()
         self.active: dict[str, ActiveRequest] = {}
         self.accepting = True
+        # Why the drain loop stopped (the engine then serves nothing), or None.
+        self.drain_stopped: str | None = None
+        self._closing = False
+        self._incarnations = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
         self._verdict_tasks: set[asyncio.Task] = set()
-        self._drained = asyncio.Condition()
-        self._drain_generation = 0
+        # Resolved at the end of the next drain iteration that starts after they were added.
+        self._drain_waiters: list[asyncio.Future] = []
         model_config = llm.vllm_config.model_config
         self.limits = reqs.ModelLimits(
             vocab_size=model_config.get_vocab_size(), max_model_len=model_config.max_model_len
@@ -86,10 +103,20 @@ class EngineRuntime:
                 self.link_config, model, self._on_link_event, registry=self.metrics.registry
             )
             await self.link.start()
-        self._tasks.append(asyncio.create_task(self._drain_loop(), name="capture-drain"))
+        drain = asyncio.create_task(self._drain_loop(), name="capture-drain")
+        drain.add_done_callback(self._on_drain_loop_done)
+        self._tasks.append(drain)
 
     def routers_up(self) -> int:
         return len(self.link.replicas_up()) if self.link else 0
+
+    def health(self, routers_optional: bool) -> tuple[bool, str]:
+        """(serving, why not): the drain loop runs and, unless optional, a router is up."""
+        if self.drain_stopped is not None:
+            return False, f"the capture drain loop stopped: {self.drain_stopped}"
+        if not routers_optional and self.routers_up() == 0:
+            return False, "no router session"
+        return True, ""
 
     async def shutdown(self, abort_running: bool, grace_s: float) -> None:
         """Stops accepting; lets running requests finish (or aborts them) within grace_s."""
@@ -105,6 +132,7 @@ class EngineRuntime:
         await self.close()
 
     async def close(self) -> None:
+        self._closing = True
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -124,6 +152,8 @@ class EngineRuntime:
         return True
 
     async def generate(self, message: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        if self.drain_stopped is not None:
+            raise Unavailable(f"the engine cannot capture: {self.drain_stopped}")
         if not self.accepting:
             raise Unavailable("the engine is shutting down and accepts no new requests")
         request_id = reqs.request_id_of(message)
@@ -140,10 +170,17 @@ class EngineRuntime:
             raise FailedPrecondition("gate_tokens: needs at least one probe binding to gate on")
         request = ActiveRequest(
             request_id=request_id,
+            incarnation=next(self._incarnations),
             prompt_len=len(ids),
             probes=probes,
             gate=TokenGate(len(ids)) if message.gate_tokens else None,
             events=asyncio.Queue(),
+            captures=bool(points),
+            ledger=(
+                RequestLedger(len(ids), {p.name: p.failure_policy for p in probes})
+                if probes
+                else None
+            ),
         )
         self.active[request_id] = request
         self.metrics.requests_started.inc()
@@ -196,7 +233,7 @@ class EngineRuntime:
         return bound
 
     async def _run(self, request: ActiveRequest, ids, choice: reqs.SamplingChoice, points) -> None:
-        """Registers capture, runs vLLM, and finishes the request's client stream."""
+        """Registers capture, runs vLLM, and always finishes the request's client stream."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -206,86 +243,95 @@ class EngineRuntime:
         vllm_reason = None
         registered = False
         try:
-            if points:
-                await self.capture.register(request.request_id, points, request.prompt_len)
-                registered = True
-            if request.probes and self.link is not None:
-                self.link.start_request(
-                    request.request_id,
-                    [
-                        pb.ProbeBinding(probe=p.name, failure_policy=p.failure_policy, action=p.action)
-                        for p in request.probes
-                    ],
-                    request.prompt_len,
+            try:
+                if points:
+                    await self.capture.register(request.request_id, points, request.prompt_len)
+                    registered = True
+                if request.ledger is not None and self.link is not None:
+                    self.link.start_request(
+                        request.request_id,
+                        request.incarnation,
+                        [
+                            pb.ProbeBinding(probe=p.name, failure_policy=p.failure_policy, action=p.action)
+                            for p in request.probes
+                        ],
+                        request.prompt_len,
+                        request.ledger,
+                    )
+                async for output in self.llm.generate(
+                    TokensPrompt(prompt_token_ids=ids), params, request.request_id
+                ):
+                    completion = output.outputs[0]
+                    if completion.token_ids:
+                        self._emit_tokens(request, list(completion.token_ids), completion.text)
+                    if output.finished:
+                        vllm_reason = completion.finish_reason
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # vLLM refused or failed this request only
+                log.exception("request %s failed", request.request_id)
+                request.end(pb.FINISH_REASON_ERROR, message=f"engine error: {type(exc).__name__}: {exc}")
+            try:
+                if registered:
+                    await self.capture.unregister(request.request_id)
+                await self._settle(request, captured=registered)
+            except Exception as exc:
+                log.exception("request %s: ending capture or settling failed", request.request_id)
+                request.end(
+                    pb.FINISH_REASON_ERROR,
+                    message=f"engine error after generation: {type(exc).__name__}: {exc}",
                 )
-            async for output in self.llm.generate(
-                TokensPrompt(prompt_token_ids=ids), params, request.request_id
-            ):
-                completion = output.outputs[0]
-                if completion.token_ids:
-                    self._emit_tokens(request, list(completion.token_ids), completion.text)
-                if output.finished:
-                    vllm_reason = completion.finish_reason
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # vLLM refused or failed this request only
-            log.exception("request %s failed", request.request_id)
-            request.end(pb.FINISH_REASON_ERROR, message=f"engine error: {type(exc).__name__}: {exc}")
+            self._finish(request, vllm_reason)
         finally:
-            if registered:
-                await self.capture.unregister(request.request_id)
-        try:
-            await self._settle(request)
-        except Exception as exc:
-            log.exception("request %s: settling with its router failed", request.request_id)
-            request.end(pb.FINISH_REASON_ERROR, message=f"engine error after generation: {exc}")
-        self._finish(request, vllm_reason)
+            if self.link is not None:
+                self.link.end_request(request.request_id, request.finish_reason or pb.FINISH_REASON_STOP)
+            if registered and request.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
+                # Cancelled mid-run: capture must not keep the request's buffers.
+                await asyncio.shield(self.capture.unregister(request.request_id))
 
-    async def _settle(self, request: ActiveRequest) -> None:
-        """Sends the request's last rows to its router and waits (at most
-        router_timeout_s) for their scores and verdicts before the stream ends."""
-        if not request.probes or self.link is None:
+    async def _settle(self, request: ActiveRequest, captured: bool) -> None:
+        """Waits until the request's last rows were drained and delivered, then
+        (with probes) until its router acknowledged or gave up on every row,
+        and applies the failure policy to what the ledger says."""
+        if captured:
+            await self._next_drain()
+        ledger = request.ledger
+        if ledger is None or self.link is None:
             return
-        await self._wait_for_drain()
-        if request.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
-            deadline = time.monotonic() + self.settings.router_timeout_s
-            while (
-                self.link.processed_position(request.request_id) < request.sent_position
-                and request.finish_reason == pb.FINISH_REASON_UNSPECIFIED
-                and self.link.unavailable_since(request.request_id) is None
-                and time.monotonic() < deadline
-            ):
-                await asyncio.sleep(0.005)
-        processed = self.link.processed_position(request.request_id)
-        router_lost = self.link.unavailable_since(request.request_id) is not None
-        stats = self.link.end_request(request.request_id, request.finish_reason or pb.FINISH_REASON_STOP)
-        # Positions sent but never acknowledged went unprobed as surely as those
-        # that found no router at all (which the link counts; the two overlap).
-        # A scored position was processed even if its ack was lost with the router.
-        processed = max(processed, request.scored_position)
-        unacknowledged = max(0, request.sent_position - max(processed, request.prompt_len - 1))
-        request.unprobed_tokens += max(stats.unprobed_tokens, unacknowledged)
-        request.dropped_router_records = stats.dropped_records
-        if request.fail_closed() and (router_lost or request.unprobed_tokens):
-            # fail_closed never reports a clean finish for tokens no probe saw.
-            reason = (
-                f"{request.unprobed_tokens} tokens were never probed: the router was "
-                f"unreachable (fail_closed)"
-            )
-            request.end(
-                pb.FINISH_REASON_ROUTER_UNAVAILABLE,
-                pb.Verdict(request_id=request.request_id, reason=reason,
-                           token_position=request.prompt_len + request.generated),
-                reason,
-            )
+        waiting = (pb.FINISH_REASON_UNSPECIFIED, pb.FINISH_REASON_PROBE_ABORT)
+        deadline = time.monotonic() + self.settings.router_timeout_s + SETTLE_MARGIN_S
+        while ledger.in_flight() and request.finish_reason in waiting:
+            request.ledger_changed.clear()
+            try:
+                await asyncio.wait_for(request.ledger_changed.wait(), deadline - time.monotonic())
+            except TimeoutError:
+                break
+        ledger.expire(float("inf"), "rows still unacknowledged when the request ended")
+        failure = ledger.fail_closed_failure()
+        if failure is not None and request.end(
+            pb.FINISH_REASON_ROUTER_UNAVAILABLE, *self._unscored_verdict(request, failure)
+        ):
+            self.metrics.aborts.labels("ROUTER_UNAVAILABLE").inc()
 
-    async def _wait_for_drain(self) -> None:
-        """Waits until a drain that started after this call has finished."""
-        async with self._drained:
-            target = self._drain_generation + 2
-            await asyncio.wait_for(
-                self._drained.wait_for(lambda: self._drain_generation >= target), timeout=30
-            )
+    def _unscored_verdict(self, request: ActiveRequest, failure: Failure) -> tuple[pb.Verdict, str]:
+        """The verdict of a fail_closed request whose rows went unscored: at the
+        first unsettled position, so no token from there on is ever shown."""
+        reason = f"{failure.reason} (fail_closed)"
+        verdict = pb.Verdict(
+            request_id=request.request_id,
+            token_position=request.ledger.first_unsettled(),
+            reason=reason,
+        )
+        return verdict, reason
+
+    async def _next_drain(self) -> None:
+        """Waits until a drain iteration that started after this call has finished
+        (returns at once if the drain loop stopped)."""
+        if self.drain_stopped is not None:
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._drain_waiters.append(waiter)
+        await waiter
 
     def _emit_tokens(self, request: ActiveRequest, token_ids: list[int], text: str) -> None:
         first = request.generated
@@ -301,9 +347,17 @@ class EngineRuntime:
         request.gate.hold(token_ids)
         self._release_gated(request)
 
-    def _release_gated(self, request: ActiveRequest, everything: bool = False) -> None:
+    def _release_gated(self, request: ActiveRequest, everything: bool = False, before: int | None = None) -> None:
+        """Shows held tokens the ledger settled (all of them at a clean finish),
+        never one at or after `before`."""
         gate = request.gate
-        first, released = gate.release_all() if everything else gate.releasable()
+        if everything:
+            first, released = gate.release_all()
+        else:
+            through = request.ledger.releasable_through()
+            if before is not None:
+                through = min(through, before - 1)
+            first, released = gate.releasable(through)
         if released:
             request.events.put_nowait(
                 pb.GenerateResponse(
@@ -316,8 +370,17 @@ class EngineRuntime:
     def _finish(self, request: ActiveRequest, vllm_reason: str | None) -> None:
         if request.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
             request.end(reqs.VLLM_FINISH_REASONS.get(vllm_reason, pb.FINISH_REASON_ERROR))
-        if request.gate is not None and request.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH):
-            self._release_gated(request, everything=True)
+        ledger = request.ledger
+        unprobed = ledger.unprobed_tokens() if ledger else 0
+        dropped = (ledger.dropped_records if ledger else 0) + request.dropped_client_records
+        if request.gate is not None:
+            if request.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH):
+                self._release_gated(request, everything=True)
+            else:  # scored tokens before the trigger (or the first unscored row)
+                before = request.verdict.token_position if request.verdict is not None else None
+                self._release_gated(request, before=before)
+        if ledger is not None and ledger.failures and not ledger.fail_closed_failure() and not request.message:
+            request.message = f"{unprobed} tokens unprobed (fail_open): {ledger.failures[0].reason}"
         self.metrics.requests_finished.labels(short_name(pb.FinishReason, request.finish_reason)).inc()
         request.events.put_nowait(
             pb.GenerateResponse(
@@ -326,8 +389,8 @@ class EngineRuntime:
                     verdict=request.verdict,
                     prompt_tokens=request.prompt_len,
                     generated_tokens=request.generated,
-                    unprobed_tokens=request.unprobed_tokens,
-                    dropped_records=request.dropped_router_records + request.dropped_client_records,
+                    unprobed_tokens=unprobed,
+                    dropped_records=dropped,
                     message=request.message,
                 )
             )
@@ -338,39 +401,76 @@ class EngineRuntime:
     ) -> None:
         if request.end(reason, verdict, message):
             if request.gate is not None and verdict is not None:
-                # Everything before the trigger was scored; nothing at or after it is shown.
-                request.gate.acknowledge(verdict.token_position - 1)
-                self._release_gated(request)
+                # Settled tokens before the trigger may be shown; nothing at or after it is.
+                self._release_gated(request, before=verdict.token_position)
                 request.gate.discard_from(verdict.token_position)
             await self.llm.abort(request.request_id)
 
     # -- the drain loop ----------------------------------------------------
 
     async def _drain_loop(self) -> None:
-        """Drains capture buffers after every engine step, off vLLM's busy loop."""
+        """Drains capture buffers after every engine step, off vLLM's busy loop.
+
+        A failing iteration is counted and retried; requests whose rows it may
+        have lost end ERROR, so nothing is lost silently."""
         while True:
+            waiters, self._drain_waiters = self._drain_waiters, []
+            blocks: list[activations.Block] = []
             try:
                 blocks = await self.capture.drain()
                 errors = self.capture.pop_request_errors()
+                for request_id, error in errors.items():
+                    request = self.active.get(request_id)
+                    if request is not None:
+                        await self._stop(request, pb.FINISH_REASON_ERROR, message=error)
+                if blocks:
+                    self._deliver(blocks)
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                log.exception("capture drain failed; retrying")
-                await asyncio.sleep(0.1)
-                continue
-            for request_id, error in errors.items():
-                request = self.active.get(request_id)
-                if request is not None:
-                    await self._stop(request, pb.FINISH_REASON_ERROR, message=error)
-            if blocks:
-                self._deliver(blocks)
-            async with self._drained:
-                self._drain_generation += 1
-                self._drained.notify_all()
+            except Exception as exc:
+                self.metrics.drain_failures.inc()
+                log.exception("capture drain iteration failed; retrying")
+                self._end_requests_after_drain_failure(blocks, exc)
+                await asyncio.sleep(DRAIN_RETRY_S)
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
             if not self.active:
                 await asyncio.sleep(self.settings.idle_drain_interval_s)
             elif not blocks:
                 await asyncio.sleep(0.001)
+
+    def _end_requests_after_drain_failure(self, blocks: list[activations.Block], exc: Exception) -> None:
+        """Rows drained but not delivered are lost for the requests they belong
+        to; a failed drain may have lost rows of any capturing request."""
+        if blocks:
+            concerned = {r for b in blocks for r in b.request_ids}
+            what = "delivering its activations failed"
+        else:
+            concerned = {r.request_id for r in self.active.values() if r.captures}
+            what = "draining activations failed"
+        for request_id in sorted(concerned):
+            request = self.active.get(request_id)
+            if request is not None:
+                message = f"engine error: {what}: {type(exc).__name__}: {exc}"
+                self._spawn(self._stop(request, pb.FINISH_REASON_ERROR, message=message))
+
+    def _on_drain_loop_done(self, task: asyncio.Task) -> None:
+        """The drain loop is the engine's only path for activations: if it ever
+        stops outside close(), the engine stops serving and ends every request."""
+        if self._closing:
+            return
+        exc = None if task.cancelled() else task.exception()
+        self.drain_stopped = f"{type(exc).__name__}: {exc}" if exc else "cancelled"
+        self.metrics.drain_failures.inc()
+        log.error("capture drain loop stopped (%s): ending every request", self.drain_stopped)
+        waiters, self._drain_waiters = self._drain_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        for request in list(self.active.values()):
+            message = f"engine error: the capture drain loop stopped: {self.drain_stopped}"
+            self._spawn(self._stop(request, pb.FINISH_REASON_ERROR, message=message))
 
     def _deliver(self, blocks: list[activations.Block]) -> None:
         """Client-requested records go back in-band; probe records go to routers."""
@@ -380,16 +480,12 @@ class EngineRuntime:
             self.metrics.captured_bytes.inc(block.rows.nbytes)
             (probe_blocks if block.point.startswith(PROBE_POINT_PREFIX) else client_blocks).append(block)
         if probe_blocks and self.link is not None:
-            for request_id, position in routing.max_positions(probe_blocks).items():
-                request = self.active.get(request_id)
-                if request is not None:
-                    request.sent_position = max(request.sent_position, position)
             self.link.send_step(probe_blocks)
         if client_blocks:
             self._stream_to_clients(client_blocks)
 
     def _stream_to_clients(self, blocks: list[activations.Block]) -> None:
-        by_request = routing.partition_by_owner(blocks, owner_of=lambda request_id: request_id)
+        by_request = partition_by_owner(blocks, owner_of=lambda request_id: request_id)
         for request_id, parts in by_request.items():
             request = self.active.get(request_id)
             if request is None:
@@ -410,55 +506,50 @@ class EngineRuntime:
 
     def _on_link_event(self, event: links.LinkEvent) -> None:
         request = self.active.get(event.request_id)
-        if request is None:
-            return
+        if request is None or request.incarnation != event.incarnation:
+            return  # about an earlier run of this request id
         if isinstance(event, links.Scores):
             scores = pb.ProbeScores()
             scores.CopyFrom(event.scores)
             scores.router = event.replica
-            if scores.token_positions:
-                request.scored_position = max(request.scored_position, max(scores.token_positions))
+            scores.ClearField("incarnation")
             request.events.put_nowait(pb.GenerateResponse(probe_event=pb.ProbeEvent(scores=scores)))
         elif isinstance(event, links.Abort):
             self.metrics.aborts.labels("PROBE_ABORT").inc()
             verdict = pb.Verdict()
             verdict.CopyFrom(event.verdict)
             verdict.router = event.replica
+            verdict.ClearField("incarnation")
             self._spawn(self._stop(request, pb.FINISH_REASON_PROBE_ABORT, verdict=verdict))
         elif isinstance(event, links.Processed):
-            if request.gate is not None:
-                request.gate.acknowledge(event.token_position)
-                if request.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
-                    self._release_gated(request)
+            request.ledger_changed.set()
+            if request.gate is not None and request.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
+                self._release_gated(request)
+        elif isinstance(event, links.Unscored):
+            request.ledger_changed.set()
+            self._on_unscored(request, event.failure)
         elif isinstance(event, links.Unavailable):
             self._on_router_unavailable(request, event)
-        elif isinstance(event, links.StateReset):
-            request.state_resets += 1
-            log.warning("request %s re-homed to %s: %s", event.request_id, event.new_replica, event.reason)
-        elif isinstance(event, links.RequestFailed):
-            self._on_router_error(request, event.error)
+
+    def _on_unscored(self, request: ActiveRequest, failure: Failure) -> None:
+        if request.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+            return
+        if failure.fail_closed:
+            self.metrics.aborts.labels("ROUTER_UNAVAILABLE").inc()
+            verdict, reason = self._unscored_verdict(request, failure)
+            self._spawn(
+                self._stop(request, pb.FINISH_REASON_ROUTER_UNAVAILABLE, verdict=verdict, message=reason)
+            )
+            return
+        log.warning("request %s continues with unprobed tokens (fail_open): %s",
+                    request.request_id, failure.reason)
+        if request.gate is not None:
+            self._release_gated(request)
 
     def _on_router_unavailable(self, request: ActiveRequest, event: links.Unavailable) -> None:
         waited = time.monotonic() - event.since
+        reason = f"no router reachable for {waited:.1f} s"
         if request.fail_closed():
-            self.metrics.aborts.labels("ROUTER_UNAVAILABLE").inc()
-            verdict = pb.Verdict(
-                request_id=request.request_id,
-                token_position=request.prompt_len + request.generated,
-                reason=f"no router reachable for {waited:.1f} s (fail_closed)",
-            )
-            self._spawn(
-                self._stop(request, pb.FINISH_REASON_ROUTER_UNAVAILABLE, verdict=verdict, message=verdict.reason)
-            )
+            self._on_unscored(request, request.ledger.outage(reason))
         else:
-            log.warning("request %s continues unprobed (fail_open): no router for %.1f s",
-                        request.request_id, waited)
-
-    def _on_router_error(self, request: ActiveRequest, error: pb.RequestError) -> None:
-        code = status_code_name(error.code)
-        text = f"router error for probe {error.probe or '-'}: {code}: {error.message}"
-        log.warning("request %s: %s", request.request_id, text)
-        if request.fail_closed() and code in ("NOT_FOUND", "FAILED_PRECONDITION"):
-            self._spawn(self._stop(request, pb.FINISH_REASON_ERROR, message=text))
-        else:
-            request.message = "; ".join(filter(None, [request.message, text]))
+            log.warning("request %s continues unprobed (fail_open): %s", request.request_id, reason)

@@ -68,15 +68,14 @@ def test_client_points_may_not_use_the_probe_prefix():
         check_client_point_names([ExtractionPoint("probe.x", "residual_stream", (1,))])
 
 
-def test_token_gate_releases_only_acknowledged_positions():
+def test_token_gate_releases_only_through_the_settled_position():
     gate = TokenGate(prompt_len=10)
     gate.hold([101, 102, 103])  # generated tokens 0..2 at positions 10..12
-    assert gate.releasable() == (0, [])
-    gate.acknowledge(10)
-    assert gate.releasable() == (0, [101])
+    assert gate.releasable(through_position=9) == (0, [])
+    assert gate.releasable(through_position=10) == (0, [101])
     gate.hold([104])
-    gate.acknowledge(12)
-    assert gate.releasable() == (1, [102, 103])
+    assert gate.releasable(through_position=12) == (1, [102, 103])
+    assert gate.releasable(through_position=-1) == (3, [])
     gate.discard_from(13)  # a verdict at position 13: token 3 is never shown
     assert gate.release_all() == (3, [])
 
@@ -84,6 +83,5 @@ def test_token_gate_releases_only_acknowledged_positions():
 def test_token_gate_release_all_at_a_normal_finish():
     gate = TokenGate(prompt_len=4)
     gate.hold([1, 2, 3])
-    gate.acknowledge(5)
-    assert gate.releasable() == (0, [1, 2])
+    assert gate.releasable(through_position=5) == (0, [1, 2])
     assert gate.release_all() == (2, [3])

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_service.router_link import RouterLink, RouterLinkConfig
+from engine_service.link import RouterLink, RouterLinkConfig
 
 from .helpers import FAST, MODEL, EventLog
 from .router_double import RouterDouble

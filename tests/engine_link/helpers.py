@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import numpy as np
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 from common.activations import Block
-from engine_service.router_link import LinkEvent
+from engine_service.link import LinkEvent, RouterLink
+from engine_service.request_ledger import RequestLedger
 
+FAIL_OPEN = [pb.ProbeBinding(probe="first_element", failure_policy=pb.FAILURE_POLICY_FAIL_OPEN)]
+FAIL_CLOSED = [pb.ProbeBinding(probe="first_element", failure_policy=pb.FAILURE_POLICY_FAIL_CLOSED)]
 MODEL = pb.ModelInfo(model="tiny", num_layers=2, hidden_size=8, dtype="float32")
 HIDDEN = 8
 
@@ -71,6 +75,25 @@ def step(
         np.asarray(positions, dtype=np.int64),
         np.zeros(len(positions), dtype=bool),
     )
+
+
+_incarnations = itertools.count(1)
+
+
+def start(
+    link: RouterLink,
+    request_id: str,
+    bindings=None,
+    prompt_length: int = 1,
+    incarnation: int | None = None,
+) -> RequestLedger:
+    """Starts a request on the link as the engine does: a fresh incarnation and
+    a ledger the link keeps current. Returns the ledger."""
+    bindings = list(bindings if bindings is not None else FAIL_OPEN)
+    ledger = RequestLedger(prompt_length, {b.probe: b.failure_policy for b in bindings})
+    incarnation = next(_incarnations) if incarnation is None else incarnation
+    link.start_request(request_id, incarnation, bindings, prompt_length, ledger)
+    return ledger
 
 
 async def until(predicate, timeout: float = 10.0, interval: float = 0.01) -> None:

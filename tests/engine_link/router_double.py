@@ -2,9 +2,12 @@
 
 It speaks the Session protocol the real router speaks: hello answered with its
 probes, catalog pushes, scores and aborts for step N before the ack of step N,
-in-band RequestErrors, echoed and own heartbeats, and drain. Its one probe
-rule: a request's score per row is the row's first element; any score above
-`threshold` aborts the request (once). It records everything it receives.
+in-band RequestErrors, echoed and own heartbeats, and drain; it echoes each
+request's incarnation. Its one probe rule: a request's score per row is the
+row's first element; any score above `threshold` aborts the request (once).
+Faults a test can switch on: silence (the stream stays open), withheld acks,
+a batch-level INTERNAL error, a per-request INVALID_ARGUMENT, a refused
+request_start. It records everything it receives.
 """
 
 from __future__ import annotations
@@ -43,6 +46,17 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
         self.threshold = threshold
         self.heartbeat_s = heartbeat_s
         self.silent = False  # stops every outgoing message, acks and heartbeats included
+        # Steps for which no ack is sent (until release_acks()).
+        self.withhold_ack = lambda step: False
+        self.withheld: list[int] = []
+        # Steps answered with an INTERNAL error naming the step and no request
+        # (as a router does when scoring a whole batch fails), then the ack.
+        self.fail_steps: set[int] = set()
+        # Requests whose rows are answered INVALID_ARGUMENT (as for NaN rows).
+        self.bad_rows: set[str] = set()
+        # request_start of these requests is refused with RESOURCE_EXHAUSTED.
+        self.refuse: set[str] = set()
+        self.incarnations: dict[str, int] = {}
         self.requests: dict[str, Received] = {}
         self.log: list[tuple[str, str]] = []  # (kind, request_id) in arrival order
         self.batches: list[pb.ActivationBatch] = []
@@ -87,6 +101,13 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
 
     def drain(self, reason: str = "shutting down") -> None:
         self.push(pb.SessionResponse(drain=pb.Drain(reason=reason)))
+
+    def release_acks(self) -> None:
+        """Sends the withheld acks, in step order."""
+        self.withhold_ack = lambda step: False
+        for step in sorted(self.withheld):
+            self.push(pb.SessionResponse(ack=pb.StepAck(step=step)))
+        self.withheld.clear()
 
     def set_probes(self, probes) -> None:
         self.probes = list(probes)
@@ -142,17 +163,13 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
         if kind == "request_start":
             start = message.request_start
             self.requests.setdefault(start.request_id, Received()).starts.append(start)
+            self.incarnations[start.request_id] = start.incarnation
             self.log.append(("start", start.request_id))
+            if start.request_id in self.refuse:
+                return [self._error(start.request_id, pb.STATUS_CODE_RESOURCE_EXHAUSTED, "too many requests")]
             known = {p.name for p in self.probes}
             return [
-                pb.SessionResponse(
-                    error=pb.RequestError(
-                        request_id=start.request_id,
-                        probe=b.probe,
-                        code=pb.STATUS_CODE_NOT_FOUND,
-                        message=f"probe {b.probe!r} is not loaded",
-                    )
-                )
+                self._error(start.request_id, pb.STATUS_CODE_NOT_FOUND, f"probe {b.probe!r} is not loaded", probe=b.probe)
                 for b in start.probes
                 if b.probe not in known
             ]
@@ -164,8 +181,29 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
             return self._score(message.batch)
         return []
 
+    def _error(self, request_id: str, code: int, message: str, probe: str = "", step: int = 0):
+        return pb.SessionResponse(
+            error=pb.RequestError(
+                request_id=request_id,
+                incarnation=self.incarnations.get(request_id, 0) if request_id else 0,
+                probe=probe,
+                code=code,
+                message=message,
+                step=step,
+            )
+        )
+
+    def _ack(self, step: int) -> list[pb.SessionResponse]:
+        if self.withhold_ack(step):
+            self.withheld.append(step)
+            return []
+        return [pb.SessionResponse(ack=pb.StepAck(step=step))]
+
     def _score(self, batch: pb.ActivationBatch) -> list[pb.SessionResponse]:
         self.batches.append(batch)
+        if batch.step in self.fail_steps:
+            return [self._error("", pb.STATUS_CODE_INTERNAL, "scoring the batch failed", step=batch.step),
+                    *self._ack(batch.step)]
         per_request: dict[str, list[tuple[int, float]]] = {}
         for block in from_batch(batch):
             for i, request_id in enumerate(block.request_ids):
@@ -177,10 +215,15 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
             received.positions.extend(p for p, _ in scored)
             received.steps.append(batch.step)
             self.log.append(("batch", request_id))
+            if request_id in self.bad_rows:
+                replies.append(self._error(request_id, pb.STATUS_CODE_INVALID_ARGUMENT,
+                                           "rows: NaN or Inf", step=batch.step))
+                continue
             replies.append(
                 pb.SessionResponse(
                     scores=pb.ProbeScores(
                         request_id=request_id,
+                        incarnation=self.incarnations[request_id],
                         probe=PROBE.name,
                         token_positions=[p for p, _ in scored],
                         scores=[s for _, s in scored],
@@ -195,6 +238,7 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
                     pb.SessionResponse(
                         abort=pb.Verdict(
                             request_id=request_id,
+                            incarnation=self.incarnations[request_id],
                             probe=PROBE.name,
                             score=score,
                             token_position=position,
@@ -202,5 +246,4 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
                         )
                     )
                 )
-        replies.append(pb.SessionResponse(ack=pb.StepAck(step=batch.step)))
-        return replies
+        return replies + self._ack(batch.step)

@@ -9,22 +9,19 @@ import prometheus_client
 import pytest
 from undercurrent.v1 import undercurrent_pb2 as pb
 
-from engine_service import routing
-from engine_service.router_link import (
+from engine_service.link import (
     Abort,
     Processed,
-    RequestFailed,
-    RequestStats,
     RouterLink,
     RouterLinkConfig,
     Scores,
     StateReset,
     Unavailable,
+    Unscored,
 )
+from engine_service.link.assignment import pick_replica
 
-from .helpers import FAST, MODEL, step, until
-
-BINDING = [pb.ProbeBinding(probe="first_element", failure_policy=pb.FAILURE_POLICY_FAIL_OPEN)]
+from .helpers import FAIL_CLOSED, FAST, MODEL, start, step, until
 
 
 def metric(link: RouterLink, name: str, **labels) -> float:
@@ -37,10 +34,9 @@ async def test_two_replicas_split_requests_and_each_request_stays_on_one(routers
     await link.start()
     await link.wait_ready(2, timeout=10)
     ids = [f"req-{i}" for i in range(32)]
-    for request_id in ids:
-        link.start_request(request_id, BINDING, prompt_length=2)
+    ledgers = {r: start(link, r, prompt_length=2) for r in ids}
     owners = {r: link.replica_of(r) for r in ids}
-    assert owners == {r: routing.pick_replica(r, [a.address, b.address]) for r in ids}
+    assert owners == {r: pick_replica(r, [a.address, b.address]) for r in ids}
     assert set(owners.values()) == {a.address, b.address}
     for position in range(4):
         link.send_step(
@@ -50,7 +46,7 @@ async def test_two_replicas_split_requests_and_each_request_stays_on_one(routers
             ]
         )
     for request_id in ids:
-        assert link.end_request(request_id, pb.FINISH_REASON_STOP) == RequestStats(0, 0)
+        link.end_request(request_id, pb.FINISH_REASON_STOP)
     for router in (a, b):
         mine = [r for r in ids if owners[r] == router.address]
         await router.wait_for(
@@ -63,53 +59,55 @@ async def test_two_replicas_split_requests_and_each_request_stays_on_one(routers
             assert router.requests[request_id].positions == [0, 0, 1, 1, 2, 2, 3, 3]
             kinds = [k for k, r in router.log if r == request_id]
             assert kinds == ["start", "batch", "batch", "batch", "batch", "end"]
-    await events.wait_for(lambda: len(events.of(Processed)) == len(ids) * 4)
-    assert all(e.replica == owners[e.request_id] for e in events.of(Processed))
+    # Acks that arrive after request_end still settle the ledger (no event: the run is over).
+    await until(lambda: all(ledger.releasable_through() == 3 for ledger in ledgers.values()))
+    assert all(ledger.in_flight() == 0 for ledger in ledgers.values())
     assert metric(link, "batches_sent_total", replica=a.address) == 4
     assert metric(link, "replicas_up") == 2
     assert all(e.replica == owners[e.request_id] for e in events.of(Scores))
 
 
-async def test_acks_become_processed_positions_and_verdicts_reach_their_request(routers, links):
+async def test_acks_settle_ledger_positions_and_verdicts_reach_their_request(routers, links):
     router = await routers(threshold=1.0)
     link, events = links(router.address)
     await link.start()
     await link.wait_ready(timeout=10)
-    link.start_request("calm", BINDING, prompt_length=2)
-    link.start_request("hot", BINDING, prompt_length=2)
+    calm = start(link, "calm", prompt_length=2)
+    hot = start(link, "hot", prompt_length=2)
     link.send_step([step({"calm": [0, 1], "hot": [0, 1]}, first={"hot": 0.5})])
     link.send_step([step({"calm": [2], "hot": [2]}, first={"hot": 5.0})])
     await events.wait_for(lambda: len(events.of(Processed)) == 4)
 
-    assert [e.token_position for e in events.of(Processed, "calm")] == [1, 2]
-    assert [e.token_position for e in events.of(Processed, "hot")] == [1, 2]
-    assert link.processed_position("calm") == 2
+    assert (calm.releasable_through(), hot.releasable_through()) == (2, 2)
+    assert (calm.in_flight(), calm.unprobed_tokens(), calm.dropped_records) == (0, 0, 0)
+    # Scores and verdicts carry the run's incarnation, as the router echoed it.
+    assert {e.incarnation for e in events.of(Scores, "calm")} == {router.incarnations["calm"]}
     assert [list(e.scores.token_positions) for e in events.of(Scores, "calm")] == [[0, 1], [2]]
     assert events.of(Abort, "calm") == []
     [abort] = events.of(Abort, "hot")
     assert (abort.verdict.token_position, abort.verdict.score) == (2, 5.0)
     # The verdict of step 2 arrives before the ack that releases step 2's tokens.
-    hot_processed_2 = next(e for e in events.of(Processed, "hot") if e.token_position == 2)
-    assert events.events.index(abort) < events.events.index(hot_processed_2)
+    kinds = [type(e).__name__ for e in events.events if e.request_id == "hot"]
+    assert kinds == ["Scores", "Processed", "Scores", "Abort", "Processed"]
     assert metric(link, "ack_latency_seconds_count") == 2
 
 
-async def test_in_band_error_leaves_the_stream_up(routers, links):
+async def test_a_refused_request_start_leaves_the_stream_up_and_the_request_unscored(routers, links):
     router = await routers()
     link, events = links(router.address)
     await link.start()
     await link.wait_ready(timeout=10)
-    link.start_request("bad", [pb.ProbeBinding(probe="missing")], prompt_length=1)
-    link.start_request("good", BINDING, prompt_length=1)
-    link.send_step([step({"good": [0]})])
+    bad = start(link, "bad", [pb.ProbeBinding(probe="missing", failure_policy=pb.FAILURE_POLICY_FAIL_CLOSED)])
+    start(link, "good", prompt_length=1)
+    link.send_step([step({"good": [0], "bad": [0]})])
     await events.wait_for(lambda: events.of(Processed, "good"))
-    [failed] = events.of(RequestFailed)
-    assert (failed.request_id, failed.error.code, failed.error.probe) == (
-        "bad",
-        pb.STATUS_CODE_NOT_FOUND,
-        "missing",
-    )
+    [refused] = events.of(Unscored, "bad")
+    assert refused.failure.fail_closed
+    assert f"router {router.address} error for probe 'missing': NOT_FOUND" in refused.failure.reason
+    # Its rows were still sent (and acknowledged) but count as unscored.
+    assert (bad.unprobed_tokens(), bad.first_unsettled(), bad.releasable_through()) == (1, 0, -1)
     assert link.replicas_up() == [router.address]
+    assert metric(link, "router_errors_total", code="NOT_FOUND") == 1
 
 
 async def test_killed_replica_rehomes_its_requests_then_reconnects_on_the_same_port(routers, links):
@@ -119,7 +117,7 @@ async def test_killed_replica_rehomes_its_requests_then_reconnects_on_the_same_p
     await link.wait_ready(2, timeout=10)
     ids = [f"req-{i}" for i in range(32)]
     for request_id in ids:
-        link.start_request(request_id, BINDING, prompt_length=1)
+        start(link, request_id, prompt_length=1)
     on_a = [r for r in ids if link.replica_of(r) == a.address]
     on_b = [r for r in ids if link.replica_of(r) == b.address]
     assert on_a and on_b
@@ -149,7 +147,7 @@ async def test_killed_replica_rehomes_its_requests_then_reconnects_on_the_same_p
     assert a_again.requests == {}
     fresh = [f"fresh-{i}" for i in range(32)]
     for request_id in fresh:
-        link.start_request(request_id, BINDING, prompt_length=1)
+        start(link, request_id, prompt_length=1)
     assert {link.replica_of(r) for r in fresh} == {a.address, b.address}
 
 
@@ -159,7 +157,7 @@ async def test_dns_target_resolves_localhost(routers, links):
     await link.start()
     await link.wait_ready(timeout=10)
     assert link.replicas_up() == [router.address]
-    link.start_request("r", BINDING, prompt_length=1)
+    start(link, "r", prompt_length=1)
     link.send_step([step({"r": [0]})])
     await events.wait_for(lambda: events.of(Processed, "r"))
     assert router.hellos[0].engine_id == "engine-test"
@@ -184,7 +182,7 @@ async def test_dns_membership_changes_live(routers, links):
     await link.wait_ready(timeout=10)
     ids = [f"req-{i}" for i in range(10)]
     for request_id in ids:
-        link.start_request(request_id, BINDING, prompt_length=1)
+        start(link, request_id, prompt_length=1)
     assert {link.replica_of(r) for r in ids} == {a.address}
 
     resolved.append(b.address)
@@ -203,33 +201,45 @@ async def test_dns_membership_changes_live(routers, links):
     assert all("removed" in e.reason for e in events.of(StateReset))
 
 
+def queued_batches(link: RouterLink, address: str) -> int:
+    return link._replicas[address].queue.batches
+
+
 @pytest.mark.parametrize(
-    "policy, delivered",
-    [("drop_oldest", [3, 4, 5]), ("drop_newest", [0, 1, 2]), ("backpressure", [0, 1, 2])],
+    "policy, delivered", [("drop_oldest", [3, 4, 5]), ("drop_newest", [0, 1, 2])]
 )
-async def test_overflow_policies_count_drops_per_request(routers, links, policy, delivered):
+async def test_overflow_policies_count_drops_per_request_and_leave_them_unscored(
+    routers, links, policy, delivered
+):
     router = await routers()
     link, events = links(router.address, queue_max_batches=3, overflow_policy=policy)
     await link.start()
     await link.wait_ready(timeout=10)
-    link.start_request("r1", BINDING, prompt_length=1)
-    link.start_request("r2", BINDING, prompt_length=1)
+    r1 = start(link, "r1", FAIL_CLOSED)
+    r2 = start(link, "r2")
     # No await in between: the writer cannot run, so the queue fills exactly.
-    full_before = []
+    queued_before = []
     for position in range(6):
-        full_before.append(link.is_backpressured("r1"))
+        queued_before.append(queued_batches(link, router.address))
         link.send_step([step({"r1": [position], "r2": [position, position]}, layer=0)])
-    assert full_before == [False, False, False, True, True, True]
-    assert (link.dropped_records("r1"), link.dropped_records("r2")) == (3, 6)
+    assert queued_before == [0, 1, 2, 3, 3, 3]
+    assert (r1.dropped_records, r2.dropped_records) == (3, 6)
     assert metric(link, "dropped_batches_total", reason=policy) == 3
     assert metric(link, "dropped_records_total", reason=policy) == 9
+    # Each drop is an Unscored event: fail_closed for r1, fail_open for r2.
+    assert [e.failure.fail_closed for e in events.of(Unscored, "r1")] == [True] * 3
+    assert [e.failure.fail_closed for e in events.of(Unscored, "r2")] == [False] * 3
+    assert all(policy in e.failure.reason for e in events.of(Unscored))
 
     await router.wait_for(lambda: len(router.batches) == 3)
     assert router.requests["r1"].positions == delivered
     assert router.requests["r2"].positions == [p for p in delivered for _ in range(2)]
-    await events.wait_for(lambda: link.processed_position("r1") == delivered[-1])
-    assert not link.is_backpressured("r1")
-    assert link.end_request("r1", pb.FINISH_REASON_STOP) == RequestStats(dropped_records=3, unprobed_tokens=0)
+    await events.wait_for(lambda: r1.in_flight() == 0 and r2.in_flight() == 0)
+    assert (r1.unprobed_tokens(), r2.unprobed_tokens()) == (3, 3)
+    dropped = sorted(set(range(6)) - set(delivered))
+    assert r1.first_unsettled() == dropped[0]
+    # fail_open: the drops do not hold tokens back; fail_closed: they do.
+    assert (r2.releasable_through(), r1.releasable_through()) == (5, dropped[0] - 1)
 
 
 async def test_a_stalled_router_never_blocks_the_caller_and_every_loss_is_counted(routers, links):
@@ -237,15 +247,15 @@ async def test_a_stalled_router_never_blocks_the_caller_and_every_loss_is_counte
     link, _ = links(router.address, queue_max_batches=4, heartbeat_timeout_s=5.0)
     await link.start()
     await link.wait_ready(timeout=10)
-    link.start_request("r", BINDING, prompt_length=1)
+    ledger = start(link, "r", prompt_length=1)
     router.reading.clear()
 
     async def held_by_flow_control() -> bool:
         """Full and staying full: the writer is blocked, not merely late."""
-        if not link.is_backpressured("r"):
+        if queued_batches(link, router.address) < 4:
             return False
         await asyncio.sleep(0.05)
-        return link.is_backpressured("r")
+        return queued_batches(link, router.address) == 4
 
     slowest = 0.0
     steps = 0
@@ -260,7 +270,7 @@ async def test_a_stalled_router_never_blocks_the_caller_and_every_loss_is_counte
     for position in range(steps, steps + 3):  # three more overflow the full queue
         link.send_step([step({"r": [position]}, hidden=65536)])
     assert slowest < 0.5  # CPU time only: a send that waited on the network would hang
-    assert link.dropped_records("r") == 3
+    assert ledger.dropped_records == 3
     assert metric(link, "dropped_records_total", reason="drop_oldest") == 3
 
     await router.kill()
@@ -271,7 +281,9 @@ async def test_a_stalled_router_never_blocks_the_caller_and_every_loss_is_counte
     lost = metric(link, "dropped_batches_total", reason="replica_down")
     assert lost >= 3
     assert sent + 3 + lost == steps + 3
-    assert link.dropped_records("r") == 3 + lost  # one row per batch
+    assert ledger.dropped_records == 3 + lost  # one row per batch
+    # Every row is now dropped, lost unacknowledged with the replica, or (none here) acked.
+    assert ledger.in_flight() == 0 and ledger.unprobed_tokens() == steps + 3
 
 
 async def test_a_step_over_the_message_limit_is_split(routers, links):
@@ -280,10 +292,10 @@ async def test_a_step_over_the_message_limit_is_split(routers, links):
     link, events = links(router.address, max_message_bytes=limit)
     await link.start()
     await link.wait_ready(timeout=10)
-    link.start_request("big", BINDING, prompt_length=100)
+    ledger = start(link, "big", prompt_length=100)
     block = step({"big": list(range(100))}, hidden=64)  # ~26 KB of rows
     link.send_step([block])
-    await events.wait_for(lambda: link.processed_position("big") == 99)
+    await events.wait_for(lambda: ledger.releasable_through() == 99)
     assert len(router.batches) >= 2
     assert [b.step for b in router.batches] == list(range(1, len(router.batches) + 1))
     assert all(pb.SessionRequest(batch=b).ByteSize() <= limit for b in router.batches)
@@ -297,7 +309,7 @@ async def test_a_silent_replica_is_marked_down_by_the_heartbeat_timeout(routers,
     await link.wait_ready(2, timeout=10)
     ids = [f"req-{i}" for i in range(32)]
     for request_id in ids:
-        link.start_request(request_id, BINDING, prompt_length=1)
+        start(link, request_id, prompt_length=1)
     on_a = [r for r in ids if link.replica_of(r) == a.address]
     assert on_a
     a.silent = True  # the stream stays open; nothing comes back
@@ -318,14 +330,12 @@ async def test_echoed_heartbeats_keep_a_quiet_replica_up(routers, links):
     assert len(router.hellos) == 1  # never reconnected
 
 
-async def test_no_reachable_replica_counts_unprobed_tokens_and_signals_unavailability(
-    routers, links
-):
+async def test_no_reachable_replica_drops_rows_and_signals_unavailability(routers, links):
     router = await routers()
     link, events = links(router.address, router_timeout_s=0.2)
     await link.start()
     await link.wait_ready(timeout=10)
-    link.start_request("r", BINDING, prompt_length=1)
+    ledger = start(link, "r", prompt_length=1)
     link.send_step([step({"r": [0]})])
     await events.wait_for(lambda: events.of(Processed, "r"))
 
@@ -334,8 +344,9 @@ async def test_no_reachable_replica_counts_unprobed_tokens_and_signals_unavailab
     lost_at = link.unavailable_since("r")
     for position in (1, 2):  # two layers per token: rows 4, tokens 2
         link.send_step([step({"r": [position]}, layer=0), step({"r": [position]}, layer=1)])
-    assert link.unprobed_tokens("r") == 2
-    assert metric(link, "unprobed_tokens_total") == 2
+    assert (ledger.unprobed_tokens(), ledger.dropped_records) == (2, 4)
+    assert metric(link, "dropped_records_total", reason="no_replica") == 4
+    assert [e.failure.rows for e in events.of(Unscored, "r")] == [2, 2]
     await events.wait_for(lambda: events.of(Unavailable, "r"), timeout=10)
     [unavailable] = events.of(Unavailable, "r")
     assert unavailable.since == lost_at
@@ -349,13 +360,15 @@ async def test_no_reachable_replica_counts_unprobed_tokens_and_signals_unavailab
     assert [s.state_reset for s in back.requests["r"].starts] == [True]
     assert link.unavailable_since("r") is None
     assert len(events.of(Unavailable)) == 1
-    assert link.end_request("r", pb.FINISH_REASON_STOP) == RequestStats(dropped_records=0, unprobed_tokens=2)
+    link.send_step([step({"r": [3]})])
+    await events.wait_for(lambda: ledger.in_flight() == 0)
+    assert (ledger.unprobed_tokens(), ledger.dropped_records) == (2, 4)
 
 
 async def test_a_request_started_before_any_replica_is_up_starts_clean(routers, links):
     router = await routers()
     link, events = links(router.address)
-    link.start_request("early", BINDING, prompt_length=3)  # before start(): nothing is up
+    start(link, "early", prompt_length=3)  # before start(): nothing is up
     assert link.unavailable_since("early") is not None
     await link.start()
     await link.wait_ready(timeout=10)
@@ -374,7 +387,7 @@ async def test_drain_moves_requests_away_and_drops_its_probes_from_the_catalog(r
     assert sorted(link.catalog()) == ["first_element", "only_on_a"]
     ids = [f"req-{i}" for i in range(32)]
     for request_id in ids:
-        link.start_request(request_id, BINDING, prompt_length=1)
+        start(link, request_id, prompt_length=1)
     on_a = [r for r in ids if link.replica_of(r) == a.address]
     assert on_a
 
@@ -386,7 +399,7 @@ async def test_drain_moves_requests_away_and_drops_its_probes_from_the_catalog(r
     assert sorted(link.catalog()) == ["first_element"]
     assert a.address in link.replicas_up()  # draining, not down
     for request_id in (f"new-{i}" for i in range(8)):
-        link.start_request(request_id, BINDING, prompt_length=1)
+        start(link, request_id, prompt_length=1)
         assert link.replica_of(request_id) == b.address
 
 
@@ -400,13 +413,13 @@ async def test_a_lone_draining_replica_keeps_its_requests_until_another_is_up(ro
     link, events = links("dns:routers.test:1", resolver=resolver, dns_refresh_s=0.02)
     await link.start()
     await link.wait_ready(timeout=10)
-    link.start_request("r", BINDING, prompt_length=1)
+    start(link, "r", prompt_length=1)
     a.drain()
     await until(lambda: link.catalog() == {})
     assert link.replica_of("r") == a.address  # nowhere better: it stays
     link.send_step([step({"r": [0]})])
     await events.wait_for(lambda: events.of(Processed, "r"))
-    link.start_request("late", BINDING, prompt_length=1)
+    start(link, "late", prompt_length=1)
     assert link.replica_of("late") is None  # a draining replica takes no new request
     assert link.unavailable_since("late") is not None
 
@@ -436,7 +449,7 @@ async def test_close_ends_streams_gracefully(routers, links):
     link, _ = links(router.address)
     await link.start()
     await link.wait_ready(timeout=10)
-    link.start_request("r", BINDING, prompt_length=1)
+    start(link, "r", prompt_length=1)
     link.send_step([step({"r": [0]})])
     await link.close()
     assert router.half_closed == 1
@@ -459,3 +472,7 @@ def test_config_rejects_bad_values():
         RouterLinkConfig(targets="a:1", overflow_policy="drop_everything")
     with pytest.raises(ValueError, match="heartbeat_timeout_s"):
         RouterLinkConfig(targets="a:1", heartbeat_interval_s=2, heartbeat_timeout_s=1)
+    with pytest.raises(ValueError, match="router_timeout_s"):
+        RouterLinkConfig(targets="a:1", router_timeout_s=0)
+    with pytest.raises(ValueError):
+        RouterLinkConfig(targets="a:1", overflow_policy="backpressure")

@@ -1,4 +1,5 @@
-"""The router link's pure logic, without gRPC."""
+"""The router link's pure logic (targets, assignment, batching, send queue,
+step ledger), without gRPC."""
 
 from __future__ import annotations
 
@@ -10,15 +11,10 @@ import pytest
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 from common.activations import from_batch, to_batch
-from engine_service import routing
-from engine_service.routing import (
-    DnsTarget,
-    OverflowPolicy,
-    QueuedBatch,
-    SendQueue,
-    StaticTargets,
-    StepLedger,
-)
+from engine_service.link import assignment, batching, targets
+from engine_service.link.send_queue import OverflowPolicy, QueuedBatch, SendQueue
+from engine_service.link.session import StepLedger
+from engine_service.link.targets import DnsTarget, StaticTargets
 
 from .helpers import step
 
@@ -29,14 +25,14 @@ REQUESTS = [f"req-{i}" for i in range(2000)]
 
 
 def test_parse_static_list():
-    assert routing.parse_targets(" a:1, 10.0.0.2:50051,[::1]:7 ") == StaticTargets(
+    assert targets.parse_targets(" a:1, 10.0.0.2:50051,[::1]:7 ") == StaticTargets(
         ("a:1", "10.0.0.2:50051", "[::1]:7")
     )
 
 
 def test_parse_dns_target():
-    assert routing.parse_targets("dns:routers.ns.svc:50052") == DnsTarget("routers.ns.svc", 50052)
-    assert routing.parse_targets("dns:///router:9") == DnsTarget("router", 9)
+    assert targets.parse_targets("dns:routers.ns.svc:50052") == DnsTarget("routers.ns.svc", 50052)
+    assert targets.parse_targets("dns:///router:9") == DnsTarget("router", 9)
 
 
 @pytest.mark.parametrize(
@@ -54,7 +50,7 @@ def test_parse_dns_target():
 )
 def test_parse_rejects(spec, words):
     with pytest.raises(ValueError, match=words.replace("[", r"\[").replace(".", r"\.")):
-        routing.parse_targets(spec)
+        targets.parse_targets(spec)
 
 
 # -- rendezvous hashing ------------------------------------------------------
@@ -62,41 +58,41 @@ def test_parse_rejects(spec, words):
 
 def test_weight_is_stable_blake2b_not_python_hash():
     expected = int.from_bytes(hashlib.blake2b(b"r1:1\x00req-7", digest_size=8).digest(), "big")
-    assert routing.rendezvous_weight("req-7", "r1:1") == expected
+    assert assignment.rendezvous_weight("req-7", "r1:1") == expected
 
 
 def test_pick_is_order_independent_and_none_without_replicas():
     replicas = ["a:1", "b:1", "c:1"]
     for key in REQUESTS[:200]:
-        assert routing.pick_replica(key, replicas) == routing.pick_replica(key, reversed(replicas))
-    assert routing.pick_replica("x", []) is None
+        assert assignment.pick_replica(key, replicas) == assignment.pick_replica(key, reversed(replicas))
+    assert assignment.pick_replica("x", []) is None
 
 
 def test_spread_over_replicas():
     replicas = ["a:1", "b:1", "c:1", "d:1"]
-    counts = Counter(routing.pick_replica(k, replicas) for k in REQUESTS)
+    counts = Counter(assignment.pick_replica(k, replicas) for k in REQUESTS)
     assert set(counts) == set(replicas)
     assert all(400 <= n <= 600 for n in counts.values()), counts  # 500 expected each
 
 
 def test_minimal_movement_when_a_replica_leaves_or_joins():
     replicas = ["a:1", "b:1", "c:1", "d:1"]
-    before = {k: routing.pick_replica(k, replicas) for k in REQUESTS}
-    after_leave = {k: routing.pick_replica(k, ["a:1", "b:1", "d:1"]) for k in REQUESTS}
+    before = {k: assignment.pick_replica(k, replicas) for k in REQUESTS}
+    after_leave = {k: assignment.pick_replica(k, ["a:1", "b:1", "d:1"]) for k in REQUESTS}
     moved = {k for k in REQUESTS if before[k] != after_leave[k]}
     assert moved == {k for k in REQUESTS if before[k] == "c:1"}
 
-    after_join = {k: routing.pick_replica(k, [*replicas, "e:1"]) for k in REQUESTS}
+    after_join = {k: assignment.pick_replica(k, [*replicas, "e:1"]) for k in REQUESTS}
     joined = {k for k in REQUESTS if before[k] != after_join[k]}
     assert all(after_join[k] == "e:1" for k in joined)
     assert 300 <= len(joined) <= 500  # about a fifth of the keys
 
 
 def test_backoff_grows_caps_and_jitters():
-    assert routing.backoff_delay(0, 0.1, 5.0, 1.0) == pytest.approx(0.1)
-    assert routing.backoff_delay(3, 0.1, 5.0, 1.0) == pytest.approx(0.8)
-    assert routing.backoff_delay(3, 0.1, 5.0, 0.0) == pytest.approx(0.4)
-    assert routing.backoff_delay(50, 0.1, 5.0, 1.0) == pytest.approx(5.0)
+    assert assignment.backoff_delay(0, 0.1, 5.0, 1.0) == pytest.approx(0.1)
+    assert assignment.backoff_delay(3, 0.1, 5.0, 1.0) == pytest.approx(0.8)
+    assert assignment.backoff_delay(3, 0.1, 5.0, 0.0) == pytest.approx(0.4)
+    assert assignment.backoff_delay(50, 0.1, 5.0, 1.0) == pytest.approx(5.0)
 
 
 # -- partition and split -----------------------------------------------------
@@ -108,7 +104,7 @@ def test_partition_by_owner_keeps_order_and_sends_unowned_to_none():
         step({"a": [0, 1], "b": [0]}, layer=1),
     ]
     owners = {"a": "r1", "b": "r2", "c": None}
-    parts = routing.partition_by_owner(blocks, owners.get)
+    parts = batching.partition_by_owner(blocks, owners.get)
     assert [(b.layer, b.request_ids, b.token_positions.tolist()) for b in parts["r1"]] == [
         (0, ["a", "a"], [0, 1]),
         (1, ["a", "a"], [0, 1]),
@@ -130,7 +126,7 @@ def test_split_by_size_fits_limit_and_keeps_every_row_in_order():
         )
         blocks.append(block)
     limit = 20_000
-    parts = routing.split_by_size(blocks, limit)
+    parts = batching.split_by_size(blocks, limit)
     assert len(parts) > 1
     for part in parts:
         message = pb.SessionRequest(batch=to_batch(part, step=2**40))
@@ -150,26 +146,25 @@ def test_split_by_size_fits_limit_and_keeps_every_row_in_order():
 
 def test_split_by_size_leaves_a_small_step_whole():
     blocks = [step({"a": [0, 1]}), step({"a": [0, 1]}, layer=1)]
-    assert routing.split_by_size(blocks, 1 << 20) == [blocks]
+    assert batching.split_by_size(blocks, 1 << 20) == [blocks]
 
 
 def test_split_by_size_refuses_a_row_over_the_limit():
-    with pytest.raises(routing.RowTooLarge, match="p@0"):
-        routing.split_by_size([step({"a": [0]})], 100)
+    with pytest.raises(batching.RowTooLarge, match="p@0"):
+        batching.split_by_size([step({"a": [0]})], 100)
 
 
-def test_rows_positions_and_tokens_per_request():
+def test_rows_per_request_and_per_position():
     blocks = [step({"a": [3, 4], "b": [9]}), step({"a": [3, 4]}, layer=1)]
-    assert routing.rows_per_request(blocks) == {"a": 4, "b": 1}
-    assert routing.max_positions(blocks) == {"a": 4, "b": 9}
-    assert routing.distinct_positions(blocks) == {"a": 2, "b": 1}
+    assert batching.rows_per_request(blocks) == {"a": 4, "b": 1}
+    assert batching.rows_by_position(blocks) == {"a": {3: 2, 4: 2}, "b": {9: 1}}
 
 
 # -- send queue --------------------------------------------------------------
 
 
 def batch(name: str, rows: int = 1, nbytes: int = 10) -> QueuedBatch:
-    return QueuedBatch(name, nbytes, Counter({name: rows}), {name: 0})
+    return QueuedBatch(name, nbytes, rows)
 
 
 def drain(queue: SendQueue) -> list:
@@ -185,20 +180,17 @@ def test_drop_oldest_evicts_the_oldest_batch_never_control():
     queue.put_control("start")
     assert queue.put_batch(batch("b1")) == []
     assert queue.put_batch(batch("b2")) == []
-    assert queue.is_full()
     assert [d.message for d in queue.put_batch(batch("b3"))] == ["b1"]
     queue.put_control("end")
     assert drain(queue) == ["start", "b2", "b3", "end"]
 
 
-@pytest.mark.parametrize("policy", [OverflowPolicy.DROP_NEWEST, OverflowPolicy.BACKPRESSURE])
-def test_drop_newest_and_backpressure_refuse_the_new_batch(policy):
-    queue = SendQueue(2, 1000, policy)
+def test_drop_newest_refuses_the_new_batch():
+    queue = SendQueue(2, 1000, OverflowPolicy.DROP_NEWEST)
     queue.put_batch(batch("b1"))
     queue.put_batch(batch("b2"))
     assert [d.message for d in queue.put_batch(batch("b3"))] == ["b3"]
     assert drain(queue) == ["b1", "b2"]
-    assert not queue.is_full()
 
 
 def test_byte_bound_and_clear():
@@ -214,14 +206,16 @@ def test_byte_bound_and_clear():
 # -- ack ledger --------------------------------------------------------------
 
 
-def test_ledger_numbers_steps_and_settles_cumulatively():
+def test_step_ledger_numbers_steps_and_settles_cumulatively():
     ledger = StepLedger()
-    assert ledger.record({"a": 3}, now=1.0) == 1
-    assert ledger.record({"a": 5, "b": 0}, now=2.0) == 2
-    assert ledger.record({"b": 4}, now=3.0) == 3
+    first, second, third = batch("b1"), batch("b2"), batch("b3")
+    assert ledger.record(first, now=1.0) == 1
+    assert ledger.record(second, now=2.0) == 2
+    assert ledger.record(third, now=3.0) == 3
+    assert ledger.batch_of(2) is second and ledger.batch_of(9) is None
     settled = ledger.ack(2)
-    assert settled.positions == {"a": 5, "b": 0}
+    assert settled.batches == [first, second]
     assert settled.sent_at == [1.0, 2.0]
-    assert ledger.ack(2).positions == {}  # a duplicate ack settles nothing
-    assert ledger.ack(3).positions == {"b": 4}
+    assert ledger.ack(2).batches == []  # a duplicate ack settles nothing
+    assert ledger.ack(3).batches == [third]
     assert ledger.pending == {}

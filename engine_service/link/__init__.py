@@ -1,0 +1,34 @@
+"""The engine's link to its probe routers.
+
+config (settings), targets (addresses and DNS), assignment (rendezvous hashing,
+backoff), batching (one step -> replicas -> messages), send_queue (the bounded
+queue and overflow policies), session (one replica's stream, queue and step
+ledger), events (what the engine is told), metrics, and link (the RouterLink
+that joins them and keeps each request's RequestLedger current).
+"""
+
+from engine_service.link.config import RouterLinkConfig
+from engine_service.link.events import (
+    Abort,
+    LinkEvent,
+    Processed,
+    Scores,
+    StateReset,
+    Unavailable,
+    Unscored,
+)
+from engine_service.link.link import RouterLink
+from engine_service.link.send_queue import OverflowPolicy
+
+__all__ = [
+    "Abort",
+    "LinkEvent",
+    "OverflowPolicy",
+    "Processed",
+    "RouterLink",
+    "RouterLinkConfig",
+    "Scores",
+    "StateReset",
+    "Unavailable",
+    "Unscored",
+]

@@ -1,0 +1,111 @@
+"""One engine step's merged blocks -> per replica -> per message, and the row
+counts each part carries. Pure functions over common.activations.Block."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+import numpy as np
+
+from common.activations import Block
+
+
+def partition_by_owner(
+    blocks: list[Block], owner_of: Callable[[str], str | None]
+) -> dict[str | None, list[Block]]:
+    """Splits merged blocks by the owner of each row's request (a replica, a client).
+
+    Block order (point, layer) and row order inside each block are kept.
+    Rows whose owner is None land under the key None.
+    """
+    parts: dict[str | None, list[Block]] = {}
+    for block in blocks:
+        owners = [owner_of(r) for r in block.request_ids]
+        for owner in dict.fromkeys(owners):
+            mask = np.fromiter((o == owner for o in owners), dtype=bool, count=len(owners))
+            parts.setdefault(owner, []).append(block if mask.all() else block.select(mask))
+    return parts
+
+
+_WIRE_ITEMSIZE = {"bfloat16": 2}
+# Bytes a batch may need beyond its rows: the SessionRequest envelope, the step,
+# and per block its header and key-array tags. Generous on purpose.
+_BATCH_OVERHEAD = 64
+_BLOCK_OVERHEAD = 96
+# Per-row keys: request index (<=5 B varint), position (<=10 B), flag (1 B),
+# plus room for a new request id in the table.
+_ROW_KEY_BYTES = 16 + 4
+
+
+def _row_bytes(block: Block, longest_request_id: int) -> int:
+    dtype = block.wire_dtype or block.rows.dtype.name
+    itemsize = _WIRE_ITEMSIZE.get(dtype) or np.dtype(dtype).itemsize
+    hidden = int(np.prod(block.rows.shape[1:], dtype=np.int64))
+    return hidden * itemsize + _ROW_KEY_BYTES + longest_request_id
+
+
+def _slice(block: Block, start: int, stop: int) -> Block:
+    return Block(
+        block.point,
+        block.tensor_type,
+        block.layer,
+        block.rows[start:stop],
+        block.request_ids[start:stop],
+        block.token_positions[start:stop],
+        block.is_generated[start:stop],
+        block.wire_dtype,
+    )
+
+
+class RowTooLarge(ValueError):
+    """A single row cannot fit in one message; the limit is misconfigured."""
+
+
+def split_by_size(blocks: list[Block], max_bytes: int) -> list[list[Block]]:
+    """Packs blocks into as few parts as fit max_bytes each (an upper-bound estimate).
+
+    Order is kept: concatenating the parts gives back the rows in their order.
+    A block is cut row-wise only when it does not fit.
+    """
+    longest_id = max((len(r.encode()) for b in blocks for r in b.request_ids), default=0)
+    parts: list[list[Block]] = []
+    current: list[Block] = []
+    size = _BATCH_OVERHEAD
+    for block in blocks:
+        per_row = _row_bytes(block, longest_id)
+        header = _BLOCK_OVERHEAD + len(block.point.encode())
+        start = 0
+        while start < block.num_rows:
+            room = (max_bytes - size - header) // per_row
+            if room <= 0:
+                if not current:
+                    raise RowTooLarge(
+                        f"one row of {block.point}@{block.layer} needs ~{per_row + header} bytes, "
+                        f"over the {max_bytes}-byte message limit"
+                    )
+                parts.append(current)
+                current, size = [], _BATCH_OVERHEAD
+                continue
+            stop = min(block.num_rows, start + room)
+            current.append(
+                block if (start, stop) == (0, block.num_rows) else _slice(block, start, stop)
+            )
+            size += header + (stop - start) * per_row
+            start = stop
+    if current:
+        parts.append(current)
+    return parts
+
+
+def rows_per_request(blocks: list[Block]) -> Counter[str]:
+    return Counter(r for b in blocks for r in b.request_ids)
+
+
+def rows_by_position(blocks: list[Block]) -> dict[str, Counter[int]]:
+    """Per request, how many rows each token position has in these blocks."""
+    result: dict[str, Counter[int]] = {}
+    for block in blocks:
+        for request_id, position in zip(block.request_ids, block.token_positions.tolist()):
+            result.setdefault(request_id, Counter())[position] += 1
+    return result
