@@ -1,0 +1,339 @@
+"""The engine runtime's safety logic: a fake vLLM and capture (tests/engine/fakes.py),
+a real RouterLink and a real gRPC router double on loopback.
+
+Each test injects one fault and asserts the finish reason, the tokens the
+client saw, and the counts in GenerateFinished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import pytest
+import vllm.sampling_params  # noqa: F401  (the runtime imports it per request; pay once, not mid-test)
+from undercurrent.v1 import undercurrent_pb2 as pb
+
+from common.errors import Unavailable
+from engine_service.link import RouterLinkConfig
+from engine_service.runtime import EngineRuntime, EngineSettings
+from tests.engine_link.helpers import FAST, until
+from tests.engine_link.router_double import PROBE, RouterDouble
+
+from .fakes import FakeCapture, FakeEngine
+
+CLOSED, OPEN = pb.FAILURE_POLICY_FAIL_CLOSED, pb.FAILURE_POLICY_FAIL_OPEN
+PROMPT = [1, 2, 3, 4]
+
+
+@dataclass
+class Stack:
+    router: RouterDouble
+    capture: FakeCapture
+    llm: FakeEngine
+    runtime: EngineRuntime
+    step_s: float
+    stepper: asyncio.Task | None = None
+
+    def start_stepping(self) -> None:
+        self.stepper = asyncio.create_task(self.llm.run_steps(self.step_s))
+
+
+@pytest.fixture
+async def stack():
+    made: list[Stack] = []
+
+    async def make(
+        router_timeout_s: float = 0.5, step_s: float = 0.005, stepping: bool = True, score=None, **link
+    ) -> Stack:
+        router = await RouterDouble("r", threshold=100.0).start()
+        capture = FakeCapture(score or (lambda request_id, position: 0.0))
+        llm = FakeEngine(capture)
+        config = RouterLinkConfig(
+            targets=router.address,
+            engine_id="engine-test",
+            **{**FAST, "router_timeout_s": router_timeout_s, **link},
+        )
+        runtime = EngineRuntime(
+            llm, capture, link_config=config, settings=EngineSettings(router_timeout_s=router_timeout_s)
+        )
+        await runtime.start()
+        await runtime.link.wait_ready(timeout=10)
+        made.append(Stack(router, capture, llm, runtime, step_s))
+        if stepping:
+            made[-1].start_stepping()
+        return made[-1]
+
+    yield make
+    for s in made:
+        if s.stepper:
+            s.stepper.cancel()
+        await s.runtime.close()
+        await s.router.kill()
+
+
+def request(rid: str, policy: int | None = CLOSED, max_tokens: int = 40, gate: bool = True, **kw):
+    message = pb.GenerateRequest(
+        request_id=rid,
+        token_ids=pb.TokenIds(ids=PROMPT),
+        sampling=pb.SamplingParams(max_tokens=max_tokens),
+        gate_tokens=gate,
+        **kw,
+    )
+    if policy is not None:
+        message.probes.add(probe=PROBE.name, failure_policy=policy)
+    return message
+
+
+class Outcome:
+    def __init__(self) -> None:
+        self.responses: list[pb.GenerateResponse] = []
+        self.changed = asyncio.Event()
+
+    @property
+    def tokens(self) -> list[int]:
+        chunks = [r.tokens for r in self.responses if r.HasField("tokens")]
+        assert [c.first_index for c in chunks] == [
+            sum(len(c.token_ids) for c in chunks[:i]) for i in range(len(chunks))
+        ], "token chunks are contiguous"
+        return [t for c in chunks for t in c.token_ids]
+
+    @property
+    def scores(self) -> list[pb.ProbeScores]:
+        return [r.probe_event.scores for r in self.responses if r.HasField("probe_event")]
+
+    @property
+    def scored_positions(self) -> set[int]:
+        return {p for s in self.scores for p in s.token_positions}
+
+    @property
+    def finished(self) -> pb.GenerateFinished:
+        assert self.responses[-1].HasField("finished")
+        return self.responses[-1].finished
+
+
+async def run(runtime: EngineRuntime, message: pb.GenerateRequest, outcome: Outcome | None = None) -> Outcome:
+    outcome = outcome or Outcome()
+    async for response in runtime.generate(message):
+        outcome.responses.append(response)
+        outcome.changed.set()
+    return outcome
+
+
+async def wait_for(outcome: Outcome, predicate, timeout: float = 10.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            outcome.changed.clear()
+            await outcome.changed.wait()
+
+
+# -- item 1: a router outage never releases gated tokens --------------------------
+
+
+async def test_a_silent_router_ends_fail_closed_within_the_timeout_and_shows_no_unscored_token(stack):
+    s = await stack(router_timeout_s=0.4, heartbeat_timeout_s=5.0)
+    progress = Outcome()
+    running = asyncio.create_task(run(s.runtime, request("closed", max_tokens=2000), progress))
+    await wait_for(progress, lambda: len(progress.tokens) >= 5)
+    s.router.silent = True  # the stream stays open; nothing comes back
+    silenced = time.monotonic()
+    outcome = await running
+    ended = time.monotonic() - silenced
+    finished = outcome.finished
+    assert finished.finish_reason == pb.FINISH_REASON_ROUTER_UNAVAILABLE, finished
+    assert ended < 0.4 + 1.0, ended  # the router timeout, far before the 5 s heartbeat timeout
+    assert s.runtime.routers_up() == 1  # the replica itself is not (yet) down
+    assert "acknowledged no rows for 0.4 s" in finished.message and "(fail_closed)" in finished.message
+    verdict = finished.verdict
+    # Only tokens whose rows were all acknowledged were shown: up to the first unsettled position.
+    assert len(outcome.tokens) == verdict.token_position - len(PROMPT)
+    assert max(outcome.scored_positions) >= verdict.token_position - 1
+    assert finished.generated_tokens > len(outcome.tokens) and finished.unprobed_tokens > 0
+    assert "closed" in s.llm.aborted
+
+
+async def test_a_silent_router_lets_fail_open_finish_and_counts_what_it_missed(stack):
+    s = await stack(router_timeout_s=0.3, heartbeat_timeout_s=5.0, step_s=0.01)
+    progress = Outcome()
+    running = asyncio.create_task(run(s.runtime, request("open", OPEN, max_tokens=80), progress))
+    await wait_for(progress, lambda: len(progress.tokens) >= 5)
+    s.router.silent = True
+    outcome = await running
+    finished = outcome.finished
+    assert finished.finish_reason == pb.FINISH_REASON_LENGTH, finished
+    assert len(outcome.tokens) == 80
+    captured = s.capture.captured["open"]
+    missed = len(captured - outcome.scored_positions)
+    assert missed > 10
+    # A position whose scores arrived but whose ack was cut off counts as unprobed too.
+    assert missed <= finished.unprobed_tokens <= missed + 1
+    assert "tokens unprobed (fail_open)" in finished.message
+
+
+# -- item 3: router-side failures are never a clean fail_closed finish --------------
+
+
+async def test_a_batch_level_router_error_ends_fail_closed_and_counts_for_fail_open(stack):
+    s = await stack(stepping=False)
+    s.router.fail_steps = {4}
+    closed = asyncio.create_task(run(s.runtime, request("closed", max_tokens=30)))
+    opened = asyncio.create_task(run(s.runtime, request("open", OPEN, max_tokens=30)))
+    await until(lambda: len(s.llm.running) == 2)
+    s.start_stepping()
+    closed, opened = await closed, await opened
+    assert closed.finished.finish_reason == pb.FINISH_REASON_ROUTER_UNAVAILABLE
+    assert "INTERNAL: scoring the batch failed" in closed.finished.message
+    [failed] = [b for b in s.router.batches if b.step == 4]
+    positions = {
+        int(p)
+        for block in failed.blocks
+        for r, p in zip(block.request_index, block.token_positions)
+        if failed.request_ids[r] == "closed"
+    }
+    assert positions and len(closed.tokens) == min(positions) - len(PROMPT)
+    assert opened.finished.finish_reason == pb.FINISH_REASON_LENGTH
+    assert len(opened.tokens) == 30
+    assert opened.finished.unprobed_tokens == len(positions)  # the same step's rows
+
+
+async def test_rejected_rows_end_fail_closed_before_any_token_is_shown(stack):
+    s = await stack()
+    s.router.bad_rows = {"closed", "open"}
+    closed = await run(s.runtime, request("closed", max_tokens=30))
+    assert closed.finished.finish_reason == pb.FINISH_REASON_ROUTER_UNAVAILABLE
+    assert "INVALID_ARGUMENT: rows: NaN or Inf" in closed.finished.message
+    assert closed.tokens == [] and closed.finished.verdict.token_position == 0
+    opened = await run(s.runtime, request("open", OPEN, max_tokens=30))
+    assert opened.finished.finish_reason == pb.FINISH_REASON_LENGTH
+    assert opened.finished.unprobed_tokens == len(s.capture.captured["open"]) == len(PROMPT) + 29
+
+
+async def test_a_refused_request_start_ends_fail_closed(stack):
+    s = await stack()
+    s.router.refuse = {"closed", "open"}
+    closed = await run(s.runtime, request("closed", max_tokens=30))
+    assert closed.finished.finish_reason == pb.FINISH_REASON_ROUTER_UNAVAILABLE
+    assert "RESOURCE_EXHAUSTED: too many requests" in closed.finished.message
+    assert closed.tokens == []
+    opened = await run(s.runtime, request("open", OPEN, max_tokens=30))
+    assert opened.finished.finish_reason == pb.FINISH_REASON_LENGTH
+    assert opened.finished.unprobed_tokens == len(s.capture.captured["open"])
+
+
+async def test_a_killed_router_ends_fail_closed_at_its_first_unacknowledged_position(stack):
+    s = await stack(router_timeout_s=5.0)
+    progress = Outcome()
+    running = asyncio.create_task(run(s.runtime, request("closed", max_tokens=2000), progress))
+    await wait_for(progress, lambda: len(progress.tokens) >= 5)
+    await s.router.kill()
+    outcome = await running
+    finished = outcome.finished
+    assert finished.finish_reason == pb.FINISH_REASON_ROUTER_UNAVAILABLE, finished
+    assert len(outcome.tokens) == finished.verdict.token_position - len(PROMPT)
+    assert finished.generated_tokens > len(outcome.tokens)
+
+
+# -- item 6: events of another run or another replica are ignored ---------------------
+
+
+async def test_a_late_verdict_of_an_earlier_run_does_not_touch_a_new_run_of_the_same_id(stack):
+    s = await stack(step_s=0.01)
+    first = await run(s.runtime, request("same", max_tokens=5))
+    assert first.finished.finish_reason == pb.FINISH_REASON_LENGTH
+    old = s.router.incarnations["same"]
+    # Scores reach the client without the Session's incarnation, with the router named.
+    assert {(sc.incarnation, sc.router) for sc in first.scores} == {(0, s.router.address)}
+
+    progress = Outcome()
+    second = asyncio.create_task(run(s.runtime, request("same", max_tokens=60), progress))
+    await until(lambda: s.router.incarnations["same"] != old)
+    s.router.push(pb.SessionResponse(abort=pb.Verdict(request_id="same", incarnation=old, reason="late")))
+    await wait_for(progress, lambda: len(progress.tokens) >= 10)  # it went on
+    ignored = s.runtime.metrics.registry.get_sample_value(
+        "undercurrent_router_link_ignored_messages_total", {"reason": "stale_incarnation"}
+    )
+    assert ignored == 1
+    current = s.router.incarnations["same"]
+    s.router.push(
+        pb.SessionResponse(abort=pb.Verdict(request_id="same", incarnation=current, reason="now", token_position=50))
+    )
+    outcome = await second
+    assert outcome.finished.finish_reason == pb.FINISH_REASON_PROBE_ABORT
+    assert outcome.finished.verdict.reason == "now" and outcome.finished.verdict.incarnation == 0
+    assert len(outcome.tokens) <= 50 - len(PROMPT)
+
+
+# -- item 5: the drain loop never dies silently -------------------------------------------
+
+
+async def test_a_failed_delivery_ends_the_requests_it_concerned_and_the_loop_goes_on(stack, monkeypatch):
+    s = await stack()
+    original = s.runtime._deliver
+    failures = []
+
+    def deliver_once_broken(blocks):
+        if not failures:
+            failures.append(blocks)
+            raise RuntimeError("delivery bug")
+        original(blocks)
+
+    monkeypatch.setattr(s.runtime, "_deliver", deliver_once_broken)
+    broken = await run(s.runtime, request("broken", OPEN, max_tokens=20))
+    assert broken.finished.finish_reason == pb.FINISH_REASON_ERROR
+    assert "delivering its activations failed: RuntimeError: delivery bug" in broken.finished.message
+    after = await run(s.runtime, request("after", max_tokens=20))
+    assert after.finished.finish_reason == pb.FINISH_REASON_LENGTH
+    assert after.finished.unprobed_tokens == 0 and len(after.tokens) == 20
+    assert s.runtime.metrics.registry.get_sample_value("undercurrent_engine_drain_failures_total") == 1
+    assert s.runtime.health(routers_optional=False) == (True, "")
+
+
+class LoopKiller(BaseException):
+    """Escapes the per-iteration guard, as only a BaseException can."""
+
+
+async def test_a_stopped_drain_loop_ends_every_request_and_the_engine_stops_serving(stack):
+    s = await stack()
+    progress = Outcome()
+    running = asyncio.create_task(run(s.runtime, request("victim", max_tokens=5000), progress))
+    await wait_for(progress, lambda: len(progress.tokens) >= 3)
+    s.capture.drain_error = LoopKiller("worker gone")
+    outcome = await asyncio.wait_for(running, 10)
+    assert outcome.finished.finish_reason == pb.FINISH_REASON_ERROR
+    assert "the capture drain loop stopped: LoopKiller: worker gone" in outcome.finished.message
+    serving, why = s.runtime.health(routers_optional=True)
+    assert not serving and "LoopKiller" in why
+    with pytest.raises(Unavailable, match="cannot capture"):
+        await run(s.runtime, request("refused"))
+
+
+async def test_a_failing_unregister_still_finishes_the_stream(stack):
+    s = await stack()
+    s.capture.unregister_error = RuntimeError("rpc failed")
+    outcome = await asyncio.wait_for(run(s.runtime, request("r", OPEN, max_tokens=10)), 10)
+    assert outcome.finished.finish_reason == pb.FINISH_REASON_ERROR
+    assert "engine error after generation: RuntimeError: rpc failed" in outcome.finished.message
+
+
+# -- item 8: client-only capture gets every row before `finished` --------------------------
+
+
+async def test_client_only_capture_finishes_after_the_last_rows_arrived(stack):
+    s = await stack(step_s=0.002)
+    for attempt in range(5):
+        message = request(f"client-{attempt}", policy=None, gate=False, max_tokens=8)
+        message.extraction_points.add(
+            name="resid", tensor_type=pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=[1], stream_to_client=True
+        )
+        outcome = await run(s.runtime, message)
+        assert outcome.finished.finish_reason == pb.FINISH_REASON_LENGTH
+        positions = sorted(
+            int(p)
+            for r in outcome.responses
+            if r.HasField("activations")
+            for block in r.activations.blocks
+            for p in block.token_positions
+        )
+        # The prompt and every fed-back token: the last sampled token is never computed.
+        assert positions == list(range(len(PROMPT) + 7)), attempt
