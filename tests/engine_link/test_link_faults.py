@@ -1,0 +1,121 @@
+"""RouterLink faults against real grpc.aio router doubles: each one leaves the
+rows it concerns unscored in the request's ledger, and nothing else."""
+
+from __future__ import annotations
+
+import time
+
+from undercurrent.v1 import undercurrent_pb2 as pb
+
+from engine_service.link import Abort, Processed, Scores, Unscored
+
+from .helpers import FAIL_CLOSED, start, step, until
+
+
+def metric(link, name: str, **labels) -> float:
+    return link.registry.get_sample_value(f"undercurrent_router_link_{name}", labels) or 0.0
+
+
+async def test_the_ack_of_the_first_part_of_a_split_step_settles_no_row_of_a_later_part(routers, links):
+    router = await routers()
+    link, events = links(router.address, max_message_bytes=16_000)
+    await link.start()
+    await link.wait_ready(timeout=10)
+    ledger = start(link, "big", FAIL_CLOSED, prompt_length=100)
+    # One step, two layers, every position in both: too big for one message, so
+    # layer 0 and layer 1 of the same positions travel in different parts.
+    router.withhold_ack = lambda step: step > 1
+    link.send_step([step({"big": list(range(60))}, layer=0, hidden=64),
+                    step({"big": list(range(60))}, layer=1, hidden=64)])
+    await router.wait_for(lambda: len(router.batches) >= 2 and router.withheld)
+    await events.wait_for(lambda: events.of(Processed, "big"))
+    first = router.batches[0]
+    assert {b.layer for b in first.blocks} == {0}  # part 0 holds layer 0 only
+    # Its ack settled layer-0 rows, yet no position: every one has a layer-1 row in flight.
+    assert ledger.releasable_through() == -1 and ledger.first_unsettled() == 0
+    assert ledger.in_flight() > 0
+    router.release_acks()
+    await until(lambda: ledger.in_flight() == 0)
+    assert (ledger.releasable_through(), ledger.unprobed_tokens()) == (59, 0)
+
+
+async def test_a_batch_error_naming_only_its_step_concerns_every_request_in_it(routers, links):
+    router = await routers()
+    link, events = links(router.address)
+    await link.start()
+    await link.wait_ready(timeout=10)
+    ledgers = {r: start(link, r, FAIL_CLOSED) for r in ("a", "b", "c")}
+    router.fail_steps = {2}
+    link.send_step([step({"a": [0], "b": [0], "c": [0]})])
+    link.send_step([step({"a": [1], "b": [1]})])  # step 2: a and b only
+    link.send_step([step({"a": [2], "b": [2], "c": [1]})])
+    await until(lambda: all(ledger.in_flight() == 0 for ledger in ledgers.values()))
+    assert sorted(e.request_id for e in events.of(Unscored)) == ["a", "b"]
+    assert all(
+        e.failure.fail_closed and "INTERNAL: scoring the batch failed" in e.failure.reason
+        for e in events.of(Unscored)
+    )
+    assert [ledgers[r].first_unsettled() for r in "abc"] == [1, 1, 2]
+    assert [ledgers[r].releasable_through() for r in "abc"] == [0, 0, 1]
+    assert [ledgers[r].unprobed_tokens() for r in "abc"] == [1, 1, 0]
+    assert metric(link, "router_errors_total", code="INTERNAL") == 1
+    assert metric(link, "unscored_records_total", reason="router_error") == 2
+
+
+async def test_rows_left_unacknowledged_past_the_router_timeout_expire_while_the_replica_stays_up(
+    routers, links
+):
+    router = await routers()
+    link, events = links(router.address, router_timeout_s=0.3, heartbeat_timeout_s=5.0)
+    await link.start()
+    await link.wait_ready(timeout=10)
+    ledger = start(link, "r", FAIL_CLOSED)
+    link.send_step([step({"r": [0]})])
+    await events.wait_for(lambda: events.of(Processed, "r"))
+    router.silent = True
+    sent = time.monotonic()
+    link.send_step([step({"r": [1]})])
+    await events.wait_for(lambda: events.of(Unscored, "r"), timeout=5)
+    waited = time.monotonic() - sent
+    assert 0.3 <= waited < 0.3 + 0.5
+    [expired] = events.of(Unscored, "r")
+    assert expired.failure.fail_closed and "acknowledged no rows for 0.3 s" in expired.failure.reason
+    assert (ledger.releasable_through(), ledger.first_unsettled()) == (0, 1)
+    assert link.replicas_up() == [router.address]  # the heartbeat timeout is still far
+
+
+async def test_messages_from_a_replica_that_does_not_own_the_request_are_ignored(routers, links):
+    a, b = await routers(), await routers()
+    link, events = links(f"{a.address},{b.address}")
+    await link.start()
+    await link.wait_ready(2, timeout=10)
+    ids = [f"req-{i}" for i in range(16)]
+    for request_id in ids:
+        start(link, request_id)
+    on_a = next(r for r in ids if link.replica_of(r) == a.address)
+    await a.wait_for(lambda: on_a in a.incarnations)
+    incarnation = a.incarnations[on_a]
+    # b never got this request: its verdict and scores about it are not trusted.
+    b.push(pb.SessionResponse(abort=pb.Verdict(request_id=on_a, incarnation=incarnation)))
+    b.push(pb.SessionResponse(scores=pb.ProbeScores(request_id=on_a, incarnation=incarnation)))
+    b.push(pb.SessionResponse(error=pb.RequestError(request_id=on_a, incarnation=incarnation,
+                                                    code=pb.STATUS_CODE_INTERNAL)))
+    await until(lambda: metric(link, "ignored_messages_total", reason="not_its_replica") == 3)
+    # From its owner, the same verdict counts.
+    a.push(pb.SessionResponse(abort=pb.Verdict(request_id=on_a, incarnation=incarnation)))
+    await events.wait_for(lambda: events.of(Abort, on_a))
+    assert [e.replica for e in events.of(Abort)] == [a.address]
+    assert events.of(Scores, on_a) == [] and events.of(Unscored, on_a) == []
+
+
+async def test_a_router_that_echoes_incarnations_is_not_trusted_without_one(routers, links):
+    router = await routers()
+    link, events = links(router.address)
+    await link.start()
+    await link.wait_ready(timeout=10)
+    start(link, "r")
+    link.send_step([step({"r": [0]})])
+    await events.wait_for(lambda: events.of(Scores, "r"))  # echoed: the session is known to echo
+    router.push(pb.SessionResponse(abort=pb.Verdict(request_id="r")))  # incarnation 0
+    await until(lambda: metric(link, "ignored_messages_total", reason="stale_incarnation") == 1)
+    assert events.of(Abort) == []
