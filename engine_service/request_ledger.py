@@ -74,17 +74,19 @@ class RequestLedger:
 
     prompt_len: int
     policies: Mapping[str, int]
-    dropped_records: int = 0
-    failures: list[Failure] = field(default_factory=list)
-    _positions: dict[int, _Position] = field(default_factory=dict)
-    _order: list[int] = field(default_factory=list)  # captured positions, ascending
-    _live: list[Message] = field(default_factory=list)  # QUEUED or SENT, oldest first
-    _sent: dict[tuple[str, int], Message] = field(default_factory=dict)
-    _refusal: str | None = None
-    _refusal_closes: bool = False
+    dropped_records: int = field(default=0, init=False)
+    failures: list[Failure] = field(default_factory=list, init=False)
+    _positions: dict[int, _Position] = field(default_factory=dict, init=False)
+    _order: list[int] = field(default_factory=list, init=False)  # captured positions, ascending
+    _live: list[Message] = field(default_factory=list, init=False)  # QUEUED or SENT, oldest first
+    # Every sent message by (replica, step), kept for the request's life: an
+    # error about a step may name rows already counted as acknowledged.
+    _sent: dict[tuple[str, int], Message] = field(default_factory=dict, init=False)
+    _refusal: str | None = field(default=None, init=False)
+    _refusal_closes: bool = field(default=False, init=False)
     # _order[:_clean] are settled (all rows acknowledged, none failed): the
     # questions below start after them, so a long request costs O(1) per ack.
-    _clean: int = 0
+    _clean: int = field(default=0, init=False)
 
     # -- policy -------------------------------------------------------------
 

@@ -281,7 +281,16 @@ class EngineRuntime:
                     pb.FINISH_REASON_ERROR,
                     message=f"engine error after generation: {type(exc).__name__}: {exc}",
                 )
-            self._finish(request, vllm_reason)
+            try:
+                self._finish(request, vllm_reason)
+            except Exception as exc:  # the client is still owed its `finished`
+                log.exception("request %s: finishing failed", request.request_id)
+                request.events.put_nowait(pb.GenerateResponse(finished=pb.GenerateFinished(
+                    finish_reason=pb.FINISH_REASON_ERROR,
+                    prompt_tokens=request.prompt_len,
+                    generated_tokens=request.generated,
+                    message=f"engine error while finishing: {type(exc).__name__}: {exc}",
+                )))
         finally:
             if self.link is not None:
                 self.link.end_request(request.request_id, request.finish_reason or pb.FINISH_REASON_STOP)

@@ -460,10 +460,17 @@ class RouterLink:
         one Unavailable event per outage."""
         timeout = self.config.router_timeout_s
         tick = max(0.01, timeout / 5)
+        last = time.monotonic()
         while True:
             await asyncio.sleep(tick)
+            now = time.monotonic()
+            stalled, last = now - last > 2 * tick, now
+            if stalled:
+                # The event loop itself was blocked: acks may sit unread in the
+                # sockets. Let the readers run before judging any router.
+                continue
             try:
-                self._check_timeouts(time.monotonic(), timeout)
+                self._check_timeouts(now, timeout)
             except Exception:  # the watchdog must outlive any one bad request
                 log.exception("router link watchdog failed")
 

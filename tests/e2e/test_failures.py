@@ -99,8 +99,8 @@ async def test_killed_router_fails_closed_and_open_requests_by_policy(engine, st
     unprobed = open_outcome.finished.unprobed_tokens
     assert scored > 0 and unprobed > 0
     # Every fed token is scored or counted as unprobed (both, if its scores
-    # arrived but the router died before acknowledging them).
-    assert long - 1 <= scored + unprobed <= long
+    # arrived but its ack did not, in time or at all: the count is conservative).
+    assert scored + unprobed >= long - 1 and unprobed <= long - 1
 
     # The router comes back on the same port: new requests are probed again, no engine restart.
     await start_router(0, tmp_path / "probes-0")
@@ -136,7 +136,8 @@ async def test_request_of_a_lost_replica_is_rehomed_and_finishes(engine, two_rou
     # are counted (fail_open), never silently taken as scored.
     assert outcome.reason == "LENGTH", outcome.finished
     scored_positions = sum(len(e.token_positions) for e in outcome.scores)
-    assert 999 <= scored_positions + outcome.finished.unprobed_tokens <= 1000
+    unprobed = outcome.finished.unprobed_tokens
+    assert scored_positions + unprobed >= 999 and 0 < unprobed < 999
     routers = [event.router for event in outcome.scores]
     survivor = next(r.address for r in two_routers if r.address != home)
     assert routers[0] == home and routers[-1] == survivor
