@@ -42,8 +42,9 @@ class FakeCapture:
     double scores), element 1 the position.
     """
 
-    def __init__(self, score=lambda request_id, position: 0.0) -> None:
+    def __init__(self, score=lambda request_id, position: 0.0, hidden: int = HIDDEN) -> None:
         self.score = score
+        self.hidden = hidden  # wide rows fill transport buffers fast
         self.registered: dict[str, tuple[list, int]] = {}
         self.captured: dict[str, set[int]] = defaultdict(set)  # positions, per request
         self.pending: list[Block] = []
@@ -84,7 +85,7 @@ class FakeCapture:
                 continue
             self.captured[request_id].update(chosen)
             for layer in point.layers:
-                rows = np.zeros((len(chosen), HIDDEN), dtype=np.float32)
+                rows = np.zeros((len(chosen), self.hidden), dtype=np.float32)
                 rows[:, 0] = [self.score(request_id, p) for p in chosen]
                 rows[:, 1] = chosen
                 self.pending.append(

@@ -45,10 +45,15 @@ async def stack():
     made: list[Stack] = []
 
     async def make(
-        router_timeout_s: float = 0.5, step_s: float = 0.005, stepping: bool = True, score=None, **link
+        router_timeout_s: float = 0.5,
+        step_s: float = 0.005,
+        stepping: bool = True,
+        score=None,
+        hidden: int = 8,
+        **link,
     ) -> Stack:
         router = await RouterDouble("r", threshold=100.0).start()
-        capture = FakeCapture(score or (lambda request_id, position: 0.0))
+        capture = FakeCapture(score or (lambda request_id, position: 0.0), hidden=hidden)
         llm = FakeEngine(capture)
         config = RouterLinkConfig(
             targets=router.address,
@@ -158,7 +163,11 @@ async def test_a_silent_router_lets_fail_open_finish_and_counts_what_it_missed(s
     progress = Outcome()
     running = asyncio.create_task(run(s.runtime, request("open", OPEN, max_tokens=80), progress))
     await wait_for(progress, lambda: len(progress.tokens) >= 5)
+    shown = len(progress.tokens)
     s.router.silent = True
+    # Tokens keep coming while the router is silent: each as its rows expire.
+    await wait_for(progress, lambda: len(progress.tokens) >= shown + 10)
+    assert not progress.responses[-1].HasField("finished")
     outcome = await running
     finished = outcome.finished
     assert finished.finish_reason == pb.FINISH_REASON_LENGTH, finished
@@ -232,6 +241,23 @@ async def test_a_killed_router_ends_fail_closed_at_its_first_unacknowledged_posi
     assert finished.finish_reason == pb.FINISH_REASON_ROUTER_UNAVAILABLE, finished
     assert len(outcome.tokens) == finished.verdict.token_position - len(PROMPT)
     assert finished.generated_tokens > len(outcome.tokens)
+
+
+async def test_send_queue_overflow_ends_fail_closed_and_counts_for_fail_open(stack):
+    # Rows of 256 KiB and a router that stops reading: flow control stalls the
+    # writer, the 2-batch queue overflows, drop_oldest evicts.
+    s = await stack(router_timeout_s=5.0, hidden=65536, queue_max_batches=2, step_s=0.01)
+    s.router.reading.clear()
+    closed = await asyncio.wait_for(run(s.runtime, request("closed", max_tokens=400)), 30)
+    assert closed.finished.finish_reason == pb.FINISH_REASON_ROUTER_UNAVAILABLE
+    assert "rows dropped before reaching a router (drop_oldest)" in closed.finished.message
+    assert closed.finished.dropped_records > 0
+    assert len(closed.tokens) == max(0, closed.finished.verdict.token_position - len(PROMPT))
+    opened = await asyncio.wait_for(run(s.runtime, request("open", OPEN, max_tokens=60)), 30)
+    assert opened.finished.finish_reason == pb.FINISH_REASON_LENGTH and len(opened.tokens) == 60
+    finished = opened.finished
+    assert finished.dropped_records > 0 and finished.unprobed_tokens >= finished.dropped_records
+    s.router.reading.set()
 
 
 # -- item 6: events of another run or another replica are ignored ---------------------
