@@ -72,6 +72,8 @@ async def stack():
 
     yield make
     for s in made:
+        # Every request, however it ended, left no state behind.
+        await until(lambda: not s.runtime.active and s.runtime.link.live_requests() == 0, timeout=5)
         if s.stepper:
             s.stepper.cancel()
         await s.runtime.close()
