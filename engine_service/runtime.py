@@ -30,7 +30,6 @@ from common.errors import (
     FailedPrecondition,
     NotFound,
     Unavailable,
-    status_code_name,
 )
 from engine_service import link as links
 from engine_service import requests as reqs
