@@ -6,7 +6,8 @@ engine step for one replica). A message is QUEUED, then SENT (it got a step
 number), then ACKED when the replica that owns the request acknowledges that
 step; or it FAILED: dropped by the send queue, lost with its replica, refused
 or errored by the router, or left unacknowledged past the router timeout.
-FAILED is final: a late ack never makes a failed row scored.
+FAILED and ACKED are final: a late ack never makes a failed row scored, and an
+error about a step that was already acknowledged is out of order and ignored.
 
 A position is *settled* when every row captured at it was acknowledged and
 none failed. Token gating shows token g (at position prompt_len + g) only once
@@ -79,8 +80,8 @@ class RequestLedger:
     _positions: dict[int, _Position] = field(default_factory=dict, init=False)
     _order: list[int] = field(default_factory=list, init=False)  # captured positions, ascending
     _live: list[Message] = field(default_factory=list, init=False)  # QUEUED or SENT, oldest first
-    # Every sent message by (replica, step), kept for the request's life: an
-    # error about a step may name rows already counted as acknowledged.
+    # SENT messages by (replica, step), for errors naming a step. Routers send a
+    # step's errors before its ack, so an acknowledged message is forgotten.
     _sent: dict[tuple[str, int], Message] = field(default_factory=dict, init=False)
     _refusal: str | None = field(default=None, init=False)
     _refusal_closes: bool = field(default=False, init=False)
@@ -129,6 +130,7 @@ class RequestLedger:
                 continue
             message.state = MessageState.ACKED
             self._live.remove(message)
+            del self._sent[(message.replica, message.step)]
             for position, count in message.rows.items():
                 entry = self._positions[position]
                 entry.outstanding -= count
@@ -190,20 +192,14 @@ class RequestLedger:
     ) -> Failure | None:
         rows = 0
         for message in messages:
-            if message.state is MessageState.FAILED:
+            if message.state not in (MessageState.QUEUED, MessageState.SENT):
                 continue
-            was_acked = message.state is MessageState.ACKED
-            if was_acked:
-                self._clean = 0  # an error after the ack unsettles those positions
-            else:
-                self._live.remove(message)
+            self._live.remove(message)
+            self._sent.pop((message.replica, message.step), None)
             message.state = MessageState.FAILED
             for position, count in message.rows.items():
                 entry = self._positions[position]
-                if was_acked:
-                    entry.acknowledged -= count
-                else:
-                    entry.outstanding -= count
+                entry.outstanding -= count
                 entry.failed += count
                 entry.blocking = entry.blocking or closes
             rows += message.num_rows
