@@ -1,8 +1,8 @@
 """Domain errors and the one place that maps them to gRPC status codes.
 
-Services raise these from plain modules; the interceptor (for unary calls) and
-`abort_with` (inside streaming handlers) turn them into statuses, as KServe's
-server does. Messages name the field and the reason.
+Services raise these from plain modules; the interceptor turns them (and any
+unexpected exception, as INTERNAL) into statuses, as KServe's server does.
+Messages name the field and the reason.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 
 import grpc
+from google.protobuf import descriptor_pool
+from google.protobuf.message import DecodeError
 from grpc import aio
 
 log = logging.getLogger(__name__)
@@ -82,49 +84,112 @@ async def abort_with(context: aio.ServicerContext, exc: BaseException) -> None:
 
 
 class ErrorMappingInterceptor(aio.ServerInterceptor):
-    """Maps domain errors raised by any handler to their gRPC status."""
+    """The one place where a handler's failure becomes a status.
+
+    Requests are parsed here, inside the handler, rather than by grpc-python
+    (which turns a failing request deserializer into UNKNOWN): bytes that are
+    not the method's request message come back INVALID_ARGUMENT, for unary and
+    streaming requests alike. Domain errors map to their status; anything else
+    a handler raises is INTERNAL, logged with its traceback.
+    """
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
+        parse = _Parser(handler_call_details.method, handler.request_deserializer)
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
+                _wrap_unary(handler.unary_unary, parse),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream),
-                request_deserializer=handler.request_deserializer,
+                _wrap_stream(handler.unary_stream, parse),
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                _wrap_unary(handler.stream_unary, parse, streaming=True),
                 response_serializer=handler.response_serializer,
             )
         if handler.stream_stream:
             return grpc.stream_stream_rpc_method_handler(
-                _wrap_stream(handler.stream_stream),
-                request_deserializer=handler.request_deserializer,
+                _wrap_stream(handler.stream_stream, parse, streaming=True),
                 response_serializer=handler.response_serializer,
             )
         return handler
 
 
-def _wrap_unary(behavior):
+class _Parser:
+    """Parses one call's request bytes; remembers the first message that did not parse."""
+
+    def __init__(self, method: str, deserializer):
+        self.method = method
+        self.deserializer = deserializer
+        self.failure: InvalidArgument | None = None
+
+    def __call__(self, data: bytes):
+        if self.deserializer is None:
+            return data
+        try:
+            return self.deserializer(data)
+        except DecodeError as err:
+            self.failure = InvalidArgument(
+                f"{self.method}: the request is not a valid {_request_type(self.method)} message "
+                f"({len(data)} bytes): {err}"
+            )
+            raise self.failure from None
+
+    async def stream(self, raw_messages):
+        async for data in raw_messages:
+            yield self(data)
+
+
+def _request_type(method: str) -> str:
+    """"/pkg.Service/Method" -> the full name of its request message."""
+    try:
+        service, name = method.lstrip("/").rsplit("/", 1)
+        return descriptor_pool.Default().FindServiceByName(service).methods_by_name[name].input_type.full_name
+    except (KeyError, ValueError):
+        return "request"
+
+
+async def _fail(context: aio.ServicerContext, parse: _Parser, exc: BaseException) -> None:
+    # A handler that met an unparsable message may fail in its own way (or end
+    # quietly, below); the caller still learns the cause.
+    await abort_with(context, parse.failure or exc)
+
+
+def _wrap_unary(behavior, parse: _Parser, streaming: bool = False):
     async def wrapper(request, context):
         try:
-            return await behavior(request, context)
-        except UndercurrentError as exc:
-            await abort_with(context, exc)
+            request = parse.stream(request) if streaming else parse(request)
+            response = await behavior(request, context)
+        except aio.AbortError:
+            raise
+        except Exception as exc:
+            await _fail(context, parse, exc)
+        else:
+            if parse.failure is not None:
+                await abort_with(context, parse.failure)
+            return response
 
     return wrapper
 
 
-def _wrap_stream(behavior):
-    async def wrapper(request_or_iterator, context):
+def _wrap_stream(behavior, parse: _Parser, streaming: bool = False):
+    async def wrapper(request, context):
         try:
-            async for response in behavior(request_or_iterator, context):
+            request = parse.stream(request) if streaming else parse(request)
+            async for response in behavior(request, context):
                 yield response
-        except UndercurrentError as exc:
-            await abort_with(context, exc)
+        except aio.AbortError:
+            raise
+        except Exception as exc:
+            await _fail(context, parse, exc)
+        else:
+            if parse.failure is not None:
+                await abort_with(context, parse.failure)
 
     return wrapper

@@ -8,6 +8,8 @@ a float32).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from undercurrent.v1 import undercurrent_pb2 as pb
@@ -45,16 +47,20 @@ def decode(tensor: pb.Tensor, as_float32: bool = True) -> np.ndarray:
         raise TensorDecodeError(
             f"tensor.dtype {tensor.dtype!r} is not supported; use one of {SUPPORTED_DTYPES}"
         )
+    # Python ints: a product such as 2**32 * 2**32 must not wrap to 0 and pass.
     shape = tuple(int(d) for d in tensor.shape)
     if any(d < 0 for d in shape):
         raise TensorDecodeError(f"tensor.shape {list(shape)} has a negative dimension")
-    expected = int(np.prod(shape, dtype=np.int64)) * storage.itemsize
+    expected = math.prod(shape) * storage.itemsize
     if len(tensor.data) != expected:
         raise TensorDecodeError(
             f"tensor.data has {len(tensor.data)} bytes but shape {list(shape)} of "
             f"{tensor.dtype} needs {expected}"
         )
-    array = np.frombuffer(tensor.data, dtype=storage).reshape(shape)
+    try:
+        array = np.frombuffer(tensor.data, dtype=storage).reshape(shape)
+    except (ValueError, OverflowError, MemoryError) as err:  # e.g. a zero-size shape numpy cannot index
+        raise TensorDecodeError(f"tensor.shape {list(shape)}: {err}") from None
     if tensor.dtype == "bfloat16":
         return bfloat16_bits_to_float32(array) if as_float32 else array
     return array.astype(np.float32, copy=False) if as_float32 else array

@@ -16,10 +16,11 @@ from pathlib import Path
 
 from prometheus_client import start_http_server
 
-from common.grpc_server import PortInUse
+from common.grpc_server import MAX_MESSAGE_BYTES, PortInUse
 from router_service import logs
 from router_service.probe_files import ProbeFileError
-from router_service.server import Router, RouterConfig
+from router_service.server import DEFAULT_MAX_SESSIONS, Router, RouterConfig
+from router_service.session import DEFAULT_MAX_REQUESTS_PER_SESSION
 
 
 
@@ -48,11 +49,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--scores-interval", type=float, default=0.0,
                         help="minimum seconds between ProbeScores messages per binding (default 0: every step)")
     parser.add_argument("--router-id", default="", help="name reported in RouterHello (default host:pid)")
+    parser.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES,
+                        help=f"largest gRPC message sent or received (default {MAX_MESSAGE_BYTES}, 64 MiB)")
+    parser.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS,
+                        help="open engine sessions; one more is refused with RESOURCE_EXHAUSTED "
+                             f"(default {DEFAULT_MAX_SESSIONS})")
+    parser.add_argument("--max-requests-per-session", type=int, default=DEFAULT_MAX_REQUESTS_PER_SESSION,
+                        help="live requests per engine session; request_start beyond it gets an in-band "
+                             f"RESOURCE_EXHAUSTED error (default {DEFAULT_MAX_REQUESTS_PER_SESSION})")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = parser.parse_args(argv)
     if not args.probes.is_dir():
         parser.error(f"--probes {args.probes}: not a directory")
-    for flag in ("heartbeat_interval", "grace_period"):
+    for flag in ("heartbeat_interval", "grace_period", "max_message_bytes", "max_sessions",
+                 "max_requests_per_session"):
         if getattr(args, flag) <= 0:
             parser.error(f"--{flag.replace('_', '-')} must be > 0")
     return args
@@ -86,6 +96,9 @@ async def serve(args: argparse.Namespace) -> None:
             grace_period=args.grace_period,
             scores_interval=args.scores_interval,
             router_id=args.router_id,
+            max_message_bytes=args.max_message_bytes,
+            max_sessions=args.max_sessions,
+            max_requests_per_session=args.max_requests_per_session,
         )
     )
     await router.start()

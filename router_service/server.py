@@ -14,15 +14,18 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.grpc_server import SERVICE_FULL_NAMES, ServerHandle, start_server
+from common.grpc_server import MAX_MESSAGE_BYTES, SERVICE_FULL_NAMES, ServerHandle, start_server
 from router_service.metrics import RouterMetrics
 from router_service.probe_files import load_probe_path, probe_paths
 from router_service.registry import ProbeRegistry
 from router_service.servicers import AdminServicer, LiveSession, SessionServicer
+from router_service.session import DEFAULT_MAX_REQUESTS_PER_SESSION
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+DEFAULT_MAX_SESSIONS = 256
 
 
 @dataclass
@@ -35,6 +38,9 @@ class RouterConfig:
     scores_interval: float = 0.0  # minimum seconds between ProbeScores per binding; 0: every step
     router_id: str = ""  # default: hostname:pid
     scoring_threads: int = 2
+    max_message_bytes: int = MAX_MESSAGE_BYTES  # gRPC send and receive limit
+    max_sessions: int = DEFAULT_MAX_SESSIONS  # open engine sessions; more get RESOURCE_EXHAUSTED
+    max_requests_per_session: int = DEFAULT_MAX_REQUESTS_PER_SESSION  # live requests per session
 
 
 class Router:
@@ -79,6 +85,7 @@ class Router:
             ],
             self.config.host,
             self.config.port,
+            self.config.max_message_bytes,
         )
         self._started = True
         self.metrics.probes_loaded.set(len(self.registry))

@@ -15,7 +15,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, AsyncIterator
 
-from common.errors import InvalidArgument
+from common.enum_checks import check_enums
+from common.errors import InvalidArgument, ResourceExhausted
 from router_service.probe_files import ProbeFileError, load_probe_bytes, load_probe_path
 from router_service.manifest import ManifestError
 from router_service.session import SessionState, error
@@ -44,6 +45,7 @@ class LiveSession:
             router.metrics,
             scores_interval=router.config.scores_interval,
             draining=lambda: router.draining,
+            max_requests=router.config.max_requests_per_session,
         )
         self.outbox: asyncio.Queue[pb.SessionResponse | None] = asyncio.Queue(OUTBOX_SIZE)
         self._tasks: set[asyncio.Task] = set()
@@ -74,7 +76,6 @@ class LiveSession:
 
     async def _handle(self, message: pb.SessionRequest) -> list[pb.SessionResponse]:
         kind = message.WhichOneof("message")
-        request_id = ""
         try:
             if kind == "batch":
                 out = self.state.detach_retired()
@@ -83,10 +84,8 @@ class LiveSession:
                 self._scoring = self.router.executor.submit(self.state.batch, message.batch)
                 return out + await asyncio.wrap_future(self._scoring)
             if kind == "request_start":
-                request_id = message.request_start.request_id
                 return self.state.start(message.request_start)
             if kind == "request_end":
-                request_id = message.request_end.request_id
                 return self.state.end(message.request_end)
             if kind == "heartbeat":
                 return [pb.SessionResponse(heartbeat=message.heartbeat)]
@@ -95,10 +94,11 @@ class LiveSession:
             return [error("", "INVALID_ARGUMENT", "SessionRequest: no message set")]
         except Exception as err:  # a bug must not take the other requests down
             log.exception("error handling engine message", extra={"session": self.id, "kind": kind})
-            out = [error(request_id, "INTERNAL", f"{kind}: internal error: {type(err).__name__}: {err}")]
-            if kind == "batch":  # the engine still gets its ack, so its step tracking moves on
-                out.append(pb.SessionResponse(ack=pb.StepAck(step=message.batch.step)))
-            return out
+            if kind == "batch":  # an error per request of the batch, then its ack
+                return self.state.batch_failed(message.batch, err)
+            about = getattr(message, kind)
+            return [error(about.request_id, "INTERNAL", f"{kind}: internal error: {type(err).__name__}: {err}",
+                          incarnation=about.incarnation)]
 
     async def heartbeat(self, interval: float) -> None:
         while True:
@@ -127,11 +127,17 @@ class SessionServicer(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
             raise InvalidArgument(
                 f"the first SessionRequest must be hello, got {first.WhichOneof('message')!r}"
             )
+        check_enums(first.hello, "hello")
         model = first.hello.model
         if model.hidden_size <= 0 or model.num_layers <= 0:
             raise InvalidArgument(
                 f"hello.model: hidden_size {model.hidden_size} and num_layers {model.num_layers} "
                 "must both be > 0"
+            )
+        if len(self.router.sessions) >= self.router.config.max_sessions:
+            raise ResourceExhausted(
+                f"this router already serves {len(self.router.sessions)} sessions, its --max-sessions; "
+                "connect to another replica"
             )
         session = LiveSession(self.router, first.hello)
         probes, errors = session.state.catalog()

@@ -5,6 +5,10 @@ RouterMessages it returns, in order. For a batch that order is: scores, then at
 most one abort per request, then the StepAck, so every verdict caused by step N
 precedes ack N. A bad record yields an in-band RequestError naming the field;
 the rest of the batch is still scored.
+
+Every RequestError about a request echoes the incarnation its request_start
+gave, and every error about a batch's rows names the batch `step`: the engine
+then knows which of that step's rows went unscored although the step is acked.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Callable
 import numpy as np
 
 from common.activations import BatchDecodeError, decode_block
+from common.enum_checks import unknown_enum
 from common.errors import UndercurrentError, status_code_value
 from router_service.metrics import RouterMetrics
 from router_service.probes import Probe, ProjectionPlan, first_firing_segments
@@ -29,6 +34,7 @@ log = logging.getLogger(__name__)
 # Remembered so a record that arrives after request_end gets a precise error.
 ENDED_REQUESTS_REMEMBERED = 4096
 PLAN_CACHE_SIZE = 64
+DEFAULT_MAX_REQUESTS_PER_SESSION = 4096
 
 
 @dataclass
@@ -48,6 +54,7 @@ class RequestState:
     request_id: str
     prompt_length: int
     bindings: dict[int, Binding]  # id(probe) -> binding, in request_start order
+    incarnation: int = 0  # echoed on every message about this request
     aborted: bool = False
 
 
@@ -108,11 +115,13 @@ class _Candidate:
         return (self.position, self.layer, self.binding.order)
 
 
-def error(request_id: str, code: str, message: str, probe: str = "") -> pb.SessionResponse:
+def error(request_id: str, code: str, message: str, probe: str = "", incarnation: int = 0,
+          step: int = 0) -> pb.SessionResponse:
     """An in-band RequestError; code is a gRPC status-code name such as "INVALID_ARGUMENT"."""
     return pb.SessionResponse(
         error=pb.RequestError(
-            request_id=request_id, probe=probe, code=status_code_value(code), message=message
+            request_id=request_id, probe=probe, code=status_code_value(code), message=message,
+            incarnation=incarnation, step=step,
         )
     )
 
@@ -126,6 +135,7 @@ class SessionState:
         scores_interval: float = 0.0,
         draining: Callable[[], bool] = lambda: False,
         clock: Callable[[], float] = time.monotonic,
+        max_requests: int = DEFAULT_MAX_REQUESTS_PER_SESSION,
     ):
         self.registry = registry
         self.model = model
@@ -133,9 +143,10 @@ class SessionState:
         self.scores_interval = scores_interval
         self.draining = draining
         self.clock = clock
+        self.max_requests = max_requests
         self.requests: dict[str, RequestState] = {}
         self._bound: dict[int, _BoundProbe] = {}  # id(probe) -> its bindings' rule state
-        self._ended: OrderedDict[str, None] = OrderedDict()
+        self._ended: OrderedDict[str, int] = OrderedDict()  # request id -> its last incarnation
         self._reported_incompatible: set[tuple[str, str]] = set()
         self._plans: OrderedDict[tuple[int, ...], ProjectionPlan] = OrderedDict()
 
@@ -160,53 +171,64 @@ class SessionState:
     # -- request lifecycle --------------------------------------------------
 
     def start(self, msg: pb.RequestStart) -> list[pb.SessionResponse]:
-        rid = msg.request_id
+        rid, incarnation = msg.request_id, msg.incarnation
+
+        def refuse(code: str, message: str, probe: str = "") -> pb.SessionResponse:
+            return self._error(rid, code, message, probe, incarnation=incarnation)
+
         if not rid:
-            return [self._error("", "INVALID_ARGUMENT", "request_start.request_id is empty")]
+            return [refuse("INVALID_ARGUMENT", "request_start.request_id is empty")]
         if self.draining():
-            return [self._error(rid, "UNAVAILABLE", "router is draining; send the request elsewhere")]
+            return [refuse("UNAVAILABLE", "router is draining; send the request elsewhere")]
         if rid in self.requests:
-            return [self._error(rid, "ALREADY_EXISTS", f"request_start: request {rid!r} already started")]
+            return [refuse("ALREADY_EXISTS", f"request_start: request {rid!r} already started")]
+        if len(self.requests) >= self.max_requests:
+            return [refuse("RESOURCE_EXHAUSTED",
+                           f"request_start: this session already runs {len(self.requests)} requests, "
+                           f"the router's --max-requests-per-session")]
         if msg.prompt_length < 0:
-            return [self._error(rid, "INVALID_ARGUMENT",
-                                f"request_start.prompt_length {msg.prompt_length} is negative")]
+            return [refuse("INVALID_ARGUMENT", f"request_start.prompt_length {msg.prompt_length} is negative")]
         out: list[pb.SessionResponse] = []
         bindings: dict[int, Binding] = {}
         names: set[str] = set()
         for i, wanted in enumerate(msg.probes):
+            if bad := unknown_enum(wanted, f"request_start.probes[{i}]"):
+                out.append(refuse("INVALID_ARGUMENT", bad, wanted.probe))
+                continue
             if wanted.probe in names:
-                out.append(self._error(rid, "INVALID_ARGUMENT",
-                                       f"request_start.probes[{i}]: probe {wanted.probe!r} bound twice",
-                                       wanted.probe))
+                out.append(refuse("INVALID_ARGUMENT",
+                                  f"request_start.probes[{i}]: probe {wanted.probe!r} bound twice", wanted.probe))
                 continue
             try:
                 probe = self.registry.bind(wanted.probe)
             except UndercurrentError as err:
-                out.append(self._error(rid, err.code.name, f"request_start.probes[{i}]: {err}", wanted.probe))
+                out.append(refuse(err.code.name, f"request_start.probes[{i}]: {err}", wanted.probe))
                 continue
             reason = probe.manifest.incompatibility(self.model)
             if reason is not None:
                 self.registry.release(probe)
-                out.append(self._error(rid, "FAILED_PRECONDITION", f"request_start.probes[{i}]: {reason}",
-                                       wanted.probe))
+                out.append(refuse("FAILED_PRECONDITION", f"request_start.probes[{i}]: {reason}", wanted.probe))
                 continue
             names.add(wanted.probe)
             action = wanted.action if wanted.action != pb.PROBE_ACTION_UNSPECIFIED else probe.manifest.action
             row = self._bound.setdefault(id(probe), _BoundProbe(probe)).allocate(action == pb.PROBE_ACTION_ABORT)
             bindings[id(probe)] = Binding(probe, action, len(bindings), row, probe.new_state())
-        self.requests[rid] = RequestState(rid, msg.prompt_length, bindings)
+        self.requests[rid] = RequestState(rid, msg.prompt_length, bindings, incarnation)
         self._ended.pop(rid, None)
         self.metrics.live_requests.inc()
         return out
 
     def end(self, msg: pb.RequestEnd) -> list[pb.SessionResponse]:
-        request = self.requests.pop(msg.request_id, None)
-        if request is None:
+        request = self.requests.get(msg.request_id)
+        if request is None or request.incarnation != msg.incarnation:
             return [self._error(msg.request_id, "NOT_FOUND",
-                                f"request_end: request {msg.request_id!r} is not running on this session")]
+                                f"request_end: request {msg.request_id!r} incarnation {msg.incarnation} "
+                                "is not running on this session", incarnation=msg.incarnation)]
+        del self.requests[msg.request_id]
         out = [m for b in request.bindings.values() if (m := self._flush_scores(request, b, force=True))]
         self._free(request)
-        self._ended[msg.request_id] = None
+        self._ended[msg.request_id] = request.incarnation
+        self._ended.move_to_end(msg.request_id)
         while len(self._ended) > ENDED_REQUESTS_REMEMBERED:
             self._ended.popitem(last=False)
         return out
@@ -242,7 +264,12 @@ class SessionState:
         binds: dict[int, np.ndarray] = {}  # id(probe) -> which slots bind it
         gathered: dict[int, _Gathered] = {}
         for i in range(len(batch.blocks)):
-            out += self._gather_block(batch, i, requests, binds, gathered, reported)
+            try:
+                out += self._gather_block(batch, i, requests, binds, gathered, reported)
+            except Exception as err:  # a bug on one block must not cost the others their scores
+                log.exception("block failed", extra={"step": batch.step, "block": i})
+                out += self._block_error(batch, _block_request_ids(batch, i), "INTERNAL",
+                                         f"blocks[{i}]: internal error: {type(err).__name__}: {err}", reported)
         candidates: dict[int, list[_Candidate]] = {}
         prompt_lengths = np.array([r.prompt_length if r else 0 for r in requests], dtype=np.int64)
         for part in gathered.values():
@@ -273,36 +300,36 @@ class SessionState:
         msg = batch.blocks[i]
         where = f"blocks[{i}] ({msg.point}@{msg.layer})"
         self.metrics.bytes.inc(len(msg.rows.data))
-        slots = np.asarray(msg.request_index, dtype=np.int64)
+        if bad := unknown_enum(msg, f"blocks[{i}]"):
+            return self._block_error(batch, _block_request_ids(batch, i), "INVALID_ARGUMENT", bad, reported)
         try:
             block = decode_block(batch, i)
         except BatchDecodeError as err:
-            named = [batch.request_ids[j] for j in np.unique(slots) if j < len(batch.request_ids)]
-            return self._block_error(named, "INVALID_ARGUMENT", str(err), reported)
+            return self._block_error(batch, _block_request_ids(batch, i), "INVALID_ARGUMENT", str(err),
+                                     reported)
         self.metrics.rows.inc(block.num_rows)
         if block.num_rows == 0:
             return []
         if block.rows.shape[1] != self.model.hidden_size:
             return self._block_error(
-                sorted(set(block.request_ids)), "INVALID_ARGUMENT",
+                batch, block.request_ids, "INVALID_ARGUMENT",
                 f"{where}.rows.shape: hidden size {block.rows.shape[1]} does not match the "
                 f"model's hidden_size {self.model.hidden_size}", reported,
             )
+        slots = np.asarray(msg.request_index, dtype=np.int64)
         out = []
         known = np.array([r is not None for r in requests])[slots]
         for j in np.unique(slots[~known]):
-            out += self._unknown_request(batch.request_ids[j], where, reported)
-        finite = np.isfinite(block.rows).all(axis=1)
-        for j in np.unique(slots[known & ~finite]):
-            rid = batch.request_ids[j]
-            if (rid, "nonfinite") not in reported:
-                reported.add((rid, "nonfinite"))
-                bad = block.token_positions[(slots == j) & ~finite]
-                out.append(self._error(
-                    rid, "INVALID_ARGUMENT",
-                    f"{where}.rows: {bad.size} row(s) with NaN or Inf at token_positions "
-                    f"{bad.tolist()[:8]}; those rows were not scored"))
-        usable = known & finite
+            out += self._unknown_request(batch.request_ids[j], where, batch.step, reported)
+        usable = known
+        for problem, bad_rows in (
+            ("with a negative token position", block.token_positions < 0),
+            ("with NaN or Inf", ~np.isfinite(block.rows).all(axis=1)),
+        ):
+            for j in np.unique(slots[usable & bad_rows]):
+                out += self._rows_error(batch, requests[j], where, problem,
+                                        block.token_positions[(slots == j) & bad_rows], reported)
+            usable = usable & ~bad_rows
         readers = []
         for probe in [bound.probe for bound in self._bound.values()]:
             if not probe.manifest.reads(block.tensor_type, block.layer):
@@ -380,7 +407,7 @@ class SessionState:
                                  "token_position": position})
         return pb.SessionResponse(abort=pb.Verdict(
             request_id=request.request_id, probe=m.name, score=score, token_position=position,
-            reason=reason))
+            reason=reason, incarnation=request.incarnation))
 
     def _flush_scores(self, request: RequestState, binding: Binding, force: bool) -> pb.SessionResponse | None:
         if not binding.pending_scores:
@@ -394,6 +421,7 @@ class SessionState:
             probe=binding.probe.name,
             token_positions=np.concatenate(binding.pending_positions).tolist(),
             scores=np.concatenate(binding.pending_scores).tolist(),
+            incarnation=request.incarnation,
         )
         binding.pending_positions.clear()
         binding.pending_scores.clear()
@@ -427,31 +455,66 @@ class SessionState:
             self._plans.move_to_end(key)
         return plan
 
-    def _unknown_request(self, rid: str, where: str, reported: set[tuple[str, str]]) -> list[pb.SessionResponse]:
+    def _unknown_request(self, rid: str, where: str, step: int,
+                         reported: set[tuple[str, str]]) -> list[pb.SessionResponse]:
         if (rid, "unknown") in reported:
             return []
         reported.add((rid, "unknown"))
         if rid in self._ended:
             return [self._error(rid, "FAILED_PRECONDITION",
-                                f"{where}: records for request {rid!r} after its request_end; not scored")]
+                                f"{where}: records for request {rid!r} after its request_end; not scored",
+                                step=step, incarnation=self._ended[rid])]
         return [self._error(rid, "NOT_FOUND",
                             f"{where}: request {rid!r} was never started on this session "
-                            "(no request_start); its records were not scored")]
+                            "(no request_start); its records were not scored", step=step)]
 
-    def _block_error(self, request_ids: list[str], code: str, message: str,
+    def _rows_error(self, batch: pb.ActivationBatch, request: RequestState, where: str, problem: str,
+                    positions: np.ndarray, reported: set[tuple[str, str]]) -> list[pb.SessionResponse]:
+        """One error per request and problem per batch, naming the first bad positions."""
+        if (request.request_id, problem) in reported:
+            return []
+        reported.add((request.request_id, problem))
+        return [self._error(
+            request.request_id, "INVALID_ARGUMENT",
+            f"{where}.rows: {positions.size} row(s) {problem} at token_positions {positions.tolist()[:8]}; "
+            "those rows were not scored", step=batch.step)]
+
+    def _block_error(self, batch: pb.ActivationBatch, request_ids: list[str], code: str, message: str,
                      reported: set[tuple[str, str]]) -> list[pb.SessionResponse]:
+        """One error per request that had rows in the block (every request of the
+        batch when the block names none it can be matched to)."""
+        named = {r for r in request_ids if r} or {r for r in batch.request_ids if r}
         out = []
-        for rid in sorted({r for r in request_ids if r}) or [""]:
+        for rid in sorted(named) or [""]:
             if (rid, message) not in reported:
                 reported.add((rid, message))
-                out.append(self._error(rid, code, message + "; the block was not scored"))
+                out.append(self._error(rid, code, message + "; the block was not scored", step=batch.step))
         return out
 
-    def _error(self, request_id: str, code: str, message: str, probe: str = "") -> pb.SessionResponse:
+    def batch_failed(self, batch: pb.ActivationBatch, err: BaseException) -> list[pb.SessionResponse]:
+        """A batch that failed as a whole: INTERNAL for every request in it, then its
+        ack, so the engine knows exactly which requests' rows of that step went unscored."""
+        message = f"batch: internal error: {type(err).__name__}: {err}; the batch was not scored"
+        out = [self._error(rid, "INTERNAL", message, step=batch.step)
+               for rid in sorted({r for r in batch.request_ids if r}) or [""]]
+        return out + [pb.SessionResponse(ack=pb.StepAck(step=batch.step))]
+
+    def _error(self, request_id: str, code: str, message: str, probe: str = "", step: int = 0,
+               incarnation: int | None = None) -> pb.SessionResponse:
+        """incarnation defaults to the running request's of that id (0 if none runs)."""
+        if incarnation is None:
+            request = self.requests.get(request_id)
+            incarnation = request.incarnation if request is not None else 0
         self.metrics.errors.labels(code).inc()
         log.warning("request error", extra={"request_id": request_id, "probe": probe, "code": code,
-                                            "error": message})
-        return error(request_id, code, message, probe)
+                                            "step": step, "error": message})
+        return error(request_id, code, message, probe, incarnation=incarnation, step=step)
+
+
+def _block_request_ids(batch: pb.ActivationBatch, i: int) -> list[str]:
+    """The requests blocks[i] names through valid request_index entries."""
+    count = len(batch.request_ids)
+    return [batch.request_ids[j] for j in set(batch.blocks[i].request_index) if j < count]
 
 
 def selects(scope, positions: np.ndarray, generated: np.ndarray, prompt_lengths: np.ndarray) -> np.ndarray:

@@ -67,3 +67,33 @@ def test_batch_with_bad_request_index_is_refused_with_the_block_named():
     batch.blocks[0].request_index[0] = 5
     with pytest.raises(activations.BatchDecodeError, match=r"blocks\[0\] \(p@2\).request_index"):
         activations.from_batch(batch)
+
+
+@pytest.mark.parametrize("shape, reason", [
+    ([2**32, 2**32], "needs 73786976294838206464"),  # wraps to 0 elements in int64
+    ([2**31, 2**31, 4], "needs 73786976294838206464"),
+    ([0, 2**62], "array is too big"),  # 0 elements, but numpy cannot index the shape
+    ([-1, 4], "negative dimension"),
+])
+def test_shapes_that_overflow_are_refused_as_decode_errors(shape, reason):
+    message = pb.Tensor(dtype="float32", shape=shape, data=b"")
+    with pytest.raises(tensor_codec.TensorDecodeError, match=reason):
+        tensor_codec.decode(message)
+    batch = pb.ActivationBatch(request_ids=["r"], blocks=[pb.ActivationBlock(point="p", rows=message)])
+    with pytest.raises(activations.BatchDecodeError, match=r"blocks\[0\] \(p@0\)\.rows"):
+        activations.decode_block(batch, 0)
+
+
+def test_unknown_enum_values_are_named_with_their_field_path():
+    from common.enum_checks import check_enums, unknown_enum
+    from common.errors import InvalidArgument
+
+    assert unknown_enum(pb.GenerateRequest(probes=[pb.ProbeBinding(failure_policy=2, action=2)])) is None
+    assert unknown_enum(pb.GenerateRequest(probes=[pb.ProbeBinding(), pb.ProbeBinding(failure_policy=9)])) == (
+        "probes[1].failure_policy: 9 is not a FailurePolicy")
+    nested = pb.GenerateRequest(extraction_points=[pb.ExtractionPoint(tokens=pb.TokenSelector(scope=7))])
+    assert unknown_enum(nested) == "extraction_points[0].tokens.scope: 7 is not a TokenSelector.Scope"
+    assert unknown_enum(pb.ModelInfo(tensor_types=[1, 8]), "hello.model") == (
+        "hello.model.tensor_types[1]: 8 is not a TensorType")
+    with pytest.raises(InvalidArgument, match=r"probes\[0\]\.action: 3 is not a ProbeAction"):
+        check_enums(pb.GenerateRequest(probes=[pb.ProbeBinding(action=3)]))

@@ -413,19 +413,27 @@ async def test_an_internal_failure_still_acks_the_step_and_keeps_the_session(mak
     router = await make_router(probes_dir)
     client = SessionClient(router)
     await client.open()
-    client.start("r", "tox", prompt_length=0)
+    client.send(request_start=pb.RequestStart(request_id="r", probes=[pb.ProbeBinding(probe="tox")],
+                                              incarnation=7))
+    client.send(request_start=pb.RequestStart(request_id="q", probes=[pb.ProbeBinding(probe="tox")],
+                                              incarnation=8))
     tox = next(p for p in router.registry.probes() if p.name == "tox")
 
     def broken(values, state):
         raise RuntimeError("injected fault")
 
     monkeypatch.setattr(tox, "score", broken)
-    replies = await client.until_ack(client.batch(block(np.zeros((1, HIDDEN)), ["r"], [0])))
-    assert kinds(replies) == ["error", "ack"]
-    assert replies[0].error.code == pb.STATUS_CODE_INTERNAL
-    assert replies[0].error.message == "batch: internal error: RuntimeError: injected fault"
+    step = client.batch(block(np.zeros((2, HIDDEN)), ["r", "q"], [0, 0]))
+    replies = await client.until_ack(step)
+    # One error per request of the batch, each naming its request, incarnation and step.
+    assert kinds(replies) == ["error", "error", "ack"]
+    assert [(e.request_id, e.incarnation, e.step, e.code) for e in errors(replies)] == [
+        ("q", 8, step, pb.STATUS_CODE_INTERNAL), ("r", 7, step, pb.STATUS_CODE_INTERNAL)]
+    assert replies[0].error.message == (
+        "batch: internal error: RuntimeError: injected fault; the batch was not scored")
     monkeypatch.undo()
     hot = np.full((2, HIDDEN), 6.0)
     replies = await client.until_ack(client.batch(block(hot, ["r"] * 2, [1, 2])))
     assert kinds(replies) == ["abort", "ack"] and replies[0].abort.token_position == 2
+    assert replies[0].abort.incarnation == 7
     await client.close()

@@ -1,0 +1,45 @@
+"""Unknown enum values in a message, found by walking its descriptor.
+
+proto3 enums are open: a peer may send any integer, and the parser keeps it.
+Both services refuse such a value with INVALID_ARGUMENT naming the field
+(`probes[0].failure_policy: 9 is not a FailurePolicy`) before anything reads it.
+"""
+
+from __future__ import annotations
+
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+
+from common.errors import InvalidArgument
+
+
+def unknown_enum(message: Message, where: str = "") -> str | None:
+    """The first enum field (depth first, in field order) holding a value its enum
+    does not define, as "path: value is not a EnumName"; None when all are known."""
+    for field, value in message.ListFields():
+        path = f"{where}.{field.name}" if where else field.name
+        repeated = field.is_repeated
+        if field.type == FieldDescriptor.TYPE_ENUM:
+            for i, item in enumerate(value if repeated else [value]):
+                if field.enum_type.values_by_number.get(item) is None:
+                    at = f"{path}[{i}]" if repeated else path
+                    return f"{at}: {item} is not a {_enum_name(field)}"
+        elif field.type == FieldDescriptor.TYPE_MESSAGE and not field.message_type.GetOptions().map_entry:
+            for i, item in enumerate(value if repeated else [value]):
+                found = unknown_enum(item, f"{path}[{i}]" if repeated else path)
+                if found:
+                    return found
+    return None
+
+
+def check_enums(message: Message, where: str = "") -> None:
+    """Raises InvalidArgument naming the first unknown enum value in message."""
+    found = unknown_enum(message, where)
+    if found:
+        raise InvalidArgument(found)
+
+
+def _enum_name(field: FieldDescriptor) -> str:
+    """Nested enums keep their container's name: "TokenSelector.Scope"."""
+    enum = field.enum_type
+    return enum.full_name.removeprefix(enum.file.package + ".")
