@@ -13,6 +13,13 @@ import sys
 from pathlib import Path
 
 from common.cli import fail, setup_logging
+from common.grpc_server import MAX_MESSAGE_BYTES
+from engine_service.requests import (
+    DEFAULT_CLIENT_QUEUE_BYTES,
+    DEFAULT_MAX_EXTRACTION_POINTS,
+    DEFAULT_MAX_STREAMS,
+    PROMPT_BYTES_PER_TOKEN,
+)
 
 PROG = "engine_service"
 log = logging.getLogger(PROG)
@@ -61,6 +68,29 @@ def build_parser():
         help="what SIGTERM does to running requests",
     )
     ours.add_argument("--grace-period", type=float, default=30.0, help="seconds")
+    limits = parser.add_argument_group("Undercurrent limits (RESOURCE_EXHAUSTED past them)")
+    limits.add_argument(
+        "--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES,
+        help=f"largest gRPC message sent or received, clients and routers (default {MAX_MESSAGE_BYTES}, 64 MiB)",
+    )
+    limits.add_argument(
+        "--max-streams", type=int, default=DEFAULT_MAX_STREAMS,
+        help=f"concurrent Generate streams (default {DEFAULT_MAX_STREAMS})",
+    )
+    limits.add_argument(
+        "--max-extraction-points", type=int, default=DEFAULT_MAX_EXTRACTION_POINTS,
+        help=f"extraction points per request (default {DEFAULT_MAX_EXTRACTION_POINTS})",
+    )
+    limits.add_argument(
+        "--max-prompt-bytes", type=int, default=0,
+        help="prompt.text bytes, refused (INVALID_ARGUMENT) before tokenizing "
+        f"(default 0: {PROMPT_BYTES_PER_TOKEN} x max_model_len)",
+    )
+    limits.add_argument(
+        "--client-queue-bytes", type=int, default=DEFAULT_CLIENT_QUEUE_BYTES,
+        help="events queued per Generate stream; activations and scores past it are dropped and "
+        f"counted (default {DEFAULT_CLIENT_QUEUE_BYTES}, 32 MiB)",
+    )
     ours.add_argument(
         "--allow-untested-vllm",
         action="store_true",
@@ -80,6 +110,11 @@ def check_model_path(model: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    for flag in ("max_message_bytes", "max_streams", "max_extraction_points", "client_queue_bytes"):
+        if getattr(args, flag) <= 0:
+            parser.error(f"--{flag.replace('_', '-')} must be > 0")
+    if args.max_prompt_bytes < 0:
+        parser.error("--max-prompt-bytes must be >= 0")
     setup_logging(getattr(args, "log_level", None) or "info")  # vLLM's --log-level serves both
     check_model_path(args.model)
     from engine_service.app import run

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 from engine_service.request_ledger import RequestLedger
+
+if TYPE_CHECKING:
+    from engine_service.client_stream import ClientStream
 
 
 @dataclass
@@ -69,7 +73,7 @@ class ActiveRequest:
     prompt_len: int
     probes: list[BoundProbe]
     gate: TokenGate | None
-    events: asyncio.Queue  # pb.GenerateResponse items for the client stream
+    events: "ClientStream"  # pb.GenerateResponse items for the client stream
     # Where every probe row of this request stands; None without probes.
     ledger: RequestLedger | None = None
     # Set whenever the ledger moved (acks, failures); the end of the request waits on it.
@@ -79,7 +83,6 @@ class ActiveRequest:
     finish_reason: int = pb.FINISH_REASON_UNSPECIFIED  # set when we end it
     verdict: pb.Verdict | None = None
     message: str = ""
-    dropped_client_records: int = 0
 
     def fail_closed(self) -> bool:
         return any(p.failure_policy == pb.FAILURE_POLICY_FAIL_CLOSED for p in self.probes)

@@ -47,6 +47,7 @@ def link_config(args):
             router_timeout_s=args.router_timeout,
             queue_max_batches=args.send_queue,
             overflow_policy=args.overflow_policy,
+            max_message_bytes=args.max_message_bytes,
         )
     except ValueError as err:
         fail("engine_service", f"--router: {err}")
@@ -55,6 +56,7 @@ def link_config(args):
 async def run(args) -> int:
     from engine_service.capture.controller import CaptureController
     from engine_service.metrics import EngineMetrics
+    from engine_service.requests import RequestLimits
     from engine_service.runtime import EngineRuntime, EngineSettings
 
     links = link_config(args)  # bad --router fails before anything starts
@@ -65,6 +67,7 @@ async def run(args) -> int:
               SERVICE_FULL_NAMES["EngineService"])],
             args.host,
             args.port,
+            args.max_message_bytes,
         )
     except PortInUse as err:
         fail("engine_service", f"--port: {err}")
@@ -85,6 +88,13 @@ async def run(args) -> int:
         settings=EngineSettings(
             default_failure_policy=FAILURE_POLICIES[args.failure_policy],
             router_timeout_s=args.router_timeout,
+            limits=RequestLimits(
+                max_streams=args.max_streams,
+                max_extraction_points=args.max_extraction_points,
+                max_prompt_bytes=args.max_prompt_bytes,
+                max_message_bytes=args.max_message_bytes,
+                client_queue_bytes=args.client_queue_bytes,
+            ),
         ),
         metrics=metrics,
     )

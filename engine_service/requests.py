@@ -6,15 +6,95 @@ a bad request becomes INVALID_ARGUMENT with a message a client can act on.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import uuid
 from dataclasses import dataclass
 
-from common.errors import InvalidArgument
+from common.enum_checks import check_enums
+from common.errors import InvalidArgument, ResourceExhausted
+from common.grpc_server import MAX_MESSAGE_BYTES
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 MAX_REQUEST_ID_CHARS = 256
 DEFAULT_MAX_TOKENS = 64
+
+# Limits a client meets (the engine's flags; see README "Limits").
+DEFAULT_MAX_STREAMS = 256
+DEFAULT_MAX_EXTRACTION_POINTS = 64
+DEFAULT_CLIENT_QUEUE_BYTES = 32 * 1024 * 1024
+# A prompt this many bytes per token of max_model_len cannot fit (a token
+# rarely spans more than a few bytes), so it is refused before tokenizing.
+PROMPT_BYTES_PER_TOKEN = 32
+DEFAULT_CLIENT_ACTIVATION_MESSAGE_BYTES = 4 * 1024 * 1024  # most gRPC clients' receive limit
+MIN_CLIENT_ACTIVATION_MESSAGE_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one engine accepts; past a limit a request gets RESOURCE_EXHAUSTED
+    (or INVALID_ARGUMENT for a prompt that cannot fit)."""
+
+    max_streams: int = DEFAULT_MAX_STREAMS  # concurrent Generate streams
+    max_extraction_points: int = DEFAULT_MAX_EXTRACTION_POINTS  # per request
+    max_prompt_bytes: int = 0  # prompt.text in UTF-8; 0: PROMPT_BYTES_PER_TOKEN * max_model_len
+    max_message_bytes: int = MAX_MESSAGE_BYTES  # the server's gRPC limit
+    client_queue_bytes: int = DEFAULT_CLIENT_QUEUE_BYTES  # queued events per request
+
+    def prompt_bytes(self, max_model_len: int) -> int:
+        return self.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * max_model_len
+
+
+def check_request(request: pb.GenerateRequest, running: int, limits: RequestLimits,
+                  model: "ModelLimits") -> None:
+    """The checks that need no tokenizer and no model: enums, limits, prompt size.
+    Cheap, so they run on the event loop before anything costly."""
+    check_enums(request)
+    check_capacity(running, limits)
+    if len(request.extraction_points) > limits.max_extraction_points:
+        raise ResourceExhausted(
+            f"extraction_points: {len(request.extraction_points)} points, at most "
+            f"{limits.max_extraction_points} per request (--max-extraction-points)"
+        )
+    if request.WhichOneof("prompt") == "text":
+        allowed = limits.prompt_bytes(model.max_model_len)
+        # A str has at most as many characters as its UTF-8 bytes: the length alone
+        # refuses most oversized prompts without encoding them.
+        size = len(request.text)
+        if size <= allowed:
+            size = len(request.text.encode("utf-8", "surrogatepass"))
+        if size > allowed:
+            raise InvalidArgument(
+                f"prompt.text: over {allowed} bytes (--max-prompt-bytes); it cannot fit "
+                f"max_model_len {model.max_model_len} tokens"
+            )
+
+
+def check_capacity(running: int, limits: RequestLimits) -> None:
+    if running >= limits.max_streams:
+        raise ResourceExhausted(
+            f"the engine already runs {running} Generate streams, its --max-streams; retry later"
+        )
+
+
+def client_message_bytes(request: pb.GenerateRequest, limits: RequestLimits) -> int:
+    """The largest activation message this client takes: its choice, or 4 MiB,
+    capped at the server's own limit."""
+    wanted = request.max_activation_message_bytes or DEFAULT_CLIENT_ACTIVATION_MESSAGE_BYTES
+    if wanted < MIN_CLIENT_ACTIVATION_MESSAGE_BYTES:
+        raise InvalidArgument(
+            f"max_activation_message_bytes: {wanted} is under the minimum "
+            f"{MIN_CLIENT_ACTIVATION_MESSAGE_BYTES}"
+        )
+    return min(wanted, limits.max_message_bytes)
+
+
+async def prompt_ids_off_loop(request: pb.GenerateRequest, tokenize, limits: "ModelLimits") -> list[int]:
+    """prompt_ids in a worker thread: tokenizing a long text takes long, and the
+    event loop serves every other stream, drain and heartbeat meanwhile."""
+    if request.WhichOneof("prompt") != "text":
+        return prompt_ids(request, tokenize, limits)
+    return await asyncio.to_thread(prompt_ids, request, tokenize, limits)
 
 
 @dataclass(frozen=True)

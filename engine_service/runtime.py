@@ -19,7 +19,7 @@ import asyncio
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from common import activations
@@ -35,6 +35,7 @@ from engine_service import link as links
 from engine_service import requests as reqs
 from engine_service.active_request import ActiveRequest, BoundProbe, TokenGate
 from engine_service.capture.controller import CaptureController, require_prompt_computation
+from engine_service.client_stream import ClientStream
 from engine_service.metrics import EngineMetrics
 from engine_service.link.batching import partition_by_owner
 from engine_service.probe_points import PROBE_POINT_PREFIX, check_client_point_names, probe_points
@@ -58,8 +59,8 @@ class EngineSettings:
     router_timeout_s: float = 3.0
     # Pause between drains while no request is running.
     idle_drain_interval_s: float = 0.005
-    # Client-stream activation messages queued per request before dropping.
-    client_activation_queue: int = 256
+    # Streams, points, prompt bytes, message sizes and client queue bytes.
+    limits: reqs.RequestLimits = field(default_factory=reqs.RequestLimits)
 
 
 class EngineRuntime:
@@ -156,9 +157,13 @@ class EngineRuntime:
         if not self.accepting:
             raise Unavailable("the engine is shutting down and accepts no new requests")
         request_id = reqs.request_id_of(message)
+        limits = self.settings.limits
+        reqs.check_request(message, len(self.active), limits, self.limits)
+        message_bytes = reqs.client_message_bytes(message, limits)
+        ids = await reqs.prompt_ids_off_loop(message, self._tokenizer.encode, self.limits)
+        reqs.check_capacity(len(self.active), limits)  # others may have started meanwhile
         if request_id in self.active:
             raise AlreadyExists(f"request_id: {request_id!r} is already running")
-        ids = reqs.prompt_ids(message, self._tokenizer.encode, self.limits)
         choice = reqs.sampling_choice(message.sampling, len(ids), self.limits)
         probes = self._bind_probes(message.probes)
         client_points = parse_points(message.extraction_points, self.model_info().num_layers)
@@ -173,7 +178,7 @@ class EngineRuntime:
             prompt_len=len(ids),
             probes=probes,
             gate=TokenGate(len(ids)) if message.gate_tokens else None,
-            events=asyncio.Queue(),
+            events=ClientStream(limits.client_queue_bytes, message_bytes, self._count_client_drop),
             captures=bool(points),
             ledger=(
                 RequestLedger(len(ids), {p.name: p.failure_policy for p in probes})
@@ -380,7 +385,7 @@ class EngineRuntime:
             request.end(reqs.VLLM_FINISH_REASONS.get(vllm_reason, pb.FINISH_REASON_ERROR))
         ledger = request.ledger
         unprobed = ledger.unprobed_tokens() if ledger else 0
-        dropped = (ledger.dropped_records if ledger else 0) + request.dropped_client_records
+        dropped = (ledger.dropped_records if ledger else 0) + request.events.dropped_records
         if request.gate is not None:
             if request.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH):
                 self._release_gated(request, everything=True)
@@ -498,11 +503,10 @@ class EngineRuntime:
             request = self.active.get(request_id)
             if request is None:
                 continue
-            if request.events.qsize() >= self.settings.client_activation_queue:
-                request.dropped_client_records += sum(p.num_rows for p in parts)
-                self.metrics.dropped_records.labels("client_queue").inc(sum(p.num_rows for p in parts))
-                continue
-            request.events.put_nowait(pb.GenerateResponse(activations=activations.to_batch(parts)))
+            request.events.put_activations(parts)
+
+    def _count_client_drop(self, records: int) -> None:
+        self.metrics.dropped_records.labels("client_queue").inc(records)
 
     # -- router events -----------------------------------------------------
 

@@ -287,7 +287,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling", "probes", "extraction_points", "gate_tokens")
+    __slots__ = ("request_id", "text", "token_ids", "sampling", "probes", "extraction_points", "gate_tokens", "max_activation_message_bytes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -295,6 +295,7 @@ class GenerateRequest(_message.Message):
     PROBES_FIELD_NUMBER: _ClassVar[int]
     EXTRACTION_POINTS_FIELD_NUMBER: _ClassVar[int]
     GATE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ACTIVATION_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -302,7 +303,8 @@ class GenerateRequest(_message.Message):
     probes: _containers.RepeatedCompositeFieldContainer[ProbeBinding]
     extraction_points: _containers.RepeatedCompositeFieldContainer[ExtractionPoint]
     gate_tokens: bool
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., probes: _Optional[_Iterable[_Union[ProbeBinding, _Mapping]]] = ..., extraction_points: _Optional[_Iterable[_Union[ExtractionPoint, _Mapping]]] = ..., gate_tokens: _Optional[bool] = ...) -> None: ...
+    max_activation_message_bytes: int
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., probes: _Optional[_Iterable[_Union[ProbeBinding, _Mapping]]] = ..., extraction_points: _Optional[_Iterable[_Union[ExtractionPoint, _Mapping]]] = ..., gate_tokens: _Optional[bool] = ..., max_activation_message_bytes: _Optional[int] = ...) -> None: ...
 
 class GenerateStarted(_message.Message):
     __slots__ = ("request_id", "prompt_tokens")

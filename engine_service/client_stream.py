@@ -1,0 +1,82 @@
+"""One Generate call's outgoing events: a queue bounded in bytes, and activation
+batches cut to the size the client can receive.
+
+The producer (vLLM's outputs, the drain loop, router events) never waits on a
+slow client: past the byte budget, activation batches and probe scores are
+dropped and counted (they are reported in `finished.dropped_records` and the
+engine's dropped-records metric). Tokens and `finished` are never dropped: they
+are the answer, and a gated token's release is the safety contract's output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Callable
+
+from common import activations
+from engine_service.link.batching import RowTooLarge, split_by_size
+from undercurrent.v1 import undercurrent_pb2 as pb
+
+# Bytes a GenerateResponse adds around the ActivationBatch it carries (tag and length).
+_RESPONSE_OVERHEAD = 16
+
+
+class ClientStream:
+    def __init__(
+        self,
+        budget_bytes: int,
+        max_activation_message_bytes: int,
+        on_drop: Callable[[int], None] = lambda records: None,
+    ):
+        self.budget_bytes = budget_bytes
+        self.max_activation_message_bytes = max_activation_message_bytes
+        self.queued_bytes = 0
+        self.dropped_records = 0  # activation rows and probe scores the client never got
+        self._on_drop = on_drop
+        self._queue: deque[tuple[pb.GenerateResponse, int]] = deque()
+        self._ready = asyncio.Event()
+
+    def put_nowait(self, response: pb.GenerateResponse) -> bool:
+        """Queues one event; returns False when an activation or score event was
+        dropped for the budget (and counted)."""
+        size = response.ByteSize()
+        kind = response.WhichOneof("event")
+        if kind in ("activations", "probe_event") and self.queued_bytes + size > self.budget_bytes:
+            self._drop(_records_in(response))
+            return False
+        self._queue.append((response, size))
+        self.queued_bytes += size
+        self._ready.set()
+        return True
+
+    def put_activations(self, blocks: list[activations.Block]) -> None:
+        """Queues a step's client rows as messages no larger than the client's limit."""
+        try:
+            parts = split_by_size(blocks, self.max_activation_message_bytes - _RESPONSE_OVERHEAD)
+        except RowTooLarge:
+            self._drop(sum(b.num_rows for b in blocks))
+            return
+        for part in parts:
+            self.put_nowait(pb.GenerateResponse(activations=activations.to_batch(part)))
+
+    async def get(self) -> pb.GenerateResponse:
+        while not self._queue:
+            self._ready.clear()
+            await self._ready.wait()
+        response, size = self._queue.popleft()
+        self.queued_bytes -= size
+        return response
+
+    def qsize(self) -> int:
+        return len(self._queue)
+
+    def _drop(self, records: int) -> None:
+        self.dropped_records += records
+        self._on_drop(records)
+
+
+def _records_in(response: pb.GenerateResponse) -> int:
+    if response.HasField("activations"):
+        return sum(len(block.token_positions) for block in response.activations.blocks)
+    return len(response.probe_event.scores.scores)
