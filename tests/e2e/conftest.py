@@ -20,9 +20,16 @@ def router_ports() -> tuple[int, int]:
 
 
 @pytest.fixture(scope="package")
-async def engine_service(tiny_llama_path, router_ports):
+def engine_metrics_port() -> int:
+    """The engine's Prometheus port: tests read its request counters from it."""
+    return stack.free_port()
+
+
+@pytest.fixture(scope="package")
+async def engine_service(tiny_llama_path, router_ports, engine_metrics_port):
     service = stack.engine(
         tiny_llama_path, ",".join(f"127.0.0.1:{p}" for p in router_ports), "--max-num-seqs", "16",
+        "--metrics-port", str(engine_metrics_port),
         # Room for requests long enough to outlive a router kill on a loaded machine.
         max_model_len=MAX_MODEL_LEN,
     ).start()

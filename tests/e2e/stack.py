@@ -89,3 +89,18 @@ async def wait_for_probe(stub: pb_grpc.EngineServiceStub, probe: str, timeout: f
             if err.code() != grpc.StatusCode.NOT_FOUND or time.monotonic() > deadline:
                 raise
         await asyncio.sleep(0.2)
+
+
+def running_requests(metrics_port: int) -> int:
+    """Requests an engine accepted and has not finished, from its metrics."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    totals = {"undercurrent_engine_requests_started": 0.0, "undercurrent_engine_requests_finished": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.removesuffix("_total") in totals and sample.name.endswith("_total"):
+                totals[sample.name.removesuffix("_total")] += sample.value
+    return int(totals["undercurrent_engine_requests_started"] - totals["undercurrent_engine_requests_finished"])

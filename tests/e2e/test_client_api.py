@@ -62,7 +62,9 @@ async def test_bad_requests_get_precise_errors_and_the_engine_keeps_serving(engi
         tokens=pb.TokenSelector(scope=pb.TokenSelector.SCOPE_GENERATED, indexes=[-1]))])
     await expect_error(engine, bad_selector, invalid, 'extraction_points[0] "sel"')
     unknown_type = simple(extraction_points=[pb.ExtractionPoint(name="t", tensor_type=99, layers=[1])])
-    await expect_error(engine, unknown_type, invalid, '"t"', "tensor_type 99")
+    await expect_error(engine, unknown_type, invalid, "extraction_points[0].tensor_type: 99 is not a TensorType")
+    unknown_policy = simple(probes=[pb.ProbeBinding(probe="p", failure_policy=9)])
+    await expect_error(engine, unknown_policy, invalid, "probes[0].failure_policy: 9 is not a FailurePolicy")
     unknown_probe = simple()
     unknown_probe.probes.add(probe="no_such_probe")
     await expect_error(engine, unknown_probe, grpc.StatusCode.NOT_FOUND, "probes[0].probe",

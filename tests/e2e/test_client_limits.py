@@ -1,0 +1,84 @@
+"""Client limits on a real engine: a huge prompt is refused without stalling other
+streams, and activations come in messages no larger than the client asked for."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from common.activations import from_batch
+from tests.e2e import stack
+from tests.e2e.conftest import MAX_MODEL_LEN
+from undercurrent.v1 import undercurrent_pb2 as pb
+
+pytestmark = pytest.mark.vllm
+
+HUGE_PROMPT_BYTES = 8 * 1024 * 1024
+# Before prompts were size-checked and tokenized off the event loop, 8 MB of text
+# held the loop 10-21 s; a shared 2-core machine shows gaps of a few hundred ms.
+MAX_GAP_S = 2.0
+
+
+async def test_a_huge_prompt_is_refused_by_size_while_another_stream_keeps_flowing(engine):
+    running = pb.GenerateRequest(
+        request_id="steady", token_ids=pb.TokenIds(ids=list(range(3, 40))),
+        sampling=pb.SamplingParams(max_tokens=600, temperature=0, ignore_eos=True))
+    arrivals: list[float] = []
+    first_token = asyncio.Event()
+
+    async def consume():
+        async for response in engine.Generate(running, timeout=300):
+            if response.WhichOneof("event") == "tokens":
+                arrivals.append(time.monotonic())
+                first_token.set()
+            elif response.WhichOneof("event") == "finished":
+                return response.finished
+
+    steady = asyncio.create_task(consume())
+    await asyncio.wait_for(first_token.wait(), 120)
+
+    async def huge(i: int) -> tuple[float, grpc.aio.AioRpcError]:
+        request = pb.GenerateRequest(text="word " * (HUGE_PROMPT_BYTES // 5),
+                                     sampling=pb.SamplingParams(max_tokens=1))
+        started = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in engine.Generate(request, timeout=120):
+                pass
+        return time.monotonic() - started, refused.value
+
+    window_start = time.monotonic()
+    results = await asyncio.gather(*(huge(i) for i in range(3)))
+    window_end = time.monotonic()
+    for seconds, err in results:
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+        assert err.details().startswith(f"prompt.text: over {32 * MAX_MODEL_LEN} bytes (--max-prompt-bytes)")
+    finished = await steady
+    assert finished.finish_reason == pb.FINISH_REASON_LENGTH and finished.generated_tokens == 600
+    during = [b - a for a, b in zip(arrivals, arrivals[1:]) if b >= window_start and a <= window_end]
+    gap = max(during, default=0.0)
+    print(f"\n3 x {HUGE_PROMPT_BYTES} B prompts refused in {[round(s, 3) for s, _ in results]} s; "
+          f"the other stream's longest gap meanwhile: {gap * 1000:.0f} ms over {len(during)} chunks")
+    assert during, "the other stream sent nothing while the huge prompts were handled"
+    assert gap < MAX_GAP_S
+
+
+async def test_client_activations_are_split_to_the_size_the_client_asked_for(engine):
+    prompt = list(range(3, 503))
+    point = pb.ExtractionPoint(name="all", tensor_type=pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=[0, 1, 2, 3],
+                               tokens=pb.TokenSelector(scope=pb.TokenSelector.SCOPE_PROMPT),
+                               stream_to_client=True)
+    limit = 64 * 1024
+    request = pb.GenerateRequest(
+        request_id="split", token_ids=pb.TokenIds(ids=prompt), extraction_points=[point],
+        sampling=pb.SamplingParams(max_tokens=1, temperature=0), max_activation_message_bytes=limit)
+    # 500 prompt rows x 4 layers x 128 floats: ~1 MB of rows, 16 or more messages of 64 KiB.
+    outcome = await stack.generate(engine, request)
+    sizes = [pb.GenerateResponse(activations=batch).ByteSize() for batch in outcome.batches]
+    assert len(sizes) >= 16 and max(sizes) <= limit, sizes
+    keys = sorted((b.layer, int(p)) for batch in outcome.batches for b in from_batch(batch)
+                  for p in b.token_positions)
+    assert keys == [(layer, p) for layer in range(4) for p in range(500)]
+    assert outcome.finished.dropped_records == 0
