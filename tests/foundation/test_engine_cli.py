@@ -43,3 +43,22 @@ def test_port_in_use():
         result = run_engine("--model", str(EMBEDDED_MODELS["tiny-llama"]), "--host", "127.0.0.1",
                             "--port", str(port))
     assert_one_line_error(result, "--port", f"127.0.0.1:{port}")
+
+
+def test_limit_flags_must_be_positive():
+    result = run_engine("--model", str(EMBEDDED_MODELS["tiny-llama"]), "--max-streams", "0")
+    assert_one_line_error(result, "--max-streams must be > 0")
+
+
+def test_limit_flags_and_their_defaults():
+    from engine_service.__main__ import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["--model", "m"])
+    assert (args.max_message_bytes, args.max_streams, args.max_extraction_points, args.max_prompt_bytes,
+            args.client_queue_bytes) == (64 * 1024 * 1024, 256, 64, 0, 32 * 1024 * 1024)
+    args = parser.parse_args(["--model", "m", "--max-message-bytes", "1048576", "--max-streams", "2",
+                              "--max-extraction-points", "3", "--max-prompt-bytes", "4096",
+                              "--client-queue-bytes", "65536"])
+    assert (args.max_message_bytes, args.max_streams, args.max_extraction_points, args.max_prompt_bytes,
+            args.client_queue_bytes) == (1048576, 2, 3, 4096, 65536)

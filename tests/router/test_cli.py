@@ -78,6 +78,9 @@ def one_line_failure(*args):
         (["--port", "0", "--probes", "{tmp}/nope"], "--probes {tmp}/nope: not a directory"),
         (["--port", "0"], "the following arguments are required: --probes"),
         (["--port", "0", "--probes", "{tmp}", "--grace-period", "0"], "--grace-period must be > 0"),
+        (["--port", "0", "--probes", "{tmp}", "--max-sessions", "0"], "--max-sessions must be > 0"),
+        (["--port", "0", "--probes", "{tmp}", "--max-requests-per-session", "-1"],
+         "--max-requests-per-session must be > 0"),
     ],
 )
 def test_bad_command_lines_fail_with_one_line(tmp_path, capsys, argv, message):
@@ -87,6 +90,14 @@ def test_bad_command_lines_fail_with_one_line(tmp_path, capsys, argv, message):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err == f"router_service: error: {message.format(tmp=tmp_path)}\n"
+
+
+def test_limit_flags_and_their_defaults(tmp_path):
+    args = parse_args(["--port", "0", "--probes", str(tmp_path)])
+    assert (args.max_message_bytes, args.max_sessions, args.max_requests_per_session) == (64 * 1024 * 1024, 256, 4096)
+    args = parse_args(["--port", "0", "--probes", str(tmp_path), "--max-message-bytes", "1048576",
+                       "--max-sessions", "3", "--max-requests-per-session", "7"])
+    assert (args.max_message_bytes, args.max_sessions, args.max_requests_per_session) == (1048576, 3, 7)
 
 
 def test_port_in_use_and_a_broken_probe_fail_with_one_line(tmp_path):
