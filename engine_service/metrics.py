@@ -34,7 +34,7 @@ class EngineMetrics:
         )
         self.dropped_records = Counter(
             "undercurrent_engine_dropped_records",
-            "Activation records dropped on the way to clients, by queue",
+            "Records (activation rows, probe scores) dropped on the way to clients, by queue",
             ["queue"],
             registry=r,
         )

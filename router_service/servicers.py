@@ -96,9 +96,10 @@ class LiveSession:
             log.exception("error handling engine message", extra={"session": self.id, "kind": kind})
             if kind == "batch":  # an error per request of the batch, then its ack
                 return self.state.batch_failed(message.batch, err)
-            about = getattr(message, kind)
-            return [error(about.request_id, "INTERNAL", f"{kind}: internal error: {type(err).__name__}: {err}",
-                          incarnation=about.incarnation)]
+            about = getattr(message, kind) if kind in ("request_start", "request_end") else None
+            return [error(about.request_id if about else "", "INTERNAL",
+                          f"{kind}: internal error: {type(err).__name__}: {err}",
+                          incarnation=about.incarnation if about else 0)]
 
     async def heartbeat(self, interval: float) -> None:
         while True:

@@ -259,3 +259,32 @@ async def test_an_unexpected_exception_in_a_servicer_is_internal_and_logged(make
     assert failed.value.details() == "internal error: ZeroDivisionError: injected"
     [record] = [r for r in caplog.records if r.message == "unexpected error in handler"]
     assert record.exc_info[0] is ZeroDivisionError
+
+
+async def test_an_unknown_enum_in_hello_refuses_the_session_naming_the_field(make_router, probes_dir):
+    router = await make_router(probes_dir)
+    client = SessionClient(router)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await client.open(pb.ModelInfo(model="m", hidden_size=HIDDEN, num_layers=4, tensor_types=[1, 12]))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details() == "hello.model.tensor_types[1]: 12 is not a TensorType"
+    await client.close()
+    assert router.live_requests() == 0 and not router.sessions
+
+
+async def test_an_internal_failure_on_request_start_names_the_request_and_incarnation(
+        make_router, probes_dir, monkeypatch):
+    router = await make_router(probes_dir)
+    client = SessionClient(router)
+    await client.open()
+    [session] = router.sessions
+
+    def broken(msg):
+        raise KeyError("injected")
+
+    monkeypatch.setattr(session.state, "start", broken)
+    start(client, "r", 42)
+    replies = await client.sync()
+    assert [(e.request_id, e.incarnation, e.code, e.message) for e in errors(replies)] == [
+        ("r", 42, pb.STATUS_CODE_INTERNAL, "request_start: internal error: KeyError: 'injected'")]
+    await client.close()
