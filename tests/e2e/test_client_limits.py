@@ -52,15 +52,15 @@ async def test_a_huge_prompt_is_refused_by_size_while_another_stream_keeps_flowi
     window_start = time.monotonic()
     results = await asyncio.gather(*(huge(i) for i in range(3)))
     window_end = time.monotonic()
-    for seconds, err in results:
-        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
-        assert err.details().startswith(f"prompt.text: over {32 * MAX_MODEL_LEN} bytes (--max-prompt-bytes)")
     finished = await steady
-    assert finished.finish_reason == pb.FINISH_REASON_LENGTH and finished.generated_tokens == 600
     during = [b - a for a, b in zip(arrivals, arrivals[1:]) if b >= window_start and a <= window_end]
     gap = max(during, default=0.0)
     print(f"\n3 x {HUGE_PROMPT_BYTES} B prompts refused in {[round(s, 3) for s, _ in results]} s; "
           f"the other stream's longest gap meanwhile: {gap * 1000:.0f} ms over {len(during)} chunks")
+    for seconds, err in results:
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+        assert err.details().startswith(f"prompt.text: over {32 * MAX_MODEL_LEN} bytes (--max-prompt-bytes)")
+    assert finished.finish_reason == pb.FINISH_REASON_LENGTH and finished.generated_tokens == 600
     assert during, "the other stream sent nothing while the huge prompts were handled"
     assert gap < MAX_GAP_S
 
