@@ -140,3 +140,42 @@ async def test_a_row_larger_than_the_clients_message_is_dropped_and_counted():
     stream = ClientStream(budget_bytes=10**9, max_activation_message_bytes=64 * 1024)
     stream.put_activations(step_blocks("r", rows=3, hidden=32 * 1024, layers=(0,)))  # 128 KB per row
     assert stream.qsize() == 0 and stream.dropped_records == 3
+
+
+async def test_a_slow_client_loses_counted_activations_never_tokens_in_the_runtime():
+    """The runtime with a fake vLLM (tests/engine/fakes.py): a client that reads
+    nothing while its request runs overflows a 4 KiB queue."""
+    import vllm.sampling_params  # noqa: F401  (the runtime imports it per request)
+
+    from engine_service.runtime import EngineRuntime, EngineSettings
+    from tests.engine.fakes import FakeCapture, FakeEngine
+    from tests.engine_link.helpers import until
+
+    capture = FakeCapture(hidden=64)  # 256 B rows
+    llm = FakeEngine(capture)
+    runtime = EngineRuntime(llm, capture, settings=EngineSettings(
+        limits=reqs.RequestLimits(client_queue_bytes=4096)))
+    await runtime.start()
+    stepper = asyncio.create_task(llm.run_steps(0.002))
+    try:
+        message = pb.GenerateRequest(
+            request_id="slow", token_ids=pb.TokenIds(ids=[1, 2, 3, 4]), sampling=pb.SamplingParams(max_tokens=30),
+            extraction_points=[pb.ExtractionPoint(name="resid", tensor_type=pb.TENSOR_TYPE_RESIDUAL_STREAM,
+                                                  layers=[0, 1], stream_to_client=True)])
+        stream = runtime.generate(message)
+        assert (await anext(stream)).HasField("started")
+        finished_total = runtime.metrics.registry.get_sample_value
+        await until(lambda: finished_total("undercurrent_engine_requests_finished_total", {"reason": "LENGTH"}) == 1)
+        responses = [response async for response in stream]
+    finally:
+        stepper.cancel()
+        await runtime.close()
+    tokens = [t for r in responses if r.HasField("tokens") for t in r.tokens.token_ids]
+    rows = sum(len(b.token_positions) for r in responses if r.HasField("activations") for b in r.activations.blocks)
+    finished = responses[-1].finished
+    assert len(tokens) == 30 and finished.generated_tokens == 30
+    # 4 prompt positions and 29 fed-back tokens, on 2 layers: each row arrived or was counted.
+    assert 0 < finished.dropped_records and rows + finished.dropped_records == (4 + 29) * 2
+    assert runtime.metrics.registry.get_sample_value(
+        "undercurrent_engine_dropped_records_total", {"queue": "client_queue"}) == finished.dropped_records
+    assert sum(r.ByteSize() for r in responses if r.HasField("activations")) <= 4096
