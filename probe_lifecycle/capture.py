@@ -1,0 +1,226 @@
+"""Capture a labelled dataset from a running engine.
+
+    python -m probe_lifecycle.capture --engine HOST:PORT --input examples.jsonl \
+        --out DATASET [--tensor-type residual_stream[,attn_out,...]] [--layers 2[,3]] \
+        [--tokens prompt|generated|all] [--pooling last|mean|all] [--max-tokens N] \
+        [--concurrency 4] [--shard-mb 64]
+
+Every example is one Generate request (greedy, ignore_eos, so a generated
+scope always yields max_tokens - 1 rows) whose extraction points stream their
+records back in-band; no router is involved. The input is validated in full
+before anything is captured. Examples are committed in input order, a few
+requests in flight; running the same command again after an interruption
+captures only the examples not yet committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+from tqdm import tqdm
+
+from common.activations import from_batch
+from common.capture_spec import TENSOR_TYPES, tensor_type_from_proto
+from common.cli import OneLineErrorParser, fail
+from common.enum_names import short_name
+from probe_lifecycle import connect
+from probe_lifecycle.dataset import (
+    POOLINGS, SCOPES, CaptureSpec, DatasetError, DatasetWriter, ExampleRows, feature_key,
+)
+from probe_lifecycle.examples import Example, InputError, check_examples, read_examples
+from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+
+_FINISHED_OK = (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
+
+
+class CaptureError(RuntimeError):
+    """One example could not be captured; names its line and id."""
+
+
+@dataclass
+class CaptureResult:
+    manifest: dict
+    captured: int  # examples captured by this run
+    skipped: int  # examples an earlier run had committed
+
+
+async def capture_example(stub: pb_grpc.EngineServiceStub, example: Example, spec: CaptureSpec,
+                          keys: list[str], source: str, timeout: float) -> ExampleRows:
+    """Runs one example and returns its pooled rows."""
+    where = f"{source}:{example.line} (id {example.id!r})"
+    request = pb.GenerateRequest(
+        text=example.text,
+        sampling=pb.SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True),
+        extraction_points=spec.points(),
+    )
+    parts: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {key: [] for key in keys}
+    prompt_tokens = generated_tokens = 0
+    finished = None
+    try:
+        async for response in stub.Generate(request, timeout=timeout):
+            kind = response.WhichOneof("event")
+            if kind == "started":
+                prompt_tokens = response.started.prompt_tokens
+            elif kind == "activations":
+                for block in from_batch(response.activations):
+                    key = feature_key(tensor_type_from_proto(block.tensor_type), block.layer)
+                    if key not in parts:
+                        raise CaptureError(f"{where}: the engine sent {key!r}, not asked for")
+                    parts[key].append((block.token_positions, block.is_generated, block.rows))
+            elif kind == "finished":
+                finished = response.finished
+    except grpc.aio.AioRpcError as err:
+        raise CaptureError(f"{where}: the engine refused it: {err.code().name}: {err.details()}") from None
+    if finished is None:
+        raise CaptureError(f"{where}: the stream ended without a finished message")
+    if finished.finish_reason not in _FINISHED_OK:
+        raise CaptureError(
+            f"{where}: generation ended {short_name(pb.FinishReason, finished.finish_reason)}: "
+            f"{finished.message}"
+        )
+    generated_tokens = finished.generated_tokens
+    return _assemble(example, parts, spec.pooling, prompt_tokens, generated_tokens, where)
+
+
+def _assemble(example: Example, parts: dict, pooling: str, prompt_tokens: int,
+              generated_tokens: int, where: str) -> ExampleRows:
+    """Orders each key's rows by position, checks every key saw the same positions, pools."""
+    features, positions, generated = {}, None, None
+    for key, chunks in parts.items():
+        pos = np.concatenate([c[0] for c in chunks]) if chunks else np.zeros(0, np.int64)
+        gen = np.concatenate([c[1] for c in chunks]) if chunks else np.zeros(0, bool)
+        hidden = chunks[0][2].shape[1] if chunks else 0
+        rows = np.concatenate([c[2] for c in chunks]) if chunks else np.zeros((0, hidden), np.float32)
+        order = np.argsort(pos, kind="stable")
+        pos, gen, rows = pos[order], gen[order], rows[order]
+        if np.unique(pos).size != pos.size:
+            raise CaptureError(f"{where}: {key}: a token position arrived twice")
+        if positions is None:
+            positions, generated = pos, gen
+        elif not np.array_equal(pos, positions):
+            raise CaptureError(f"{where}: {key}: positions differ from the other points'")
+        features[key] = rows
+    if positions.size and pooling != "all":
+        pick = slice(-1, None)
+        features = {
+            key: rows.mean(axis=0, keepdims=True) if pooling == "mean" else rows[pick]
+            for key, rows in features.items()
+        }
+        positions, generated = positions[pick], generated[pick]
+    return ExampleRows(example.id, example.label, example.line, prompt_tokens, generated_tokens,
+                       {k: v.astype(np.float32, copy=False) for k, v in features.items()},
+                       positions.astype(np.int64), generated.astype(bool))
+
+
+async def run_capture(engine: str, input_path: str | Path, out: str | Path, spec: CaptureSpec,
+                      concurrency: int = 4, shard_bytes: int = 64 << 20,
+                      show_progress: bool = True, timeout: float = 300) -> CaptureResult:
+    summary = check_examples(input_path)  # before any file is written
+    async with connect.channel(engine) as channel:
+        stub = pb_grpc.EngineServiceStub(channel)
+        try:
+            model = (await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)).model
+        except grpc.aio.AioRpcError as err:
+            raise CaptureError(f"--engine {engine}: {err.code().name}: {err.details()}") from None
+        spec.check(model)
+        source = {"path": str(input_path), "sha256": summary.sha256, "examples": summary.examples,
+                  "positives": summary.positives, "negatives": summary.negatives}
+        writer = DatasetWriter.open(out, spec, model, source, shard_bytes)
+        skipped = len(writer.done)
+        keys = writer.keys
+        bar = tqdm(total=summary.examples, initial=skipped, unit="req", disable=not show_progress,
+                   file=sys.stderr, dynamic_ncols=True)
+        rows = nbytes = captured = 0
+        pending: deque[asyncio.Task] = deque()
+
+        def commit(result: ExampleRows) -> None:
+            nonlocal rows, nbytes, captured
+            writer.add(result)
+            captured += 1
+            rows += result.num_rows
+            nbytes += result.nbytes
+            bar.update(1)
+            bar.set_postfix(rows=rows, MB=f"{nbytes / 1e6:.1f}", refresh=False)
+
+        try:
+            for example in read_examples(input_path):
+                if example.id in writer.done:
+                    continue
+                pending.append(asyncio.create_task(
+                    capture_example(stub, example, spec, keys, str(input_path), timeout)))
+                if len(pending) >= concurrency:
+                    commit(await pending.popleft())
+            while pending:
+                commit(await pending.popleft())
+        finally:
+            for task in pending:
+                task.cancel()
+            # What completed in order is valid: keep it, so a resume does not redo it.
+            writer.flush()
+            bar.close()
+        manifest = writer.finish()
+    return CaptureResult(manifest, captured, skipped)
+
+
+def parse_args(argv: list[str] | None) -> tuple:
+    parser = OneLineErrorParser(prog="probe_lifecycle.capture", description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", required=True, help="engine address HOST:PORT")
+    parser.add_argument("--input", required=True, help="labelled prompts, JSONL: text, label, id")
+    parser.add_argument("--out", required=True, help="dataset directory (created, or resumed)")
+    parser.add_argument("--tensor-type", default="residual_stream",
+                        help=f"comma-separated, from {list(TENSOR_TYPES)}")
+    parser.add_argument("--layers", default="", help="comma-separated decoder layer indexes")
+    parser.add_argument("--tokens", choices=list(SCOPES), default="generated")
+    parser.add_argument("--pooling", choices=list(POOLINGS), default="all")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="generated tokens per example (default 1 for --tokens prompt, else 16)")
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--shard-mb", type=float, default=64.0)
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per request")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        layers = tuple(int(x) for x in args.layers.split(",") if x.strip())
+    except ValueError:
+        parser.error(f"--layers: {args.layers!r} is not a comma-separated list of integers")
+    if args.concurrency < 1:
+        parser.error(f"--concurrency: {args.concurrency} is less than 1")
+    if args.shard_mb <= 0:
+        parser.error(f"--shard-mb: {args.shard_mb} is not positive")
+    max_tokens = args.max_tokens or (1 if args.tokens == "prompt" else 16)
+    spec = CaptureSpec(
+        tuple(t.strip() for t in args.tensor_type.split(",") if t.strip()), layers, args.tokens,
+        args.pooling, max_tokens,
+    )
+    return args, spec
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, spec = parse_args(argv)
+    try:
+        result = asyncio.run(run_capture(
+            args.engine, args.input, args.out, spec, args.concurrency, int(args.shard_mb * 2**20),
+            show_progress=not args.no_progress, timeout=args.timeout,
+        ))
+    except (InputError, DatasetError, CaptureError) as err:
+        fail("probe_lifecycle.capture", str(err))
+    except KeyboardInterrupt:
+        fail("probe_lifecycle.capture", "interrupted; committed examples are kept, run the same "
+             "command again to resume")
+    m = result.manifest
+    print(
+        f"dataset {args.out}: {m['examples']} examples ({result.captured} captured now, "
+        f"{result.skipped} resumed), {m['rows']} rows of {m['keys']} in {len(m['shards'])} shard(s)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
