@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
-import socket
-
 import grpc
 
 from common.grpc_server import channel_options
+from engine_service.router_link import resolve_dns
+from engine_service.routing import DnsTarget, parse_targets
 
 
 def channel(address: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, options=channel_options())
+
+
+async def router_addresses(spec: str) -> list[str]:
+    """Every replica of "host:port[,host:port...]" or "dns:NAME:PORT" (resolved now),
+    parsed and resolved exactly as the engine finds its routers."""
+    target = parse_targets(spec)
+    if isinstance(target, DnsTarget):
+        try:
+            addresses = await resolve_dns(target.host, target.port)
+        except OSError as err:
+            raise ValueError(f"--routers {spec!r}: {target.host} does not resolve: {err}") from None
+        if not addresses:
+            raise ValueError(f"--routers {spec!r}: {target.host} resolves to no address")
+        return addresses
+    return list(target.addresses)
