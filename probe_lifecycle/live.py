@@ -25,18 +25,20 @@ class LiveOutcome:
         return self.finished is not None and self.finished.finish_reason == pb.FINISH_REASON_PROBE_ABORT
 
 
-def probe_request(text: str, probe: str, max_tokens: int) -> pb.GenerateRequest:
-    """Greedy and ignore_eos, as the dataset was captured, so the probe reads the same rows."""
+def probe_request(text: str, probes: str | list[str], max_tokens: int) -> pb.GenerateRequest:
+    """Greedy and ignore_eos, as the dataset was captured, so the probe reads the same rows;
+    each probe bound fail_closed with its manifest's action."""
     request = pb.GenerateRequest(
         text=text,
         sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
     )
-    request.probes.add(probe=probe, failure_policy=pb.FAILURE_POLICY_FAIL_CLOSED)
+    for probe in [probes] if isinstance(probes, str) else probes:
+        request.probes.add(probe=probe, failure_policy=pb.FAILURE_POLICY_FAIL_CLOSED)
     return request
 
 
 async def generate_with_probe(
-    stub: pb_grpc.EngineServiceStub, text: str, probe: str, max_tokens: int,
+    stub: pb_grpc.EngineServiceStub, text: str, probe: str | list[str], max_tokens: int,
     on_response: Callable[[pb.GenerateResponse, LiveOutcome], None] | None = None,
     timeout: float = 120,
 ) -> LiveOutcome:

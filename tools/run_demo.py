@@ -1,8 +1,10 @@
 """`make run`: a router and an engine as two real processes on loopback.
 
-Waits until both report SERVING on gRPC health, sends one Generate request
-with a probe bound, prints the streamed text and probe events, then keeps
-both running until Ctrl-C (or exits with --exit-after-demo).
+Waits until both report SERVING on gRPC health, then runs the probe lifecycle
+(`probe_lifecycle.demo`: capture a labelled set, train, deploy live, generate
+with the probe bound); with --norm-demo it sends one Generate request with a
+norm monitor bound instead. Keeps both running until Ctrl-C (or exits with
+--exit-after-demo).
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--exit-after-demo", action="store_true")
     parser.add_argument("--startup-timeout", type=float, default=300)
+    parser.add_argument("--norm-demo", action="store_true",
+                        help="one generation with a norm monitor instead of the probe lifecycle")
     args = parser.parse_args(argv)
     if not Path(args.model).is_dir():
         raise SystemExit(f"run_demo: error: --model {args.model!r} is not a directory")
@@ -82,7 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"router SERVING on {router.address}", flush=True)
         asyncio.run(engine.wait_health(timeout=args.startup_timeout))
         print(f"engine SERVING on {engine.address}", flush=True)
-        asyncio.run(demo(engine.address, args.prompt, args.max_tokens, probe_name))
+        if args.norm_demo:
+            asyncio.run(demo(engine.address, args.prompt, args.max_tokens, probe_name))
+        else:
+            from probe_lifecycle.demo import lifecycle_demo
+
+            asyncio.run(lifecycle_demo(engine.address, router.address, REPO / ".cache" / "lifecycle"))
         if not args.exit_after_demo:
             print("Both services keep running; Ctrl-C stops them.", flush=True)
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
