@@ -65,7 +65,10 @@ async def lifecycle_demo(engine: str, routers: str, work_dir: Path, examples: in
 
     held_out = set(trained.provenance["training"]["held_out_ids"])
     rows = [json.loads(line) for line in input_path.read_text().splitlines()]
-    mix = [r for r in rows if r["id"] in held_out][:shown]
+    held = [r for r in rows if r["id"] in held_out]
+    mix = [r for r in held if r["label"] == 1][: shown // 2] + [
+        r for r in held if r["label"] == 0][: shown // 2]
+    mix.sort(key=lambda r: r["id"])
     mix += marker_set.marker_examples(2, seed=99, repeats=3, id_prefix="fresh")  # never captured
     print(f"== 5. generate with {PROBE!r} bound (abort) and {SHADOW!r} (observe: live scores)",
           flush=True)

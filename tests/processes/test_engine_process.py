@@ -5,6 +5,7 @@ and `make run`'s demo."""
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import sys
 import urllib.request
@@ -58,13 +59,31 @@ async def test_routerless_engine_serves_reports_metrics_and_drains_on_sigterm(ti
         service.kill()
 
 
-def test_make_run_demo_prints_streamed_text(tiny_llama_path):
+def test_make_run_norm_demo_prints_streamed_text(tiny_llama_path):
     result = subprocess.run(
         [sys.executable, "-m", "tools.run_demo", "--model", tiny_llama_path, "--exit-after-demo",
-         "--max-tokens", "12"],
+         "--max-tokens", "12", "--norm-demo"],
         capture_output=True, text=True, timeout=400,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "router SERVING" in result.stdout and "engine SERVING" in result.stdout
     assert "--- finished: LENGTH, 12 tokens ---" in result.stdout
     assert "probe residual_norm: 11 scores" in result.stdout
+
+
+def test_make_run_shows_the_probe_lifecycle(tiny_llama_path):
+    """`make run`: capture, train, deploy live, then flagged prompts abort and others finish."""
+    result = subprocess.run(
+        [sys.executable, "-m", "tools.run_demo", "--model", tiny_llama_path, "--exit-after-demo"],
+        capture_output=True, text=True, timeout=600,
+    )
+    out = result.stdout
+    assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
+    assert "dataset " in out and "400 examples, 2800 rows" in out
+    assert float(re.search(r"held-out AUROC ([0-9.]+)", out).group(1)) >= 0.95
+    assert "loaded marker (abort" in out and "loaded marker_scores (observe" in out
+    assert out.count("-> PROBE_ABORT") >= 4 and out.count("-> LENGTH") >= 4
+    assert "verdict: probe 'marker'" in out
+    right, total = map(int, re.search(r"== (\d+) of (\d+) requests ended as their label says",
+                                      out).groups())
+    assert total == 10 and right >= 9, out[-2000:]
