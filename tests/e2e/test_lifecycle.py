@@ -175,3 +175,18 @@ async def test_an_interrupted_capture_resumes_to_the_same_dataset(engine_service
     np.testing.assert_array_equal(a.position, b.position)
     np.testing.assert_allclose(a.rows, b.rows, rtol=0, atol=1e-5)
     assert json.loads((tmp_path / "cut" / MANIFEST).read_text())["rows"] == 90 * (MAX_TOKENS - 1)
+
+
+def test_a_prompt_the_engine_refuses_stops_the_capture_marked_partial(engine_service, tmp_path):
+    rows = [json.dumps(e) for e in marker_set.marker_examples(4, seed=6)]
+    too_long = json.dumps({"text": "river " * 1100, "label": 1, "id": "long"})
+    input_path = tmp_path / "marker.jsonl"
+    input_path.write_text("\n".join([*rows, too_long]) + "\n")
+    process = capture_cli(engine_service.address, input_path, tmp_path / "ds", "--concurrency", "1")
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 2, stderr
+    assert "marker.jsonl:5 (id 'long'): the engine refused it: INVALID_ARGUMENT" in stderr
+    manifest = read_manifest(tmp_path / "ds")
+    assert manifest["complete"] is False  # marked partial; training refuses it
+    logged = [json.loads(line)["ids"] for line in (tmp_path / "ds" / PROGRESS).read_text().splitlines()]
+    assert sum(logged, []) == [f"ex{i:05d}" for i in range(4)]  # what finished before it is kept

@@ -75,7 +75,7 @@ def test_make_run_shows_the_probe_lifecycle(tiny_llama_path):
     """`make run`: capture, train, deploy live, then flagged prompts abort and others finish."""
     result = subprocess.run(
         [sys.executable, "-m", "tools.run_demo", "--model", tiny_llama_path, "--exit-after-demo"],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=900,
     )
     out = result.stdout
     assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
