@@ -16,6 +16,7 @@ captures only the examples not yet committed.
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 from collections import deque
 from dataclasses import dataclass
@@ -133,40 +134,54 @@ async def run_capture(engine: str, input_path: str | Path, out: str | Path, spec
         source = {"path": str(input_path), "sha256": summary.sha256, "examples": summary.examples,
                   "positives": summary.positives, "negatives": summary.negatives}
         writer = DatasetWriter.open(out, spec, model, source, shard_bytes)
-        skipped = len(writer.done)
-        keys = writer.keys
-        bar = tqdm(total=summary.examples, initial=skipped, unit="req", disable=not show_progress,
-                   file=sys.stderr, dynamic_ncols=True)
-        rows = nbytes = captured = 0
-        pending: deque[asyncio.Task] = deque()
-
-        def commit(result: ExampleRows) -> None:
-            nonlocal rows, nbytes, captured
-            writer.add(result)
-            captured += 1
-            rows += result.num_rows
-            nbytes += result.nbytes
-            bar.update(1)
-            bar.set_postfix(rows=rows, MB=f"{nbytes / 1e6:.1f}", refresh=False)
-
         try:
-            for example in read_examples(input_path):
-                if example.id in writer.done:
-                    continue
-                pending.append(asyncio.create_task(
-                    capture_example(stub, example, spec, keys, str(input_path), timeout)))
-                if len(pending) >= concurrency:
-                    commit(await pending.popleft())
-            while pending:
-                commit(await pending.popleft())
+            skipped = len(writer.done)
+            captured = await _capture_remaining(stub, writer, input_path, spec, summary.examples,
+                                                concurrency, show_progress, timeout)
+            manifest = writer.finish()
         finally:
-            for task in pending:
-                task.cancel()
-            # What completed in order is valid: keep it, so a resume does not redo it.
-            writer.flush()
-            bar.close()
-        manifest = writer.finish()
+            writer.close()
     return CaptureResult(manifest, captured, skipped)
+
+
+async def _capture_remaining(stub: pb_grpc.EngineServiceStub, writer: DatasetWriter,
+                             input_path: str | Path, spec: CaptureSpec, total: int,
+                             concurrency: int, show_progress: bool, timeout: float) -> int:
+    """Captures the examples the writer has not committed, `concurrency` in flight,
+    committing them in input order; returns how many it captured."""
+    bar = tqdm(total=total, initial=len(writer.done), unit="req", disable=not show_progress,
+               file=sys.stderr, dynamic_ncols=True)
+    rows = nbytes = captured = 0
+    pending: deque[asyncio.Task] = deque()
+
+    def commit(result: ExampleRows) -> None:
+        nonlocal rows, nbytes, captured
+        writer.add(result)
+        captured += 1
+        rows += result.num_rows
+        nbytes += result.nbytes
+        bar.update(1)
+        bar.set_postfix(rows=rows, MB=f"{nbytes / 1e6:.1f}", refresh=False)
+
+    try:
+        for example in read_examples(input_path):
+            if example.id in writer.done:
+                continue
+            pending.append(asyncio.create_task(
+                capture_example(stub, example, spec, writer.keys, str(input_path), timeout)))
+            if len(pending) >= concurrency:
+                commit(await pending.popleft())
+        while pending:
+            commit(await pending.popleft())
+    finally:
+        for task in pending:
+            task.cancel()
+        # What completed in order is valid: keep it, so a resume does not redo it.
+        try:
+            writer.flush()
+        finally:
+            bar.close()
+    return captured
 
 
 def parse_args(argv: list[str] | None) -> tuple:
@@ -204,6 +219,8 @@ def parse_args(argv: list[str] | None) -> tuple:
 
 def main(argv: list[str] | None = None) -> int:
     args, spec = parse_args(argv)
+    # SIGTERM stops like Ctrl-C: examples already complete are committed before exit.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         result = asyncio.run(run_capture(
             args.engine, args.input, args.out, spec, args.concurrency, int(args.shard_mb * 2**20),

@@ -5,6 +5,7 @@ Layout of a dataset directory:
                        source file (path, sha256), label counts, shards, and
                        `complete` (false while a capture is running or was cut off)
   progress.jsonl       one line per committed shard: its file and example ids
+  capture.lock         held (flock) by the one capture writing to the directory
   shard-00000.safetensors ...
 Each shard holds, for every captured (tensor type, layer), a float32 tensor
 `<tensor_type>.<layer>` of shape [rows, hidden]; the parallel int64 `example`
@@ -20,6 +21,7 @@ duplicated or half written.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -37,6 +39,7 @@ from undercurrent.v1 import undercurrent_pb2 as pb
 FORMAT = "undercurrent-dataset/1"
 MANIFEST = "dataset.json"
 PROGRESS = "progress.jsonl"
+LOCK = "capture.lock"
 SCOPES = {
     "prompt": pb.TokenSelector.SCOPE_PROMPT,
     "generated": pb.TokenSelector.SCOPE_GENERATED,
@@ -168,8 +171,10 @@ class _Progress:
 class DatasetWriter:
     """Appends examples to a dataset directory, shard by shard, resumable."""
 
-    def __init__(self, directory: Path, manifest: dict, progress: _Progress, shard_bytes: int):
+    def __init__(self, directory: Path, manifest: dict, progress: _Progress, shard_bytes: int,
+                 lock):
         self.directory = directory
+        self._lock = lock
         self.manifest = manifest
         self.keys = manifest["keys"]
         self.progress = progress
@@ -190,21 +195,32 @@ class DatasetWriter:
             "source": source,
         }
         manifest_path = directory / MANIFEST
-        if manifest_path.exists():
-            existing = read_manifest(directory)
-            _check_resumable(manifest_path, existing, wanted)
-            progress = _read_progress(directory)
-            manifest = existing
-        else:
-            if directory.exists() and any(directory.iterdir()):
-                raise DatasetError(f"{directory}: exists, is not empty and holds no {MANIFEST}")
-            directory.mkdir(parents=True, exist_ok=True)
-            progress = _Progress()
-            manifest = {**wanted, "complete": False}
-            _write_json_atomic(manifest_path, manifest)
-        writer = cls(directory, manifest, progress, shard_bytes)
-        writer._remove_orphans()
+        if not manifest_path.exists() and directory.exists() and any(
+            p.name != LOCK for p in directory.iterdir()
+        ):
+            raise DatasetError(f"{directory}: exists, is not empty and holds no {MANIFEST}")
+        directory.mkdir(parents=True, exist_ok=True)
+        lock = _lock(directory)
+        try:
+            if manifest_path.exists():
+                existing = read_manifest(directory)
+                _check_resumable(manifest_path, existing, wanted)
+                progress = _read_progress(directory)
+                manifest = existing
+            else:
+                progress = _Progress()
+                manifest = {**wanted, "complete": False}
+                _write_json_atomic(manifest_path, manifest)
+            writer = cls(directory, manifest, progress, shard_bytes, lock)
+            writer._remove_orphans()
+        except BaseException:
+            lock.close()
+            raise
         return writer
+
+    def close(self) -> None:
+        """Releases the directory for another capture (also released at process exit)."""
+        self._lock.close()
 
     @property
     def done(self) -> set[str]:
@@ -263,6 +279,17 @@ class DatasetWriter:
                 path.name.startswith("shard-") and path.name not in logged
             ):
                 path.unlink()
+
+
+def _lock(directory: Path):
+    """An exclusive lock on the directory: two captures into one dataset would interleave."""
+    handle = (directory / LOCK).open("a")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise DatasetError(f"{directory}: another capture is writing to it") from None
+    return handle
 
 
 def _shard_tensors(examples: list[ExampleRows], keys: list[str]) -> dict[str, np.ndarray]:

@@ -71,3 +71,13 @@ def test_a_partial_dataset_is_refused_for_training(tmp_path):
     directory = synthetic.write_dataset(tmp_path / "ds", count=6, complete=False)
     with pytest.raises(DatasetError, match="complete: false"):
         load_features(directory, "residual_stream.1")
+
+
+def test_two_captures_never_write_one_directory(tmp_path):
+    directory = synthetic.write_dataset(tmp_path / "ds", count=6, complete=False)
+    source = read_manifest(directory)["source"]
+    first = DatasetWriter.open(directory, synthetic.spec(), synthetic.model_info(), source, 4000)
+    with pytest.raises(DatasetError, match="another capture is writing to it"):
+        DatasetWriter.open(directory, synthetic.spec(), synthetic.model_info(), source, 4000)
+    first.close()
+    DatasetWriter.open(directory, synthetic.spec(), synthetic.model_info(), source, 4000).close()
