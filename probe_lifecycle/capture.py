@@ -45,16 +45,52 @@ class CaptureError(RuntimeError):
     """One example could not be captured; names its line and id."""
 
 
+class IncompleteCapture(CaptureError):
+    """The engine finished a request without sending every selected row."""
+
+
+ATTEMPTS = 3
+"""Tries per example when the engine's rows are incomplete (seen rarely: the last
+generated row missing); a dataset never holds an example with rows missing."""
+
+
+def expected_positions(spec: CaptureSpec, prompt_tokens: int, generated_tokens: int) -> np.ndarray:
+    """The positions the extraction points select for a finished request. The last
+    sampled token is never fed back, so generated rows stop one short of the count."""
+    end = prompt_tokens + max(generated_tokens - 1, 0)
+    if spec.scope == "prompt":
+        if spec.pooling == "last":
+            return np.array([prompt_tokens - 1])
+        return np.arange(prompt_tokens)
+    return np.arange(prompt_tokens if spec.scope == "generated" else 0, end)
+
+
 @dataclass
 class CaptureResult:
     manifest: dict
     captured: int  # examples captured by this run
     skipped: int  # examples an earlier run had committed
+    retried: list[str]  # why each incomplete attempt was run again
 
 
 async def capture_example(stub: pb_grpc.EngineServiceStub, example: Example, spec: CaptureSpec,
-                          keys: list[str], source: str, timeout: float) -> ExampleRows:
-    """Runs one example and returns its pooled rows."""
+                          keys: list[str], source: str, timeout: float,
+                          retried: list[str] | None = None) -> ExampleRows:
+    """Runs one example and returns its pooled rows, retrying an incomplete capture
+    (each retry's reason is appended to `retried`)."""
+    for attempt in range(1, ATTEMPTS + 1):
+        try:
+            return await _capture_once(stub, example, spec, keys, source, timeout)
+        except IncompleteCapture as err:
+            if retried is not None:
+                retried.append(str(err))
+            if attempt == ATTEMPTS:
+                raise CaptureError(f"{err} (in each of {ATTEMPTS} attempts)") from None
+    raise AssertionError("unreachable")
+
+
+async def _capture_once(stub: pb_grpc.EngineServiceStub, example: Example, spec: CaptureSpec,
+                        keys: list[str], source: str, timeout: float) -> ExampleRows:
     where = f"{source}:{example.line} (id {example.id!r})"
     request = pb.GenerateRequest(
         text=example.text,
@@ -87,10 +123,10 @@ async def capture_example(stub: pb_grpc.EngineServiceStub, example: Example, spe
             f"{finished.message}"
         )
     generated_tokens = finished.generated_tokens
-    return _assemble(example, parts, spec.pooling, prompt_tokens, generated_tokens, where)
+    return _assemble(example, parts, spec, prompt_tokens, generated_tokens, where)
 
 
-def _assemble(example: Example, parts: dict, pooling: str, prompt_tokens: int,
+def _assemble(example: Example, parts: dict, spec: CaptureSpec, prompt_tokens: int,
               generated_tokens: int, where: str) -> ExampleRows:
     """Orders each key's rows by position, checks every key saw the same positions, pools."""
     features, positions, generated = {}, None, None
@@ -108,6 +144,15 @@ def _assemble(example: Example, parts: dict, pooling: str, prompt_tokens: int,
         elif not np.array_equal(pos, positions):
             raise CaptureError(f"{where}: {key}: positions differ from the other points'")
         features[key] = rows
+    expected = expected_positions(spec, prompt_tokens, generated_tokens)
+    if not np.array_equal(positions, expected):
+        missing = sorted(set(expected.tolist()) - set(positions.tolist()))
+        extra = sorted(set(positions.tolist()) - set(expected.tolist()))
+        raise IncompleteCapture(
+            f"{where}: the engine sent {positions.size} of {expected.size} selected rows "
+            f"(missing positions {missing[:8]}, unexpected {extra[:8]})"
+        )
+    pooling = spec.pooling
     if positions.size and pooling != "all":
         pick = slice(-1, None)
         features = {
@@ -134,19 +179,21 @@ async def run_capture(engine: str, input_path: str | Path, out: str | Path, spec
         source = {"path": str(input_path), "sha256": summary.sha256, "examples": summary.examples,
                   "positives": summary.positives, "negatives": summary.negatives}
         writer = DatasetWriter.open(out, spec, model, source, shard_bytes)
+        retried: list[str] = []
         try:
             skipped = len(writer.done)
             captured = await _capture_remaining(stub, writer, input_path, spec, summary.examples,
-                                                concurrency, show_progress, timeout)
+                                                concurrency, show_progress, timeout, retried)
             manifest = writer.finish()
         finally:
             writer.close()
-    return CaptureResult(manifest, captured, skipped)
+    return CaptureResult(manifest, captured, skipped, retried)
 
 
 async def _capture_remaining(stub: pb_grpc.EngineServiceStub, writer: DatasetWriter,
                              input_path: str | Path, spec: CaptureSpec, total: int,
-                             concurrency: int, show_progress: bool, timeout: float) -> int:
+                             concurrency: int, show_progress: bool, timeout: float,
+                             retried: list[str]) -> int:
     """Captures the examples the writer has not committed, `concurrency` in flight,
     committing them in input order; returns how many it captured."""
     bar = tqdm(total=total, initial=len(writer.done), unit="req", disable=not show_progress,
@@ -168,7 +215,8 @@ async def _capture_remaining(stub: pb_grpc.EngineServiceStub, writer: DatasetWri
             if example.id in writer.done:
                 continue
             pending.append(asyncio.create_task(
-                capture_example(stub, example, spec, writer.keys, str(input_path), timeout)))
+                capture_example(stub, example, spec, writer.keys, str(input_path), timeout,
+                                retried)))
             if len(pending) >= concurrency:
                 commit(await pending.popleft())
         while pending:
@@ -236,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         f"dataset {args.out}: {m['examples']} examples ({result.captured} captured now, "
         f"{result.skipped} resumed), {m['rows']} rows of {m['keys']} in {len(m['shards'])} shard(s)"
     )
+    for reason in result.retried:
+        print(f"retried after an incomplete capture: {reason}")
     return 0
 
 

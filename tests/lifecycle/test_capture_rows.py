@@ -1,0 +1,83 @@
+"""Capture's checks on what one Generate stream returned: every selected row, once.
+
+The engine is replaced by a scripted stream here (logic around the part); the
+real engine is exercised in tests/e2e/test_lifecycle.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from common.activations import Block, to_batch
+from probe_lifecycle.capture import ATTEMPTS, CaptureError, capture_example
+from probe_lifecycle.dataset import CaptureSpec
+from probe_lifecycle.examples import Example
+from undercurrent.v1 import undercurrent_pb2 as pb
+
+SPEC = CaptureSpec(("residual_stream",), (1,), "generated", "all", 4)
+PROMPT = 5
+
+
+def responses(positions: list[int]) -> list[pb.GenerateResponse]:
+    rows = np.arange(len(positions) * 3, dtype=np.float32).reshape(len(positions), 3)
+    block = Block("residual_stream", pb.TENSOR_TYPE_RESIDUAL_STREAM, 1, rows, ["r"] * len(positions),
+                  np.array(positions, np.int64), np.ones(len(positions), bool))
+    return [
+        pb.GenerateResponse(started=pb.GenerateStarted(request_id="r", prompt_tokens=PROMPT)),
+        pb.GenerateResponse(activations=to_batch([block])),
+        pb.GenerateResponse(finished=pb.GenerateFinished(
+            finish_reason=pb.FINISH_REASON_LENGTH, prompt_tokens=PROMPT, generated_tokens=4)),
+    ]
+
+
+class ScriptedEngine:
+    """Answers Generate with one scripted stream per call, in order."""
+
+    def __init__(self, *streams: list[pb.GenerateResponse]):
+        self.streams = list(streams)
+        self.requests: list[pb.GenerateRequest] = []
+
+    def Generate(self, request, timeout=None):  # noqa: N802 (the gRPC method name)
+        self.requests.append(request)
+        stream = self.streams.pop(0)
+
+        async def replies():
+            for response in stream:
+                yield response
+        return replies()
+
+
+EXAMPLE = Example("e1", "river stone", 1, 7)
+COMPLETE = [5, 6, 7]  # generated 0..2 of 4: the last sampled token has no row
+
+
+async def test_a_complete_stream_becomes_one_example_in_position_order():
+    engine = ScriptedEngine(responses([7, 5, 6]))
+    rows = await capture_example(engine, EXAMPLE, SPEC, ["residual_stream.1"], "in.jsonl", 5)
+    assert rows.positions.tolist() == COMPLETE
+    assert rows.features["residual_stream.1"][:, 0].tolist() == [3.0, 6.0, 0.0]
+    request = engine.requests[0]
+    assert request.sampling.ignore_eos and request.sampling.temperature == 0
+    assert request.extraction_points[0].stream_to_client
+
+
+async def test_a_missing_row_is_captured_again():
+    retried: list[str] = []
+    engine = ScriptedEngine(responses([5, 6]), responses(COMPLETE))
+    rows = await capture_example(engine, EXAMPLE, SPEC, ["residual_stream.1"], "in.jsonl", 5, retried)
+    assert rows.positions.tolist() == COMPLETE
+    assert retried == ["in.jsonl:7 (id 'e1'): the engine sent 2 of 3 selected rows "
+                       "(missing positions [7], unexpected [])"]
+
+
+async def test_an_example_never_complete_is_refused_not_written():
+    engine = ScriptedEngine(*[responses([5, 6])] * ATTEMPTS)
+    with pytest.raises(CaptureError, match=r"in\.jsonl:7 .* 2 of 3 selected rows .* \(in each of 3 attempts\)"):
+        await capture_example(engine, EXAMPLE, SPEC, ["residual_stream.1"], "in.jsonl", 5)
+
+
+async def test_a_position_sent_twice_is_refused():
+    engine = ScriptedEngine(responses([5, 6, 6]))
+    with pytest.raises(CaptureError, match="a token position arrived twice"):
+        await capture_example(engine, EXAMPLE, SPEC, ["residual_stream.1"], "in.jsonl", 5)
