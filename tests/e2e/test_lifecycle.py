@@ -94,6 +94,9 @@ async def test_a_trained_probe_deployed_live_aborts_held_out_positives(
     assert {o.reason for o in outcomes} <= {"PROBE_ABORT", "LENGTH"}
     assert aborted[labels == 1].mean() >= 0.9, aborted[labels == 1].mean()
     assert aborted[labels == 0].mean() <= 0.1, aborted[labels == 0].mean()
+    print(f"held-out AUROC {held.auroc:.3f}, offline TPR {held.tpr:.3f} FPR {held.fpr:.3f}; live: "
+          f"{aborted[labels == 1].mean():.3f} of {int((labels == 1).sum())} positives and "
+          f"{aborted[labels == 0].mean():.3f} of {int((labels == 0).sum())} negatives aborted")
     clear = np.abs(offline - held.threshold) > 1e-3
     np.testing.assert_array_equal(aborted[clear], (offline >= held.threshold)[clear])
     for outcome in outcomes:
