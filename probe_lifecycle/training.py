@@ -91,11 +91,13 @@ def fit_mean_difference(x: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
 def example_scores(probe: Probe, features: Features, examples: np.ndarray) -> np.ndarray:
     """Each example's highest score as the router computes it, rows in position order."""
     plan = ProjectionPlan((probe,))
+    order = np.lexsort((features.position, features.example))  # by example, then position
+    starts = np.searchsorted(features.example[order], examples, side="left")
+    ends = np.searchsorted(features.example[order], examples, side="right")
     out = np.empty(examples.size)
-    for i, example in enumerate(examples):
-        index = np.flatnonzero(features.example == example)
-        index = index[np.argsort(features.position[index], kind="stable")]
-        values = plan.apply(np.ascontiguousarray(features.rows[index], dtype=np.float32))
+    for i, (start, end) in enumerate(zip(starts, ends)):
+        rows = features.rows[order[start:end]]
+        values = plan.apply(np.ascontiguousarray(rows, dtype=np.float32))
         out[i] = probe.score(values, probe.new_state()).max()
     return out
 
