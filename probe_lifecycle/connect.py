@@ -5,8 +5,7 @@ from __future__ import annotations
 import grpc
 
 from common.grpc_server import channel_options
-from engine_service.router_link import resolve_dns
-from engine_service.routing import DnsTarget, parse_targets
+from engine_service.link.targets import DnsTarget, parse_targets, resolve_dns
 
 
 def channel(address: str) -> grpc.aio.Channel:
