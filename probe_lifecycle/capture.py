@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from common.activations import from_batch
 from common.capture_spec import TENSOR_TYPES, tensor_type_from_proto
-from common.cli import OneLineErrorParser, fail
+from probe_lifecycle.cli import OneLineParser, fail
 from common.enum_names import short_name
 from probe_lifecycle import connect
 from probe_lifecycle.dataset import (
@@ -233,7 +233,7 @@ async def _capture_remaining(stub: pb_grpc.EngineServiceStub, writer: DatasetWri
 
 
 def parse_args(argv: list[str] | None) -> tuple:
-    parser = OneLineErrorParser(prog="probe_lifecycle.capture", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="probe_lifecycle.capture", description=__doc__.splitlines()[0])
     parser.add_argument("--engine", required=True, help="engine address HOST:PORT")
     parser.add_argument("--input", required=True, help="labelled prompts, JSONL: text, label, id")
     parser.add_argument("--out", required=True, help="dataset directory (created, or resumed)")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import grpc
 
-from common.cli import OneLineErrorParser, fail
+from probe_lifecycle.cli import OneLineParser, fail
 from probe_lifecycle import connect
 from probe_lifecycle.dataset import MODEL_IDENTITY, model_to_dict
 from router_service.manifest import ManifestError
@@ -176,7 +176,7 @@ async def wait_until_offered(engine: str, probe: str, timeout: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneLineErrorParser(prog="probe_lifecycle.deploy", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="probe_lifecycle.deploy", description=__doc__.splitlines()[0])
     parser.add_argument("--probe", required=True, help="probe directory (manifest + weights)")
     parser.add_argument("--routers", required=True,
                         help="HOST:PORT[,HOST:PORT...] or dns:NAME:PORT (every replica)")

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from common.capture_spec import TENSOR_TYPES
-from common.cli import OneLineErrorParser, fail
+from probe_lifecycle.cli import OneLineParser, fail
 from probe_lifecycle import connect, plots
 from probe_lifecycle.dataset import (
     MANIFEST, MODEL_IDENTITY, DatasetError, feature_key, load_features, model_to_dict, read_manifest,
@@ -256,7 +256,7 @@ def _aggregation(text: str, parser) -> tuple[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneLineErrorParser(prog="probe_lifecycle.train", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="probe_lifecycle.train", description=__doc__.splitlines()[0])
     parser.add_argument("--dataset", required=True)
     parser.add_argument("--out", required=True, help="probe directory to write")
     parser.add_argument("--name", required=True, help="probe name, as bound in Generate")
