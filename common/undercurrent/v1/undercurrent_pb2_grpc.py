@@ -27,9 +27,11 @@ if _version_not_supported:
 
 class EngineServiceStub:
     """---------------------------------------------------------------------------
-    Engine: the client-facing service
+    EngineService: the client-facing service
     ---------------------------------------------------------------------------
 
+    The engine: one vLLM deployment (any TP/PP topology) with activation
+    capture, linked to the probe routers.
     """
 
     def __init__(self, channel):
@@ -57,27 +59,33 @@ class EngineServiceStub:
 
 class EngineServiceServicer:
     """---------------------------------------------------------------------------
-    Engine: the client-facing service
+    EngineService: the client-facing service
     ---------------------------------------------------------------------------
 
+    The engine: one vLLM deployment (any TP/PP topology) with activation
+    capture, linked to the probe routers.
     """
 
     def Generate(self, request, context):
-        """Generates text and streams tokens, probe events and optional activations.
+        """Generates text for one prompt and streams, in order: one `started`, then
+        `tokens`, `probe_event` and `activations` as they happen, then exactly one
+        `finished`. Cancelling the stream aborts the request in vLLM.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Aborts a running request by id.
+        """Aborts a running request by id; its Generate stream ends with
+        FINISH_REASON_CLIENT_ABORT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetModelInfo(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Describes the served model and its topology.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -110,9 +118,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class EngineService:
     """---------------------------------------------------------------------------
-    Engine: the client-facing service
+    EngineService: the client-facing service
     ---------------------------------------------------------------------------
 
+    The engine: one vLLM deployment (any TP/PP topology) with activation
+    capture, linked to the probe routers.
     """
 
     @staticmethod
@@ -199,9 +209,11 @@ class EngineService:
 
 class ProbeRouterServiceStub:
     """---------------------------------------------------------------------------
-    ProbeRouter: the engine <-> router Session
+    ProbeRouterService: the engine <-> router Session
     ---------------------------------------------------------------------------
 
+    A probe router: scores activation batches and decides aborts. Called by
+    engines, not by clients.
     """
 
     def __init__(self, channel):
@@ -219,13 +231,19 @@ class ProbeRouterServiceStub:
 
 class ProbeRouterServiceServicer:
     """---------------------------------------------------------------------------
-    ProbeRouter: the engine <-> router Session
+    ProbeRouterService: the engine <-> router Session
     ---------------------------------------------------------------------------
 
+    A probe router: scores activation batches and decides aborts. Called by
+    engines, not by clients.
     """
 
     def Session(self, request_iterator, context):
-        """One stream per engine and router replica, open for the engine's lifetime.
+        """One stream per engine and router replica, open for the engine's
+        lifetime. The engine sends hello first and the router answers hello;
+        then request_start, batches and request_end flow one way and scores,
+        aborts and acks the other. Errors about one request travel in-band as
+        RequestError; the stream stays open.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -249,9 +267,11 @@ def add_ProbeRouterServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class ProbeRouterService:
     """---------------------------------------------------------------------------
-    ProbeRouter: the engine <-> router Session
+    ProbeRouterService: the engine <-> router Session
     ---------------------------------------------------------------------------
 
+    A probe router: scores activation batches and decides aborts. Called by
+    engines, not by clients.
     """
 
     @staticmethod
@@ -284,9 +304,12 @@ class ProbeRouterService:
 
 class ProbeAdminServiceStub:
     """---------------------------------------------------------------------------
-    ProbeAdmin: live probe management on one router
+    ProbeAdminService: live probe management on one router
     ---------------------------------------------------------------------------
 
+    Loads, lists and unloads probes on one running router replica. Each
+    replica has its own probes: load a probe on every replica that may serve
+    a request bound to it.
     """
 
     def __init__(self, channel):
@@ -314,25 +337,32 @@ class ProbeAdminServiceStub:
 
 class ProbeAdminServiceServicer:
     """---------------------------------------------------------------------------
-    ProbeAdmin: live probe management on one router
+    ProbeAdminService: live probe management on one router
     ---------------------------------------------------------------------------
 
+    Loads, lists and unloads probes on one running router replica. Each
+    replica has its own probes: load a probe on every replica that may serve
+    a request bound to it.
     """
 
     def LoadProbe(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Loads (or with replace, swaps) a probe; INVALID_ARGUMENT names the bad
+        manifest field or weight, ALREADY_EXISTS when loaded and not replace.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListProbes(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Lists the loaded probes.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def UnloadProbe(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Unloads a probe by name; NOT_FOUND when it is not loaded.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -365,9 +395,12 @@ def add_ProbeAdminServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class ProbeAdminService:
     """---------------------------------------------------------------------------
-    ProbeAdmin: live probe management on one router
+    ProbeAdminService: live probe management on one router
     ---------------------------------------------------------------------------
 
+    Loads, lists and unloads probes on one running router replica. Each
+    replica has its own probes: load a probe on every replica that may serve
+    a request bound to it.
     """
 
     @staticmethod
