@@ -1,10 +1,6 @@
 """Probe files on disk and inline: a JSON manifest plus safetensors weights.
 
-Layouts accepted by `load_probe_path`:
-  - a directory holding `manifest.json` and `weights.safetensors` (weights may be
-    left out when the kind needs none, e.g. a plain norm monitor);
-  - a single `.safetensors` file whose header metadata holds the manifest JSON
-    under the key `undercurrent.manifest`.
+`load_probe_path` accepts the layouts of common/probe_layout.py.
 `--probes DIR` loads DIR itself if it holds a manifest.json, else every such
 subdirectory and every top-level `.safetensors` file, in name order.
 """
@@ -20,13 +16,11 @@ import numpy as np
 import safetensors
 
 from common import tensor_codec
+from common.probe_layout import MANIFEST_FILE, METADATA_KEY, WEIGHTS_FILE
 from undercurrent.v1 import undercurrent_pb2 as pb
 from router_service.manifest import ManifestError, manifest_from_dict, parse_manifest
 from router_service.probes import Probe, build_probe
 
-MANIFEST_FILE = "manifest.json"
-WEIGHTS_FILE = "weights.safetensors"
-METADATA_KEY = "undercurrent.manifest"
 
 _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 _SAFETENSORS_CODES = {name: code for code, name in _SAFETENSORS_DTYPES.items()}

@@ -1,0 +1,131 @@
+"""Activation helpers and the capture file, on batches packed by the services' own
+encoder (common.activations.to_batch)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from common.activations import Block, to_batch
+from common.tensor_codec import float32_to_bfloat16_bits
+from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent_client import ActivationKey, ActivationSet, batch_arrays, generate_request, point
+from undercurrent_client import capture_file
+from undercurrent_client.events import Activations, Finished, Generation, event_of
+
+RESIDUAL = pb.TENSOR_TYPE_RESIDUAL_STREAM
+
+
+def block(point_name, layer, rows, request_ids, positions, generated, wire_dtype):
+    return Block(point_name, RESIDUAL, layer, np.asarray(rows, np.float32), list(request_ids),
+                 np.asarray(positions, np.int64), np.asarray(generated, bool), wire_dtype)
+
+
+@pytest.mark.parametrize("wire_dtype", ["float32", "float16", "bfloat16"])
+def test_batch_arrays_keys_every_row_and_decodes_each_dtype(wire_dtype):
+    rows = np.array([[1.5, -2.25, 3.0], [0.125, 65504.0 if wire_dtype == "float16" else 1e30, -0.0],
+                     [7.0, 8.0, 9.0]], np.float32)
+    batch = to_batch([block("p", 3, rows, ["a", "b", "a"], [4, 2, 5], [False, True, True], wire_dtype)])
+    arrays = batch_arrays(batch)
+    assert list(arrays) == [ActivationKey("a", "p", 3, 4), ActivationKey("b", "p", 3, 2),
+                            ActivationKey("a", "p", 3, 5)]
+    if wire_dtype == "bfloat16":
+        expected = (float32_to_bfloat16_bits(rows).astype(np.uint32) << 16).view(np.float32)
+    else:
+        expected = rows.astype(wire_dtype).astype(np.float32)
+    for i, key in enumerate(arrays):
+        assert arrays[key].dtype == np.float32
+        np.testing.assert_array_equal(arrays[key], expected[i])
+
+
+def test_activation_set_groups_requests_and_orders_tokens():
+    first = to_batch([block("p", 1, [[1, 1], [2, 2]], ["a", "b"], [5, 5], [True, True], "float32"),
+                      block("p", 2, [[3, 3]], ["a"], [5], [True], "float32")])
+    second = to_batch([block("p", 1, [[4, 4], [0, 0]], ["a", "a"], [6, 1], [True, False], "float32")])
+    gathered = ActivationSet([second, first])
+    assert len(gathered) == 5
+    assert gathered.groups() == [("a", "p", 1), ("a", "p", 2), ("b", "p", 1)]
+    positions, rows, generated = gathered.matrix("a", "p", 1)
+    assert positions.tolist() == [1, 5, 6]
+    assert rows.tolist() == [[0, 0], [1, 1], [4, 4]]
+    assert generated.tolist() == [False, True, True]
+    with pytest.raises(KeyError, match="'zzz'"):
+        gathered.matrix("zzz", "p", 1)
+    with pytest.raises(ValueError, match="arrived twice"):
+        gathered.add(first)
+
+
+def test_malformed_batch_names_the_block_and_field():
+    batch = to_batch([block("p", 1, [[1, 2]], ["a"], [0], [False], "float32")])
+    batch.blocks[0].rows.data = batch.blocks[0].rows.data[:-1]
+    with pytest.raises(ValueError, match=r"blocks\[0\] \(p@1\)\.rows: tensor.data has 7 bytes"):
+        batch_arrays(batch)
+
+
+def test_point_specs_parse_or_name_the_problem():
+    p = point("residual_stream:12")
+    assert (p.name, p.tensor_type, list(p.layers), p.stream_to_client) == (
+        "residual_stream:12", RESIDUAL, [12], True)
+    assert list(point("mlp_out:0,2").layers) == [0, 2]
+    assert point("final_norm").tensor_type == pb.TENSOR_TYPE_FINAL_NORM
+    for spec, message in [("resid:1", "tensor type 'resid'"), ("mlp_out", "give a layer"),
+                          ("attn_out:x", "layers must be integers"), ("final_norm:3", "takes no layer")]:
+        with pytest.raises(ValueError, match=message):
+            point(spec)
+
+
+def test_generate_request_sets_only_what_is_given():
+    request = generate_request([1, 2, 3], max_tokens=5, temperature=0.0, probes=["a"], gate_tokens=True)
+    assert list(request.token_ids.ids) == [1, 2, 3] and request.gate_tokens
+    assert request.sampling.HasField("temperature") and not request.sampling.HasField("top_p")
+    assert [(b.probe, b.failure_policy, b.action) for b in request.probes] == [("a", 0, 0)]
+    text = generate_request("hi")
+    assert text.text == "hi" and not text.sampling.HasField("temperature")
+
+
+def test_events_are_typed_and_gathered():
+    batch = to_batch([block("p", 1, [[1, 2]], ["r"], [3], [True], "float32")])
+    responses = [
+        pb.GenerateResponse(started=pb.GenerateStarted(request_id="r", prompt_tokens=3)),
+        pb.GenerateResponse(tokens=pb.TokenChunk(token_ids=[7, 8], text="ab", first_index=0)),
+        pb.GenerateResponse(activations=batch),
+        pb.GenerateResponse(probe_event=pb.ProbeEvent(scores=pb.ProbeScores(
+            probe="q", token_positions=[3], scores=[0.5], router="x:1"))),
+        pb.GenerateResponse(finished=pb.GenerateFinished(
+            finish_reason=pb.FINISH_REASON_PROBE_ABORT, generated_tokens=2, prompt_tokens=3,
+            verdict=pb.Verdict(probe="q", score=0.9, token_position=4, reason="fired"))),
+    ]
+    events = [event_of(r) for r in responses]
+    assert isinstance(events[2], Activations) and isinstance(events[4], Finished)
+    generation = Generation.of(events)
+    assert (generation.request_id, generation.token_ids, generation.text) == ("r", [7, 8], "ab")
+    assert generation.probe_scores("q") == {3: 0.5}
+    assert generation.reason == "PROBE_ABORT" and generation.finished.verdict.token_position == 4
+    assert list(generation.activations.arrays) == [ActivationKey("r", "p", 1, 3)]
+    with pytest.raises(ValueError, match="no known event"):
+        event_of(pb.GenerateResponse())
+
+
+def test_capture_file_round_trips_rows_keys_and_metadata(tmp_path):
+    points = [point("residual_stream:1")]
+    name = points[0].name
+    gathered = ActivationSet([
+        to_batch([block(name, 1, [[1, 2], [3, 4]], ["r0", "r1"], [0, 0], [False, False], "bfloat16")]),
+        to_batch([block(name, 1, [[5, 6]], ["r0"], [1], [True], "bfloat16")]),
+    ])
+    requests = [capture_file.CapturedRequest("r0", "a b", 1, 2, "LENGTH", "xy"),
+                capture_file.CapturedRequest("r1", "c", 1, 1, "LENGTH", "z")]
+    model = pb.ModelInfo(model="m", num_layers=4, hidden_size=2, dtype="bfloat16")
+    shapes = capture_file.write(tmp_path / "c.safetensors", gathered, requests, points, model)
+    assert shapes == {f"{name}/1/rows": (3, 2), f"{name}/1/positions": (3,),
+                      f"{name}/1/request_index": (3,), f"{name}/1/is_generated": (3,)}
+    tensors, metadata = capture_file.read(tmp_path / "c.safetensors")
+    assert tensors[f"{name}/1/rows"].tolist() == [[1, 2], [5, 6], [3, 4]]
+    assert tensors[f"{name}/1/positions"].tolist() == [0, 1, 0]
+    assert tensors[f"{name}/1/request_index"].tolist() == [0, 0, 1]
+    assert tensors[f"{name}/1/is_generated"].tolist() == [0, 1, 0]
+    assert metadata["format"] == 1 and metadata["model"]["hidden_size"] == 2
+    assert metadata["points"] == [{"name": name, "tensor_type": "residual_stream", "layers": [1],
+                                   "wire_dtype": "bfloat16"}]
+    assert [r["request_id"] for r in metadata["requests"]] == ["r0", "r1"]
+    json.dumps(metadata)

@@ -1,0 +1,224 @@
+"""Blocking and asyncio clients of EngineService and ProbeAdminService.
+
+Both kinds share the request builders (requests.py) and the event reader
+(events.py); each method is one call plus error translation. Every failed call
+raises RpcError with the gRPC status and the server's message.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import AsyncIterator, Iterator, Sequence
+
+import grpc
+
+from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent_client.connection import Connection, connection
+from undercurrent_client.errors import RpcError
+from undercurrent_client.events import Event, event_of
+from undercurrent_client.requests import generate_request, inline_probe
+
+
+def _load_request(path: str | Path | None, upload: str | Path | None,
+                  inline: pb.InlineProbe | None, replace: bool) -> pb.LoadProbeRequest:
+    sources = [s for s in (path, upload, inline) if s is not None]
+    if len(sources) != 1:
+        raise ValueError("load: give exactly one of path (on the router), upload (a local probe) "
+                         "or inline")
+    if path is not None:
+        return pb.LoadProbeRequest(path=str(path), replace=replace)
+    return pb.LoadProbeRequest(inline=inline or inline_probe(upload), replace=replace)
+
+
+def _request(prompt, options) -> pb.GenerateRequest:
+    if isinstance(prompt, pb.GenerateRequest):
+        if options:
+            raise TypeError("pass either a GenerateRequest or a prompt with options, not both")
+        return prompt
+    return generate_request(prompt, **options)
+
+
+class _Base:
+    def __init__(self, target: str | Connection, timeout: float | None, **options):
+        self.connection = connection(target, **options)
+        self.timeout = timeout
+        self._metadata = self.connection.metadata()
+
+
+class EngineClient(_Base):
+    """Blocking client of EngineService.
+
+        with EngineClient("127.0.0.1:50051") as engine:
+            for event in engine.generate("Hello", max_tokens=16, probes=["toxicity"]):
+                ...
+
+    timeout: seconds per call (for generate: the whole stream); None waits forever.
+    Connection options (root_certificates, token, ...) are keywords; see Connection.
+    """
+
+    def __init__(self, target: str | Connection, timeout: float | None = None, **options):
+        super().__init__(target, timeout, **options)
+        self._channel = self.connection.channel()
+        self._stub = pb_grpc.EngineServiceStub(self._channel)
+
+    def generate(self, prompt: str | Sequence[int] | pb.GenerateRequest, **options) -> Iterator[Event]:
+        """Streams typed events: Started, Tokens, ProbeScores, Activations, Finished.
+        Takes a GenerateRequest, or a prompt and the keywords of generate_request.
+        Closing the iterator early cancels the stream, which aborts the request."""
+        request = _request(prompt, options)
+        call = self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
+        try:
+            for response in call:
+                yield event_of(response)
+        except grpc.RpcError as err:
+            raise RpcError.from_grpc("Generate", err) from None
+        finally:
+            call.cancel()
+
+    def abort(self, request_id: str) -> bool:
+        """Aborts a running request; False when no such request runs."""
+        return self._unary("Abort", pb.AbortRequest(request_id=request_id)).found
+
+    def model_info(self) -> pb.ModelInfo:
+        return self._unary("GetModelInfo", pb.GetModelInfoRequest()).model
+
+    def _unary(self, method: str, request):
+        try:
+            return getattr(self._stub, method)(request, timeout=self.timeout, metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise RpcError.from_grpc(method, err) from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "EngineClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncEngineClient(_Base):
+    """asyncio client of EngineService; the same methods as EngineClient, awaited.
+
+        async with AsyncEngineClient("127.0.0.1:50051") as engine:
+            async for event in engine.generate("Hello", max_tokens=16):
+                ...
+    """
+
+    def __init__(self, target: str | Connection, timeout: float | None = None, **options):
+        super().__init__(target, timeout, **options)
+        self._channel = self.connection.aio_channel()
+        self._stub = pb_grpc.EngineServiceStub(self._channel)
+
+    async def generate(self, prompt: str | Sequence[int] | pb.GenerateRequest,
+                       **options) -> AsyncIterator[Event]:
+        """Streams typed events; leaving the loop early cancels the stream, which
+        aborts the request."""
+        request = _request(prompt, options)
+        call = self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
+        try:
+            async for response in call:
+                yield event_of(response)
+        except grpc.RpcError as err:
+            raise RpcError.from_grpc("Generate", err) from None
+        finally:
+            call.cancel()
+
+    async def abort(self, request_id: str) -> bool:
+        return (await self._unary("Abort", pb.AbortRequest(request_id=request_id))).found
+
+    async def model_info(self) -> pb.ModelInfo:
+        return (await self._unary("GetModelInfo", pb.GetModelInfoRequest())).model
+
+    async def _unary(self, method: str, request):
+        try:
+            return await getattr(self._stub, method)(request, timeout=self.timeout,
+                                                     metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise RpcError.from_grpc(method, err) from None
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncEngineClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+class ProbeAdminClient(_Base):
+    """Blocking client of ProbeAdminService on one router replica.
+
+    load(path=...) loads a probe from the router's file system; load(upload=...)
+    sends a local probe directory or .safetensors file inline.
+    """
+
+    def __init__(self, target: str | Connection, timeout: float | None = 30.0, **options):
+        super().__init__(target, timeout, **options)
+        self._channel = self.connection.channel()
+        self._stub = pb_grpc.ProbeAdminServiceStub(self._channel)
+
+    def load(self, path: str | Path | None = None, *, upload: str | Path | None = None,
+             inline: pb.InlineProbe | None = None, replace: bool = False) -> pb.ProbeInfo:
+        return self._unary("LoadProbe", _load_request(path, upload, inline, replace)).probe
+
+    def list(self) -> list[pb.ProbeInfo]:
+        return list(self._unary("ListProbes", pb.ListProbesRequest()).probes)
+
+    def unload(self, name: str, force: bool = False) -> bool:
+        """True when the probe is gone; False when it waits for running requests."""
+        return self._unary("UnloadProbe", pb.UnloadProbeRequest(name=name, force=force)).unloaded
+
+    def _unary(self, method: str, request):
+        try:
+            return getattr(self._stub, method)(request, timeout=self.timeout, metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise RpcError.from_grpc(method, err) from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "ProbeAdminClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncProbeAdminClient(_Base):
+    """asyncio client of ProbeAdminService; the same methods as ProbeAdminClient, awaited."""
+
+    def __init__(self, target: str | Connection, timeout: float | None = 30.0, **options):
+        super().__init__(target, timeout, **options)
+        self._channel = self.connection.aio_channel()
+        self._stub = pb_grpc.ProbeAdminServiceStub(self._channel)
+
+    async def load(self, path: str | Path | None = None, *, upload: str | Path | None = None,
+                   inline: pb.InlineProbe | None = None, replace: bool = False) -> pb.ProbeInfo:
+        return (await self._unary("LoadProbe", _load_request(path, upload, inline, replace))).probe
+
+    async def list(self) -> list[pb.ProbeInfo]:
+        return list((await self._unary("ListProbes", pb.ListProbesRequest())).probes)
+
+    async def unload(self, name: str, force: bool = False) -> bool:
+        return (await self._unary("UnloadProbe",
+                                  pb.UnloadProbeRequest(name=name, force=force))).unloaded
+
+    async def _unary(self, method: str, request):
+        try:
+            return await getattr(self._stub, method)(request, timeout=self.timeout,
+                                                     metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise RpcError.from_grpc(method, err) from None
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncProbeAdminClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

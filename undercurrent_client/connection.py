@@ -1,0 +1,80 @@
+"""How a client reaches a service: target, TLS and a bearer token.
+
+One `Connection` makes both kinds of channel (blocking and asyncio) with the
+same message-size limits and keepalive as the services (common.grpc_server),
+and the metadata every call carries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc import aio
+
+from common.grpc_server import MAX_MESSAGE_BYTES, channel_options
+
+
+@dataclass(frozen=True)
+class Connection:
+    """Where and how to connect.
+
+    target: "host:port" (or any gRPC target such as "dns:///name:port").
+    root_certificates: PEM bytes, or a path to a PEM file, of the CA that signed
+        the server's certificate; setting it (or `tls=True` for the system roots)
+        makes the channel TLS.
+    certificate_chain, private_key: PEM bytes or paths of a client certificate,
+        for servers that require mutual TLS.
+    token: sent as `authorization: Bearer <token>` metadata on every call.
+    max_message_bytes: the largest message sent or received.
+    """
+
+    target: str
+    root_certificates: bytes | str | Path | None = None
+    tls: bool = False
+    certificate_chain: bytes | str | Path | None = None
+    private_key: bytes | str | Path | None = None
+    token: str | None = None
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+
+    @property
+    def secure(self) -> bool:
+        return self.tls or self.root_certificates is not None or self.certificate_chain is not None
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=_pem(self.root_certificates),
+            private_key=_pem(self.private_key),
+            certificate_chain=_pem(self.certificate_chain),
+        )
+
+    def channel(self) -> grpc.Channel:
+        options = channel_options(self.max_message_bytes)
+        if self.secure:
+            return grpc.secure_channel(self.target, self.credentials(), options=options)
+        return grpc.insecure_channel(self.target, options=options)
+
+    def aio_channel(self) -> aio.Channel:
+        options = channel_options(self.max_message_bytes)
+        if self.secure:
+            return aio.secure_channel(self.target, self.credentials(), options=options)
+        return aio.insecure_channel(self.target, options=options)
+
+
+def connection(target: str | Connection, **options) -> Connection:
+    """A Connection from a target string and options, or the one given."""
+    if isinstance(target, Connection):
+        if options:
+            raise TypeError("pass options either in the Connection or as keywords, not both")
+        return target
+    return Connection(target, **options)
+
+
+def _pem(value: bytes | str | Path | None) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    return Path(value).read_bytes()
