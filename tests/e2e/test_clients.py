@@ -1,0 +1,339 @@
+"""The Python client, the `undercurrent` command and the Node.js client against the
+real engine and a real router: a probe built to fire at a known token (the oracle),
+activations compared with a first capture, ProbeAdmin load, list and unload."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+from google.protobuf.json_format import MessageToDict
+
+from common.activations import Block, from_batch, to_batch
+from router_service.probe_files import write_probe
+from tests.e2e import probes, stack
+from tools import node_client
+from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent_client import (
+    ActivationKey,
+    AsyncEngineClient,
+    AsyncProbeAdminClient,
+    EngineClient,
+    Finished,
+    Generation,
+    Probe,
+    RpcError,
+    Started,
+    Tokens,
+    batch_arrays,
+    capture_file,
+    generate_request,
+)
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = ["The quick brown fox", "Hello, world! How are", "A probe is a small"]
+MAX_TOKENS = 48
+CLI = [sys.executable, "-m", "undercurrent_client"]
+
+
+def greedy(prompt: str, rid: str, max_tokens: int = MAX_TOKENS, **fields) -> pb.GenerateRequest:
+    return generate_request(prompt, request_id=rid, max_tokens=max_tokens, temperature=0.0,
+                            ignore_eos=True, **fields)
+
+
+@pytest.fixture(scope="module")
+async def router(engine_service, router_ports, tmp_path_factory):
+    """One router for this module, on the engine's first router port."""
+    service = stack.router(router_ports[0], tmp_path_factory.mktemp("client-probes")).start()
+    try:
+        await service.wait_health(want_serving=None, timeout=60)
+        yield service
+    finally:
+        service.kill()
+
+
+@pytest.fixture(scope="module")
+async def baseline(engine_service) -> list[Generation]:
+    """Greedy runs of each prompt with layer-3 residual rows, through the async client."""
+    async with AsyncEngineClient(engine_service.address, timeout=120) as engine:
+        runs = await asyncio.gather(*[
+            Generation.of_async(engine.generate(greedy(p, f"client-base-{i}",
+                                                       points=[probes.trace_point()])))
+            for i, p in enumerate(PROMPTS)
+        ])
+    for run in runs:
+        assert run.reason == "LENGTH" and len(run.token_ids) == MAX_TOKENS
+    return runs
+
+
+def trace_rows(run: Generation) -> dict[int, np.ndarray]:
+    return {k.token_position: v for k, v in run.activations.arrays.items()
+            if k.point == probes.TRACE_POINT}
+
+
+@pytest.fixture(scope="module")
+async def firing_probe(baseline, router, engine_service, tmp_path_factory) -> probes.FiringProbe:
+    """Uploaded with the async admin client; the engine's catalog offers it before use."""
+    rows = [trace_rows(run) for run in baseline]
+    probe = probes.probe_firing_at("client_fires", rows[0], rows[1:], min_index=4)
+    local = tmp_path_factory.mktemp("local-probe") / probe.name
+    write_probe(local, probe.manifest("abort"),
+                {"weight": probe.weight, "bias": np.array([probe.bias], np.float32)})
+    async with AsyncProbeAdminClient(router.address) as admin:
+        info = await admin.load(upload=local)
+        assert (info.name, info.action) == (probe.name, pb.PROBE_ACTION_ABORT)
+        assert probe.name in [p.name for p in await admin.list()]
+    async with stack.channel(engine_service.address) as channel:
+        await stack.wait_for_probe(pb_grpc.EngineServiceStub(channel), probe.name)
+    return probe
+
+
+# -- Python client -------------------------------------------------------------
+
+
+async def test_async_client_streams_typed_events_and_stops_at_the_probe(engine_service, baseline,
+                                                                       firing_probe, router):
+    async with AsyncEngineClient(engine_service.address, timeout=120) as engine:
+        events = [e async for e in engine.generate(greedy(
+            PROMPTS[0], "client-gated", gate_tokens=True,
+            probes=[Probe(firing_probe.name, failure_policy="fail_closed")]))]
+    assert isinstance(events[0], Started) and events[0].request_id == "client-gated"
+    assert isinstance(events[-1], Finished)
+    assert not any(isinstance(e, (Started, Finished)) for e in events[1:-1])
+    run = Generation.of(events)
+    trigger = firing_probe.position - run.prompt_tokens
+    assert run.reason == "PROBE_ABORT"
+    verdict = run.finished.verdict
+    assert (verdict.probe, verdict.token_position, verdict.router) == (
+        firing_probe.name, firing_probe.position, router.address)
+    assert verdict.score >= firing_probe.threshold
+    # Gated: exactly the tokens before the trigger, as the baseline generated them.
+    assert run.token_ids == baseline[0].token_ids[:trigger]
+    assert run.finished.generated_tokens > trigger
+
+
+async def test_blocking_client_scores_and_activations_match_the_first_capture(engine_service, baseline,
+                                                                             firing_probe):
+    """The blocking client runs in a thread (this event loop hosts no server, but the
+    thread keeps the test's loop free anyway)."""
+
+    def observe() -> tuple[pb.ModelInfo, Generation]:
+        with EngineClient(engine_service.address, timeout=120) as engine:
+            request = greedy(PROMPTS[0], "client-observed", points=[probes.trace_point()],
+                             probes=[Probe(firing_probe.name, action="observe")])
+            return engine.model_info(), Generation.of(engine.generate(request))
+
+    info, run = await asyncio.to_thread(observe)
+    assert (info.architecture, info.num_layers, info.hidden_size) == ("LlamaForCausalLM", 4, 128)
+    assert run.reason == "LENGTH" and run.token_ids == baseline[0].token_ids
+    rows, base_rows = trace_rows(run), trace_rows(baseline[0])
+    assert sorted(rows) == sorted(base_rows) == list(
+        range(run.prompt_tokens, run.prompt_tokens + MAX_TOKENS - 1))
+    for position, row in rows.items():
+        np.testing.assert_allclose(row, base_rows[position], rtol=1e-5, atol=1e-5)
+    assert ActivationKey("client-observed", probes.TRACE_POINT, probes.LAYER, run.prompt_tokens) in (
+        run.activations.arrays)
+    scores = run.probe_scores(firing_probe.name)
+    assert sorted(scores) == sorted(rows)
+    for position, score in scores.items():
+        assert score == pytest.approx(firing_probe.score(base_rows[position]), rel=1e-4, abs=1e-4)
+    assert scores[firing_probe.position] >= firing_probe.threshold
+
+
+async def test_abort_by_id_and_errors_name_status_and_field(engine_service):
+    async with AsyncEngineClient(engine_service.address, timeout=120) as engine:
+        seen_tokens = asyncio.Event()
+
+        async def long_run() -> Generation:
+            run = Generation()
+            async for event in engine.generate(greedy("a b c", "client-abort", max_tokens=600)):
+                run.add(event)
+                if isinstance(event, Tokens):
+                    seen_tokens.set()
+            return run
+
+        task = asyncio.create_task(long_run())
+        await asyncio.wait_for(seen_tokens.wait(), 60)
+        assert await engine.abort("client-abort") is True
+        run = await task
+        assert run.reason == "CLIENT_ABORT" and len(run.token_ids) < 600
+        assert await engine.abort("client-abort") is False
+
+        with pytest.raises(RpcError) as unknown:
+            await Generation.of_async(engine.generate(greedy("x", "", probes=["no_such_probe"])))
+        assert unknown.value.code.name == "NOT_FOUND" and "probes[0].probe" in unknown.value.details
+
+    # Leaving a blocking stream early cancels it, which aborts the request in vLLM.
+    def leave_early() -> bool:
+        with EngineClient(engine_service.address, timeout=120) as engine:
+            stream = engine.generate(greedy("d e f", "client-leave", max_tokens=600))
+            for event in stream:
+                if isinstance(event, Tokens):
+                    break
+            stream.close()
+            for _ in range(100):
+                if not engine.abort("client-leave"):
+                    return True
+                threading.Event().wait(0.1)
+        return False
+
+    assert await asyncio.to_thread(leave_early)
+
+
+# -- the undercurrent command ----------------------------------------------------
+
+
+async def cli(*args: str, timeout: float = 180) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(
+        *CLI, *args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = await asyncio.wait_for(process.communicate(), timeout)
+    return process.returncode, out.decode(), err.decode()
+
+
+async def test_cli_generate_shows_scores_live_then_the_verdict(engine_service, baseline, firing_probe):
+    engine = ["--engine", engine_service.address, "--temperature", "0", "--ignore-eos"]
+    code, out, err = await cli("generate", PROMPTS[0], *engine, "--max-tokens", "8",
+                               "--probe", firing_probe.name, "--action", "observe")
+    assert code == 0, err
+    prompt_tokens = baseline[0].prompt_tokens
+    assert err.splitlines()[0].endswith(f": {prompt_tokens} prompt tokens; probe scores as "
+                                        f"[probe] generated-index:score")
+    score_lines = [line for line in out.splitlines() if line.startswith(f"  [{firing_probe.name}] ")]
+    shown = [item.split(":") for line in score_lines for item in line.split()[1:]]
+    # Generated tokens 0..6 have rows (the last sampled token is never fed back).
+    assert [int(index) for index, _ in shown] == list(range(7))
+    base_rows = trace_rows(baseline[0])
+    for index, score in shown:
+        assert float(score) == pytest.approx(
+            firing_probe.score(base_rows[prompt_tokens + int(index)]), rel=1e-3, abs=1e-3)
+    assert out.splitlines()[-1] == "finished: LENGTH, 8 tokens generated"
+
+    code, out, err = await cli("generate", PROMPTS[0], *engine, "--max-tokens", str(MAX_TOKENS),
+                               "--probe", firing_probe.name, "--gate", "--failure-policy", "fail_closed")
+    assert code == 0, err
+    trigger = firing_probe.position - prompt_tokens
+    *text, finished, verdict = out.splitlines()
+    assert finished.startswith("finished: PROBE_ABORT, ")
+    assert verdict.startswith(f"verdict: probe {firing_probe.name} score ")
+    assert f" at generated token {trigger} (router 127.0.0.1:" in verdict
+    assert "\n".join(text) == baseline[0].text[: len("\n".join(text))] and text
+
+    code, out, err = await cli("generate", "hi", "--engine", engine_service.address,
+                               "--probe", "no_such_probe")
+    assert (code, out) == (1, "")
+    assert err.startswith("undercurrent: error: Generate failed with NOT_FOUND: probes[0].probe")
+    assert err.count("\n") == 1
+
+
+async def test_cli_capture_writes_the_documented_safetensors(engine_service, baseline, tmp_path):
+    out_file = tmp_path / "capture.safetensors"
+    code, out, err = await cli(
+        "capture", PROMPTS[0], PROMPTS[1], "--engine", engine_service.address,
+        "--point", f"residual_stream:{probes.LAYER}", "--point", "mlp_out:0,2", "--tokens", "generated",
+        "--max-tokens", "6", "--temperature", "0", "--ignore-eos", "--out", str(out_file))
+    assert code == 0, err
+    progress = [line.rsplit("\r", 1)[-1] for line in err.split("\n") if line]
+    assert [line.split(":")[0][:5] for line in progress] == ["[1/2]", "[2/2]"]
+    assert all(line.endswith(": 6 tokens, 15 rows, LENGTH") for line in progress), progress
+    assert out.splitlines()[0] == f"wrote {out_file}: 2 requests, 30 rows in 3 (point, layer) groups"
+    tensors, metadata = capture_file.read(out_file)
+    residual = f"residual_stream:{probes.LAYER}/{probes.LAYER}"
+    assert sorted(tensors) == sorted(f"{group}/{part}" for group in
+                                     (residual, "mlp_out:0,2/0", "mlp_out:0,2/2")
+                                     for part in ("rows", "positions", "request_index", "is_generated"))
+    assert tensors[f"{residual}/rows"].shape == (10, 128)
+    assert tensors[f"{residual}/request_index"].tolist() == [0] * 5 + [1] * 5
+    assert tensors[f"{residual}/is_generated"].tolist() == [1] * 10
+    prompt_lens = [r["prompt_tokens"] for r in metadata["requests"]]
+    assert prompt_lens == [baseline[0].prompt_tokens, baseline[1].prompt_tokens]
+    assert tensors[f"{residual}/positions"].tolist() == (
+        list(range(prompt_lens[0], prompt_lens[0] + 5)) + list(range(prompt_lens[1], prompt_lens[1] + 5)))
+    base_rows = trace_rows(baseline[0])
+    for i, position in enumerate(tensors[f"{residual}/positions"][:5].tolist()):
+        np.testing.assert_allclose(tensors[f"{residual}/rows"][i], base_rows[position], rtol=1e-5, atol=1e-5)
+    assert [r["prompt"] for r in metadata["requests"]] == PROMPTS[:2]
+    assert all(r["finish_reason"] == "LENGTH" and r["generated_tokens"] == 6 for r in metadata["requests"])
+    assert metadata["model"]["hidden_size"] == 128 and metadata["points"][0]["wire_dtype"] == "float32"
+
+
+async def test_cli_model_info(engine_service):
+    code, out, err = await cli("model-info", "--engine", engine_service.address)
+    assert code == 0, err
+    fields = {line[:14].strip(): line[14:] for line in out.splitlines()}
+    assert {k: fields[k] for k in ("architecture", "layers", "hidden size", "dtype", "topology",
+                                   "tensor types", "rank 0")} == {
+        "architecture": "LlamaForCausalLM", "layers": "4", "hidden size": "128", "dtype": "float32",
+        "topology": "TP=1 PP=1", "tensor types": "residual_stream, attn_out, mlp_out, final_norm",
+        "rank 0": "tp 0 pp 0 layers [0, 4) + final norm"}
+
+
+# -- the Node.js client ------------------------------------------------------------
+
+
+def row_dicts(batch: pb.ActivationBatch) -> list[dict]:
+    """Rows as the Python decoder sees them, float32 values written exactly as JSON."""
+    generated = {(b.point, b.layer, int(p)): bool(g) for b in from_batch(batch)
+                 for p, g in zip(b.token_positions, b.is_generated)}
+    return [
+        {"requestId": k.request_id, "point": k.point, "layer": k.layer, "tokenPosition": k.token_position,
+         "isGenerated": generated[(k.point, k.layer, k.token_position)],
+         "values": [float(v) for v in row]}
+        for k, row in batch_arrays(batch).items()
+    ]
+
+
+async def test_node_client_against_the_live_services(engine_service, router, baseline, firing_probe,
+                                                     tmp_path):
+    prompt_point = pb.ExtractionPoint(
+        name="last_prompt", tensor_type=pb.TENSOR_TYPE_MLP_OUT, layers=[0, 2],
+        tokens=pb.TokenSelector(scope=pb.TokenSelector.SCOPE_PROMPT, indexes=[-1]), stream_to_client=True)
+    request = greedy(PROMPTS[1], "py-capture", max_tokens=6, points=[probes.trace_point(), prompt_point])
+    async with AsyncEngineClient(engine_service.address, timeout=120) as engine:
+        events = [e async for e in engine.generate(request)]
+    run = Generation.of(events)
+    assert run.reason == "LENGTH"
+    batches = [e.batch for e in events if hasattr(e, "batch")]
+    rows = [row for batch in batches for row in row_dicts(batch)]
+    assert len(rows) == 5 + 2  # 5 fed-back generated tokens at layer 3, the last prompt token at 0 and 2
+    blocks = [b for batch in batches for b in from_batch(batch)]
+    encoded = []
+    for dtype in ("float32", "float16", "bfloat16"):
+        batch = to_batch([Block(b.point, b.tensor_type, b.layer, b.rows, b.request_ids, b.token_positions,
+                                b.is_generated, dtype) for b in blocks])
+        response = pb.GenerateResponse(activations=batch).SerializeToString()
+        encoded.append({"dtype": dtype, "response": base64.b64encode(response).decode(),
+                        "rows": row_dicts(batch)})
+    capture_request = MessageToDict(request)
+    del capture_request["requestId"]
+    fixture = {
+        "abort": {"probe": {"name": firing_probe.name, "position": firing_probe.position,
+                            "threshold": firing_probe.threshold},
+                  "prompt": PROMPTS[0], "maxTokens": MAX_TOKENS, "baselineTokens": baseline[0].token_ids},
+        "capture": {"request": capture_request, "rows": rows},
+        "encoded": encoded,
+        "admin": {"name": "node_norm", "manifestJson": json.dumps({
+            "name": "node_norm", "version": "1", "kind": "norm", "tensor_type": "residual_stream",
+            "layers": [3], "hidden_size": 128, "dtype": "float32", "threshold": 1e9, "action": "observe"})},
+    }
+    fixture_path = tmp_path / "node-fixture.json"
+    fixture_path.write_text(json.dumps(fixture))
+    await asyncio.to_thread(node_client.install)
+    process = await asyncio.create_subprocess_exec(
+        "node", "--test", "test/", cwd=node_client.NODE_CLIENT,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env=dict(os.environ, UNDERCURRENT_ENGINE=engine_service.address,
+                 UNDERCURRENT_ROUTER=router.address, UNDERCURRENT_NODE_FIXTURE=str(fixture_path)))
+    output = (await asyncio.wait_for(process.communicate(), 300))[0].decode()
+    assert process.returncode == 0, output
+    summary = dict(line[2:].split(" ", 1) for line in output.splitlines()
+                   if line.startswith("# ") and line[2:].split(" ")[0] in ("pass", "fail", "skipped"))
+    assert summary == {"pass": "10", "fail": "0", "skipped": "0"}, output
