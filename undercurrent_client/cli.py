@@ -20,6 +20,7 @@ from common.cli import OneLineErrorParser
 from common.enum_names import short_name
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent_client import capture_file
+from undercurrent_client.activations import ActivationSet
 from undercurrent_client.client import EngineClient, ProbeAdminClient
 from undercurrent_client.connection import Connection
 from undercurrent_client.errors import RpcError
@@ -305,32 +306,36 @@ def run_capture(args, out: TextIO, err: TextIO) -> int:
         raise UsageError(f"--point {problem}") from None
     if len({p.name for p in points}) != len(points):
         raise UsageError("--point: the same point is given twice")
+    # On a terminal the current prompt's line updates as rows arrive; logs get one line each.
+    live = err.isatty()
+    carriage_return = "\r" if live else ""
     requests: list[capture_file.CapturedRequest] = []
-    generation = Generation()
+    activations = ActivationSet()
     with EngineClient(connection, timeout=args.timeout) as engine:
         model = engine.model_info()
         for i, prompt in enumerate(prompts, start=1):
-            run = Generation(activations=generation.activations)
+            run = Generation(activations=activations)
             rows = 0
             for event in engine.generate(prompt, points=points, **_sampling(args)):
                 run.add(event)
                 if isinstance(event, Activations):
                     rows += sum(len(b.token_positions) for b in event.batch.blocks)
-                    err.write(f"\r[{i}/{len(prompts)}] {run.request_id}: {len(run.token_ids)} tokens, "
-                              f"{rows} rows")
-                    err.flush()
+                    if live:
+                        err.write(f"\r[{i}/{len(prompts)}] {run.request_id}: "
+                                  f"{len(run.token_ids)} tokens, {rows} rows")
+                        err.flush()
             done = run.finished
             if done is None:
                 raise RpcError("Generate", grpc.StatusCode.UNKNOWN, "the stream ended without a finished event")
-            err.write(f"\r[{i}/{len(prompts)}] {run.request_id}: {done.generated_tokens} tokens, "
-                      f"{rows} rows, {done.reason}\n")
+            err.write(f"{carriage_return}[{i}/{len(prompts)}] {run.request_id}: "
+                      f"{done.generated_tokens} tokens, {rows} rows, {done.reason}\n")
             if done.reason == "ERROR":
                 err.write(f"{PROG}: error: the engine failed request {run.request_id}: {done.message}\n")
                 return 1
             requests.append(capture_file.CapturedRequest(
                 run.request_id, prompt, done.prompt_tokens, done.generated_tokens, done.reason,
                 run.text))
-    shapes = capture_file.write(args.out, generation.activations, requests, points, model)
+    shapes = capture_file.write(args.out, activations, requests, points, model)
     total = sum(shape[0] for name, shape in shapes.items() if name.endswith("/rows"))
     out.write(f"wrote {args.out}: {len(requests)} requests, {total} rows in {len(shapes) // 4} "
               f"(point, layer) groups\n")
