@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
+
+from safetensors import SafetensorError, safe_open
 
 from common.capture_spec import TENSOR_TYPES, tensor_type_to_proto
 from common.enum_names import from_short_name
@@ -63,6 +64,7 @@ def generate_request(
     top_p: float | None = None,
     top_k: int | None = None,
     seed: int | None = None,
+    repetition_penalty: float | None = None,
     stop: Iterable[str] = (),
     ignore_eos: bool = False,
     probes: Iterable[str | Probe] = (),
@@ -75,7 +77,7 @@ def generate_request(
     engine's defaults (the proto documents them)."""
     sampling = pb.SamplingParams(max_tokens=max_tokens, stop=list(stop), ignore_eos=ignore_eos)
     for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
-                        ("seed", seed)):
+                        ("seed", seed), ("repetition_penalty", repetition_penalty)):
         if value is not None:
             setattr(sampling, name, value)
     request = pb.GenerateRequest(
@@ -105,13 +107,13 @@ def inline_probe(path: str | Path) -> pb.InlineProbe:
             weights_safetensors=weights.read_bytes() if weights.is_file() else b"",
         )
     if path.is_file() and path.suffix == ".safetensors":
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="numpy") as handle:
-            manifest_json = (handle.metadata() or {}).get(METADATA_KEY)
+        try:
+            with safe_open(str(path), framework="numpy") as handle:
+                manifest_json = (handle.metadata() or {}).get(METADATA_KEY)
+        except SafetensorError as err:
+            raise ValueError(f"{path}: not a safetensors file ({err})") from None
         if manifest_json is None:
             raise ValueError(f"{path}: no {METADATA_KEY!r} entry in the safetensors metadata")
-        json.loads(manifest_json)
         return pb.InlineProbe(manifest_json=manifest_json, weights_safetensors=path.read_bytes())
     if not path.exists():
         raise ValueError(f"{path}: no such file or directory")

@@ -91,7 +91,9 @@ def test_local_probe_files_are_read_or_refused_by_path(tmp_path):
     inline = inline_probe(directory)
     assert json.loads(inline.manifest_json)["name"] == "files" and inline.weights_safetensors
     (tmp_path / "empty").mkdir()
+    (tmp_path / "garbage.safetensors").write_bytes(b"garbage")
     for path, message in [(tmp_path / "empty", "no manifest.json"),
+                          (tmp_path / "garbage.safetensors", "not a safetensors file"),
                           (tmp_path / "missing", "no such file"),
                           (directory / "manifest.json", "expected a probe directory")]:
         with pytest.raises(ValueError, match=message) as err:
