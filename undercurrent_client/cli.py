@@ -180,9 +180,14 @@ class _LiveView:
         self.at_line_start = True
         self.out.flush()
 
+    def token(self, position: int) -> str:
+        """Generated tokens by their index (0 is the first), prompt tokens as pN."""
+        if position < self.prompt_tokens:
+            return f"p{position}"
+        return str(position - self.prompt_tokens)
+
     def scores(self, event: ProbeScores) -> None:
-        shown = " ".join(f"{p - self.prompt_tokens}:{s:.4g}"
-                         for p, s in zip(event.token_positions, event.scores))
+        shown = " ".join(f"{self.token(p)}:{s:.4g}" for p, s in zip(event.token_positions, event.scores))
         self.line(f"  [{event.probe}] {shown}")
 
 
@@ -197,7 +202,8 @@ def run_generate(args, out: TextIO, err: TextIO) -> int:
             if isinstance(event, Started):
                 view.prompt_tokens = event.prompt_tokens
                 err.write(f"request {event.request_id}: {event.prompt_tokens} prompt tokens"
-                          + ("; probe scores as [probe] generated-index:score" if probes else "")
+                          + ("; probe scores as [probe] token:score (generated tokens from 0, "
+                             "prompt tokens as pN)" if probes else "")
                           + "\n")
                 err.flush()
             elif isinstance(event, Tokens):
@@ -214,7 +220,7 @@ def run_generate(args, out: TextIO, err: TextIO) -> int:
     if finished.verdict is not None:
         v = finished.verdict
         by = f"probe {v.probe}" if v.probe else "engine"
-        where = f" at generated token {v.token_position - view.prompt_tokens}" if v.probe else ""
+        where = f" at token {view.token(v.token_position)}" if v.probe else ""
         out.write(f"verdict: {by} score {v.score:.4g}{where}"
                   + (f" (router {v.router})" if v.router else "") + f": {v.reason}\n")
     if finished.reason == "ERROR":

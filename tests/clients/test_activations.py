@@ -129,3 +129,4 @@ def test_capture_file_round_trips_rows_keys_and_metadata(tmp_path):
                                    "wire_dtype": "bfloat16"}]
     assert [r["request_id"] for r in metadata["requests"]] == ["r0", "r1"]
     json.dumps(metadata)
+

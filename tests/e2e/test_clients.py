@@ -206,7 +206,8 @@ async def test_cli_generate_shows_scores_live_then_the_verdict(engine_service, b
     assert code == 0, err
     prompt_tokens = baseline[0].prompt_tokens
     assert err.splitlines()[0].endswith(f": {prompt_tokens} prompt tokens; probe scores as "
-                                        f"[probe] generated-index:score")
+                                        f"[probe] token:score (generated tokens from 0, prompt "
+                                        f"tokens as pN)")
     score_lines = [line for line in out.splitlines() if line.startswith(f"  [{firing_probe.name}] ")]
     shown = [item.split(":") for line in score_lines for item in line.split()[1:]]
     # Generated tokens 0..6 have rows (the last sampled token is never fed back).
@@ -224,7 +225,7 @@ async def test_cli_generate_shows_scores_live_then_the_verdict(engine_service, b
     *text, finished, verdict = out.splitlines()
     assert finished.startswith("finished: PROBE_ABORT, ")
     assert verdict.startswith(f"verdict: probe {firing_probe.name} score ")
-    assert f" at generated token {trigger} (router 127.0.0.1:" in verdict
+    assert f" at token {trigger} (router 127.0.0.1:" in verdict
     assert "\n".join(text) == baseline[0].text[: len("\n".join(text))] and text
 
     code, out, err = await cli("generate", "hi", "--engine", engine_service.address,
