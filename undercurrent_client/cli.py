@@ -16,7 +16,6 @@ from typing import TextIO
 import grpc
 
 from common.capture_spec import tensor_type_from_proto
-from common.cli import OneLineErrorParser
 from common.enum_names import short_name
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent_client import capture_file
@@ -24,7 +23,15 @@ from undercurrent_client.activations import ActivationSet
 from undercurrent_client.client import EngineClient, ProbeAdminClient
 from undercurrent_client.connection import Connection
 from undercurrent_client.errors import RpcError
-from undercurrent_client.events import Activations, Finished, Generation, ProbeScores, Started, Tokens
+from undercurrent_client.events import (
+    Activations,
+    Finished,
+    Generation,
+    ProbeScores,
+    Started,
+    Tokens,
+    Verdict,
+)
 from undercurrent_client.requests import Probe, point
 
 PROG = "undercurrent"
@@ -37,7 +44,7 @@ class UsageError(Exception):
     """Bad input found after parsing (exit 2)."""
 
 
-class _Parser(OneLineErrorParser):
+class _Parser(argparse.ArgumentParser):
     """Every usage error starts with `undercurrent: error:`, naming the subcommand."""
 
     def error(self, message: str):
@@ -191,6 +198,15 @@ class _LiveView:
         self.line(f"  [{event.probe}] {shown}")
 
 
+    def verdict(self, v: Verdict) -> None:
+        if v.probe:
+            router = f" (router {v.router})" if v.router else ""
+            self.line(f"verdict: probe {v.probe} score {v.score:.4g} at token "
+                      f"{self.token(v.token_position)}{router}: {v.reason}")
+        else:  # the engine's own verdict, e.g. no router reachable for a fail_closed binding
+            self.line(f"verdict: {v.reason}")
+
+
 def run_generate(args, out: TextIO, err: TextIO) -> int:
     connection = _connection(args, "engine")
     probes = [Probe(name, args.failure_policy, args.action) for name in args.probe]
@@ -218,11 +234,7 @@ def run_generate(args, out: TextIO, err: TextIO) -> int:
               + (f", {finished.unprobed_tokens} unprobed" if finished.unprobed_tokens else "")
               + (f", {finished.dropped_records} records dropped" if finished.dropped_records else ""))
     if finished.verdict is not None:
-        v = finished.verdict
-        by = f"probe {v.probe}" if v.probe else "engine"
-        where = f" at token {view.token(v.token_position)}" if v.probe else ""
-        out.write(f"verdict: {by} score {v.score:.4g}{where}"
-                  + (f" (router {v.router})" if v.router else "") + f": {v.reason}\n")
+        view.verdict(finished.verdict)
     if finished.reason == "ERROR":
         err.write(f"{PROG}: error: the engine failed the request: {finished.message}\n")
         return 1
