@@ -29,7 +29,8 @@ def batch_arrays(batch: pb.ActivationBatch) -> dict[ActivationKey, np.ndarray]:
     out: dict[ActivationKey, np.ndarray] = {}
     for block in from_batch(batch):
         for i, position in enumerate(block.token_positions.tolist()):
-            out[ActivationKey(block.request_ids[i], block.point, block.layer, position)] = block.rows[i]
+            key = ActivationKey(block.request_ids[i], block.point, block.layer, position)
+            out[key] = block.rows[i]
     return out
 
 
@@ -69,11 +70,13 @@ class ActivationSet:
         """The (request_id, point, layer) triples present, sorted."""
         return sorted({(k.request_id, k.point, k.layer) for k in self.arrays})
 
-    def matrix(self, request_id: str, point: str, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def matrix(self, request_id: str, point: str,
+               layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(positions int64 [n], rows float32 [n, hidden], is_generated bool [n]) of one
         request, point and layer, in token order."""
         keys = sorted(
-            (k for k in self.arrays if (k.request_id, k.point, k.layer) == (request_id, point, layer)),
+            (k for k in self.arrays
+             if (k.request_id, k.point, k.layer) == (request_id, point, layer)),
             key=lambda k: k.token_position,
         )
         if not keys:

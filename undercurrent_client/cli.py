@@ -38,6 +38,7 @@ PROG = "undercurrent"
 ENGINE_ENV = "UNDERCURRENT_ENGINE"
 ROUTER_ENV = "UNDERCURRENT_ROUTER"
 TOKEN_ENV = "UNDERCURRENT_TOKEN"
+NO_FINISHED = "the stream ended without a finished event"
 
 
 class UsageError(Exception):
@@ -75,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--ignore-eos", action="store_true",
                           help="generate max-tokens tokens even past end-of-sequence")
 
-    parser = _Parser(prog=PROG, description="Generate with probes, manage probes, capture activations, describe the model.")
+    parser = _Parser(prog=PROG, description="Generate with probes, manage probes, capture "
+                                            "activations, describe the model.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                      parser_class=_Parser)
 
@@ -127,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None, out: TextIO | None = None, err: TextIO | None = None) -> int:
+def main(argv: list[str] | None = None, out: TextIO | None = None,
+         err: TextIO | None = None) -> int:
     out = out or sys.stdout
     err = err or sys.stderr
     args = build_parser().parse_args(argv)
@@ -194,7 +197,8 @@ class _LiveView:
         return str(position - self.prompt_tokens)
 
     def scores(self, event: ProbeScores) -> None:
-        shown = " ".join(f"{self.token(p)}:{s:.4g}" for p, s in zip(event.token_positions, event.scores))
+        shown = " ".join(f"{self.token(p)}:{s:.4g}"
+                         for p, s in zip(event.token_positions, event.scores))
         self.line(f"  [{event.probe}] {shown}")
 
 
@@ -229,10 +233,11 @@ def run_generate(args, out: TextIO, err: TextIO) -> int:
             elif isinstance(event, Finished):
                 finished = event
     if finished is None:
-        raise RpcError("Generate", grpc.StatusCode.UNKNOWN, "the stream ended without a finished event")
+        raise RpcError("Generate", grpc.StatusCode.UNKNOWN, NO_FINISHED)
     view.line(f"finished: {finished.reason}, {finished.generated_tokens} tokens generated"
               + (f", {finished.unprobed_tokens} unprobed" if finished.unprobed_tokens else "")
-              + (f", {finished.dropped_records} records dropped" if finished.dropped_records else ""))
+              + (f", {finished.dropped_records} records dropped"
+                 if finished.dropped_records else ""))
     if finished.verdict is not None:
         view.verdict(finished.verdict)
     if finished.reason == "ERROR":
@@ -344,11 +349,12 @@ def run_capture(args, out: TextIO, err: TextIO) -> int:
                         err.flush()
             done = run.finished
             if done is None:
-                raise RpcError("Generate", grpc.StatusCode.UNKNOWN, "the stream ended without a finished event")
+                raise RpcError("Generate", grpc.StatusCode.UNKNOWN, NO_FINISHED)
             err.write(f"{carriage_return}[{i}/{len(prompts)}] {run.request_id}: "
                       f"{done.generated_tokens} tokens, {rows} rows, {done.reason}\n")
             if done.reason == "ERROR":
-                err.write(f"{PROG}: error: the engine failed request {run.request_id}: {done.message}\n")
+                err.write(f"{PROG}: error: the engine failed request {run.request_id}: "
+                          f"{done.message}\n")
                 return 1
             requests.append(capture_file.CapturedRequest(
                 run.request_id, prompt, done.prompt_tokens, done.generated_tokens, done.reason,

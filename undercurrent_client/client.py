@@ -62,7 +62,8 @@ class EngineClient(_Base):
         self._channel = self.connection.channel()
         self._stub = pb_grpc.EngineServiceStub(self._channel)
 
-    def generate(self, prompt: str | Sequence[int] | pb.GenerateRequest, **options) -> Iterator[Event]:
+    def generate(self, prompt: str | Sequence[int] | pb.GenerateRequest,
+                 **options) -> Iterator[Event]:
         """Streams typed events: Started, Tokens, ProbeScores, Activations, Finished.
         Takes a GenerateRequest, or a prompt and the keywords of generate_request.
         Closing the iterator early cancels the stream, which aborts the request."""
@@ -85,7 +86,8 @@ class EngineClient(_Base):
 
     def _unary(self, method: str, request):
         try:
-            return getattr(self._stub, method)(request, timeout=self.timeout, metadata=self._metadata)
+            return getattr(self._stub, method)(request, timeout=self.timeout,
+                                               metadata=self._metadata)
         except grpc.RpcError as err:
             raise RpcError.from_grpc(method, err) from None
 
@@ -174,7 +176,8 @@ class ProbeAdminClient(_Base):
 
     def _unary(self, method: str, request):
         try:
-            return getattr(self._stub, method)(request, timeout=self.timeout, metadata=self._metadata)
+            return getattr(self._stub, method)(request, timeout=self.timeout,
+                                               metadata=self._metadata)
         except grpc.RpcError as err:
             raise RpcError.from_grpc(method, err) from None
 

@@ -136,7 +136,8 @@ class Generation:
 
     def probe_scores(self, probe: str) -> dict[int, float]:
         """token position -> score of one probe."""
-        return {p: s for e in self.scores if e.probe == probe for p, s in zip(e.token_positions, e.scores)}
+        return {p: s for e in self.scores if e.probe == probe
+                for p, s in zip(e.token_positions, e.scores)}
 
     @classmethod
     def of(cls, events: Iterable[Event]) -> "Generation":

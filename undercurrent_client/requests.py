@@ -40,7 +40,8 @@ def point(spec: str, tokens: pb.TokenSelector | None = None, name: str | None = 
     Raises ValueError naming the bad part."""
     tensor_type, _, layers = spec.partition(":")
     if tensor_type not in TENSOR_TYPES:
-        raise ValueError(f"{spec!r}: tensor type {tensor_type!r} is not one of {list(TENSOR_TYPES)}")
+        raise ValueError(
+            f"{spec!r}: tensor type {tensor_type!r} is not one of {list(TENSOR_TYPES)}")
     try:
         layer_list = [int(layer) for layer in layers.split(",")] if layers else []
     except ValueError:
