@@ -72,10 +72,12 @@ def generate_request(
     points: Iterable[pb.ExtractionPoint] = (),
     gate_tokens: bool = False,
     request_id: str = "",
+    max_activation_message_bytes: int = 0,
 ) -> pb.GenerateRequest:
     """A GenerateRequest: a text prompt or token ids, sampling, probes by name (or
     Probe), extraction points (see `point`). Unset sampling fields take the
-    engine's defaults (the proto documents them)."""
+    engine's defaults, and max_activation_message_bytes 0 the engine's 4 MiB
+    split size for streamed activations (the proto documents them)."""
     sampling = pb.SamplingParams(max_tokens=max_tokens, stop=list(stop), ignore_eos=ignore_eos)
     for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
                         ("seed", seed), ("repetition_penalty", repetition_penalty)):
@@ -83,7 +85,7 @@ def generate_request(
             setattr(sampling, name, value)
     request = pb.GenerateRequest(
         request_id=request_id, sampling=sampling, extraction_points=list(points),
-        gate_tokens=gate_tokens,
+        gate_tokens=gate_tokens, max_activation_message_bytes=max_activation_message_bytes,
         probes=[(p if isinstance(p, Probe) else Probe(p)).to_proto() for p in probes],
     )
     if isinstance(prompt, str):

@@ -79,8 +79,9 @@ def test_generate_request_sets_only_what_is_given():
     assert list(request.token_ids.ids) == [1, 2, 3] and request.gate_tokens
     assert request.sampling.HasField("temperature") and not request.sampling.HasField("top_p")
     assert [(b.probe, b.failure_policy, b.action) for b in request.probes] == [("a", 0, 0)]
-    text = generate_request("hi")
+    text = generate_request("hi", max_activation_message_bytes=1 << 20)
     assert text.text == "hi" and not text.sampling.HasField("temperature")
+    assert text.max_activation_message_bytes == 1 << 20
 
 
 def test_events_are_typed_and_gathered():
