@@ -53,6 +53,7 @@ DEBIAN_IMAGE = "local/debian:bookworm"
 PROJECT = "undercurrent-compose-test"
 TAG = "compose-test"
 REPLICAS_UP = "undercurrent_router_link_replicas_up"
+WHEELS_PORT = 18777
 
 
 class Failure(Exception):
@@ -282,15 +283,25 @@ def pip_wheel_folder() -> Path | None:
     return None
 
 
+class QuietFileHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format, *args):  # noqa: A002 (the stdlib's signature)
+        pass
+
+
 @contextlib.contextmanager
 def serve_folder(folder: Path | None):
-    """An HTTP listing of the folder on loopback (pip's find-links reads it); yields its URL."""
+    """An HTTP listing of the folder on loopback (pip's find-links reads it; the
+    builds use the host network); yields its URL."""
     if folder is None:
         yield ""
         return
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
-    handler.log_message = lambda *args: None  # type: ignore[method-assign]
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    handler = functools.partial(QuietFileHandler, directory=str(folder))
+    # A fixed port when free: the URL is a build argument, and a new one each run
+    # would invalidate the image's cached pip layer.
+    try:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", WHEELS_PORT), handler)
+    except OSError:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
