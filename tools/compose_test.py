@@ -12,7 +12,8 @@ Steps, each timed and reported:
   5. one Generate with the shipped probe bound, sent from this host through
      the published port: tokens stream, probe scores come back;
   6. `--scale router=2`: the engine's replicas_up gauge follows 3 -> 2, and a
-     second Generate still gets scores;
+     second Generate still gets scores; vLLM's own series (time to first token,
+     end-to-end latency) on the engine's metrics endpoint count both requests;
   7. `docker compose down -v`, and the daemon stopped if it was started here.
 Exits 0 only if every check passed; prints a table of step times.
 """
@@ -54,6 +55,8 @@ PROJECT = "undercurrent-compose-test"
 TAG = "compose-test"
 REPLICAS_UP = "undercurrent_router_link_replicas_up"
 WHEELS_PORT = 18777
+PROGRESS_EVERY_S = 20
+VLLM_SERIES = ("vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count")
 
 
 class Failure(Exception):
@@ -107,11 +110,13 @@ def run(cmd: list[str], *, check: bool = True, timeout: float = 600, env: dict |
 
 def run_streamed(cmd: list[str], log_file: Path, show: re.Pattern, *, env: dict | None = None,
                  timeout: float = 1800) -> str:
-    """Runs a long command, writes all its output to log_file and echoes the lines
-    matching `show` as progress. Returns the output."""
+    """Runs a long command, writes all its output to log_file and echoes as progress
+    the lines matching `show`, and the latest line when none was shown for a while.
+    Returns the output."""
     log(f"   $ {' '.join(cmd)}  (full output: {log_file})")
     lines = []
     deadline = time.monotonic() + timeout
+    last_shown = time.monotonic()
     with log_file.open("w") as out, subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     ) as proc:
@@ -119,8 +124,9 @@ def run_streamed(cmd: list[str], log_file: Path, show: re.Pattern, *, env: dict 
         for line in proc.stdout:
             out.write(line)
             lines.append(line)
-            if show.search(line):
+            if show.search(line) or time.monotonic() - last_shown > PROGRESS_EVERY_S:
                 log("     " + line.rstrip()[:160])
+                last_shown = time.monotonic()
             if time.monotonic() > deadline:
                 proc.kill()
                 raise Failure(f"{cmd[:3]} ran over {timeout:.0f} s; see {log_file}")
@@ -482,6 +488,12 @@ def main(argv: list[str] | None = None) -> int:
             if len(removed) != 1:
                 raise Failure(f"engine logged {len(removed)} replica removals, expected 1")
             log(f"   engine log: router replica {removed[0]} removed")
+        with steps.step("vLLM series on the engine's metrics endpoint"):
+            for name in VLLM_SERIES:
+                value = stack.metric(name)
+                if value != 2:
+                    raise Failure(f"{name} is {value}, expected 2 (the two Generate requests)")
+                log(f"   {name} = {value:.0f}")
         ok = True
     except (Failure, subprocess.TimeoutExpired) as err:
         log(f"FAILED: {err}")
