@@ -149,6 +149,8 @@ def free_port() -> int:
 
 
 def daemon_running() -> bool:
+    if shutil.which("docker") is None:
+        return False
     return run(["docker", "info"], check=False, quiet=True, timeout=30).returncode == 0
 
 
@@ -171,7 +173,7 @@ def apt_install(*packages: str) -> None:
 
 
 def start_daemon() -> subprocess.Popen:
-    if shutil.which("dockerd") is None:
+    if shutil.which("dockerd") is None or shutil.which("docker") is None:
         apt_install("docker.io")
     WORK.mkdir(parents=True, exist_ok=True)
     cmd = ["dockerd", "--storage-driver=overlay2"]
