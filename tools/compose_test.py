@@ -371,6 +371,16 @@ class Stack:
         match = re.search(rf"^{name}(?:{{[^}}]*}})?\s+(\S+)$", text, re.M)
         return float(match.group(1)) if match else None
 
+    def wait_engine_log(self, pattern: str, timeout: float) -> list[str]:
+        """The matches of pattern in the engine's log, once there is one (or [] at timeout)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            logs = self.compose("logs", "--no-color", "engine", check=False).stdout
+            found = re.findall(pattern, logs)
+            if found or time.monotonic() > deadline:
+                return found
+            time.sleep(2)
+
     def wait_metric(self, name: str, want: float, timeout: float) -> float:
         deadline = time.monotonic() + timeout
         seen = None
@@ -485,11 +495,10 @@ def main(argv: list[str] | None = None) -> int:
             seen = asyncio.run(generate_with_probe(stack.engine_port, "Scaled down",
                                                    args.max_tokens))
             log("   after scaling: " + check_generate(seen, args.max_tokens))
-            logs = stack.compose("logs", "--no-color", "engine").stdout
-            removed = re.findall(r"router replica (\S+) removed", logs)
+            removed = stack.wait_engine_log(r"router replica (\S+) removed", timeout=60)
             if len(removed) != 1:
                 raise Failure(f"engine logged {len(removed)} replica removals, expected 1")
-            log(f"   engine log: router replica {removed[0]} removed")
+            log(f"   engine log: router replica {removed[0]} removed (its DNS record is gone)")
         with steps.step("vLLM series on the engine's metrics endpoint"):
             for name in VLLM_SERIES:
                 value = stack.metric(name)
