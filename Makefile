@@ -8,6 +8,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 LOCK := requirements/cpu.lock.txt
 MODELS := .cache/models
+# torch==2.13.0+cpu is published on PyTorch's CPU wheel index, not on PyPI. pip
+# looks torch alone up there (any x86-64 Linux host); a wheel folder or index in
+# pip's own configuration (find-links, extra-index-url) is searched as well.
+TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_TARGET_DEVICE ?= cpu
@@ -15,7 +19,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: run test install proto models bench clean compose-check
+.PHONY: run test install proto models bench clean compose-check compose-test
 
 run: install models
 	$(PY) -m tools.run_demo --model $(MODELS)/tiny-llama $(RUN_ARGS)
@@ -33,6 +37,8 @@ $(STAMP): $(LOCK) pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "Installing the pinned environment into $(VENV) (first run: a few minutes, ~3.5 GB)..."
 	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet --no-deps --extra-index-url $(TORCH_INDEX_URL) \
+		"$$(grep -E '^torch==' $(LOCK))"
 	$(PY) -m pip install --quiet --no-deps -r $(LOCK)
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
@@ -50,8 +56,15 @@ bench: install models
 	$(PY) -m bench.router_throughput
 	$(PY) -m bench.capture_overhead --model $(MODELS)/tiny-llama
 
-compose-check:
-	docker-compose -f compose.yaml config --quiet
+# compose.yaml and compose.gpu.yaml against the Compose Specification's JSON
+# schema (no Docker needed; `make test` runs the same check).
+compose-check: install
+	$(VENV)/bin/check-jsonschema --builtin-schema vendor.compose-spec compose.yaml compose.gpu.yaml
+
+# The real thing on a Docker daemon (started if none runs): builds both images,
+# `docker compose up --wait`, a Generate with a probe, scaling, `down -v`.
+compose-test: install
+	$(PY) -m tools.compose_test $(COMPOSE_TEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .cache

@@ -76,7 +76,7 @@ async def run(args) -> int:
         llm = create_llm(args)
     except Exception as err:  # vLLM's own start-up errors, shown as one line
         fail("engine_service", f"vLLM could not start: {type(err).__name__}: {err}")
-    metrics = EngineMetrics()
+    metrics = EngineMetrics(include_vllm=bool(args.metrics_port))
     if args.metrics_port:
         from prometheus_client import start_http_server
 

@@ -1,0 +1,147 @@
+"""deploy/k8s, validated offline: each overlay rendered (tests/deploy/kustomize_render,
+compared with `kubectl kustomize` where kubectl exists) and every object checked
+against the Kubernetes API schemas (kubernetes-validate, strict: unknown fields fail)."""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.deploy.kustomize_render import UnsupportedKustomization, render
+from tools.deploy_probes import CONFIGMAP_NAME, PROBE_FILE
+
+REPO = Path(__file__).resolve().parents[2]
+K8S = REPO / "deploy" / "k8s"
+OVERLAYS = ["cpu", "gpu"]
+KUBERNETES_VERSION = "1.33.0"
+
+
+def objects(overlay: str) -> dict[tuple[str, str], dict]:
+    return {(d["kind"], d["metadata"]["name"]): d for d in render(K8S / "overlays" / overlay)}
+
+
+def container(deployment: dict, name: str) -> dict:
+    return next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == name)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_object_validates_against_the_kubernetes_schemas(overlay):
+    rendered = render(K8S / "overlays" / overlay)
+    assert {d["kind"] for d in rendered} == {
+        "ConfigMap", "PersistentVolumeClaim", "Deployment", "Service",
+        "PodDisruptionBudget", "HorizontalPodAutoscaler",
+    }
+    for document in rendered:
+        kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True)
+
+
+def test_the_validator_rejects_a_misplaced_field():
+    deployment = objects("cpu")[("Deployment", "undercurrent-router")]
+    container(deployment, "router")["livenesProbe"] = {"periodSeconds": 10}
+    with pytest.raises(kubernetes_validate.ValidationError, match="livenesProbe"):
+        kubernetes_validate.validate(deployment, KUBERNETES_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_rendering_matches_kubectl_kustomize(overlay):
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed; the rendering is checked by the other tests only")
+    result = subprocess.run([kubectl, "kustomize", str(K8S / "overlays" / overlay)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    theirs = sorted((d for d in yaml.safe_load_all(result.stdout) if d), key=yaml.safe_dump)
+    ours = sorted(render(K8S / "overlays" / overlay), key=yaml.safe_dump)
+    assert ours == theirs
+
+
+def test_the_renderer_refuses_features_it_does_not_implement(tmp_path):
+    (tmp_path / "kustomization.yaml").write_text("resources: []\nimages: [{name: a, newTag: b}]\n")
+    with pytest.raises(UnsupportedKustomization, match="images"):
+        render(tmp_path)
+
+
+def test_router_liveness_does_not_depend_on_probes_but_readiness_does():
+    router = container(objects("cpu")[("Deployment", "undercurrent-router")], "router")
+    assert router["readinessProbe"]["grpc"] == {"port": 50061}
+    assert router["livenessProbe"]["exec"]["command"] == [
+        "python", "-m", "common.health_probe", "--live", "127.0.0.1:50061"]
+
+
+def test_routers_are_headless_budgeted_and_autoscaled():
+    cpu = objects("cpu")
+    service = cpu[("Service", "undercurrent-router")]
+    assert service["spec"]["clusterIP"] == "None"
+    engine = container(cpu[("Deployment", "undercurrent-engine")], "engine")
+    assert f"--router=dns:{service['metadata']['name']}:50061" in engine["args"]
+    selector = cpu[("Deployment", "undercurrent-router")]["spec"]["selector"]["matchLabels"]
+    assert cpu[("PodDisruptionBudget", "undercurrent-router")]["spec"]["selector"]["matchLabels"] == selector
+    assert cpu[("PodDisruptionBudget", "undercurrent-router")]["spec"]["maxUnavailable"] == 1
+    hpa = cpu[("HorizontalPodAutoscaler", "undercurrent-router")]["spec"]
+    assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "undercurrent-router"}
+    assert 2 <= hpa["minReplicas"] < hpa["maxReplicas"]
+    # Utilization targets need a CPU request to measure against.
+    router = container(cpu[("Deployment", "undercurrent-router")], "router")
+    assert router["resources"]["requests"]["cpu"]
+
+
+def test_referenced_configmap_pvc_and_tls_secret():
+    cpu = objects("cpu")
+    configmap = cpu[("ConfigMap", CONFIGMAP_NAME)]
+    assert set(configmap["binaryData"]) == {PROBE_FILE.name}
+    router_volumes = {v["name"]: v for v in cpu[("Deployment", "undercurrent-router")]["spec"]["template"]["spec"]["volumes"]}
+    assert router_volumes["probes"]["configMap"]["name"] == CONFIGMAP_NAME
+    engine_spec = cpu[("Deployment", "undercurrent-engine")]["spec"]["template"]["spec"]
+    engine_volumes = {v["name"]: v for v in engine_spec["volumes"]}
+    claim = engine_volumes["models"]["persistentVolumeClaim"]["claimName"]
+    assert ("PersistentVolumeClaim", claim) in cpu
+    for volumes in (router_volumes, engine_volumes):
+        assert volumes["tls"]["secret"] == {"secretName": "undercurrent-tls", "optional": True}
+    # The CPU overlay writes the embedded model into that claim before the engine starts.
+    init = engine_spec["initContainers"][0]
+    assert init["command"][:3] == ["python", "-m", "common.embedded_model"]
+    assert {"name": "models", "mountPath": "/models"} in init["volumeMounts"]
+
+
+@pytest.mark.parametrize("overlay,shm", [("cpu", "2Gi"), ("gpu", "16Gi")])
+def test_engine_has_resources_memory_backed_shm_and_separate_probes(overlay, shm):
+    deployment = objects(overlay)[("Deployment", "undercurrent-engine")]
+    spec = deployment["spec"]["template"]["spec"]
+    engine = container(deployment, "engine")
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": shm}
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in engine["volumeMounts"]
+    assert engine["resources"]["requests"]["cpu"] and engine["resources"]["limits"]["memory"]
+    assert engine["readinessProbe"] == {"grpc": {"port": 50051}, "periodSeconds": 5}
+    assert "--live" in engine["livenessProbe"]["exec"]["command"]
+    assert "--live" in engine["startupProbe"]["exec"]["command"]
+    assert spec["securityContext"]["runAsNonRoot"] is True
+
+
+def test_gpu_overlay_requests_a_gpu_and_runs_the_cuda_image():
+    gpu, cpu = objects("gpu"), objects("cpu")
+    engine = container(gpu[("Deployment", "undercurrent-engine")], "engine")
+    assert engine["image"] == "undercurrent-engine-gpu:0.1.0"
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert engine["resources"]["requests"]["nvidia.com/gpu"] == 1
+    assert {"name": "VLLM_TARGET_DEVICE", "value": "cuda"} in engine["env"]
+    assert "nvidia.com/gpu" not in str(container(cpu[("Deployment", "undercurrent-engine")], "engine"))
+    # The routers are the same in both overlays: only the engine changes.
+    assert gpu[("Deployment", "undercurrent-router")] == cpu[("Deployment", "undercurrent-router")]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_metrics_ports_are_named_and_annotated_for_scraping(overlay):
+    rendered = objects(overlay)
+    for name, port in (("undercurrent-engine", 9400), ("undercurrent-router", 9401)):
+        template = rendered[("Deployment", name)]["spec"]["template"]
+        annotations = template["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true"
+        assert annotations["prometheus.io/port"] == str(port)
+        ports = {p["name"]: p["containerPort"] for p in template["spec"]["containers"][0]["ports"]}
+        assert ports["metrics"] == port
+        service_ports = {p["name"]: p["port"] for p in rendered[("Service", name)]["spec"]["ports"]}
+        assert service_ports["metrics"] == port
