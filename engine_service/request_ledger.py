@@ -243,9 +243,16 @@ class RequestLedger:
         """When the oldest row still waiting for its ack was queued."""
         return self._live[0].queued_at if self._live else None
 
-    def unprobed_tokens(self) -> int:
-        """Positions with a row that no router scored (failed or never acknowledged)."""
-        return sum(1 for e in self._positions.values() if e.outstanding or e.failed)
+    def unprobed_tokens(self, below: int | None = None) -> int:
+        """Positions with a row that no router scored (failed or never acknowledged).
+
+        `below` excludes positions at or past it: rows vLLM computed after the
+        engine stopped a request belong to tokens the client never received."""
+        return sum(
+            1
+            for position, e in self._positions.items()
+            if (e.outstanding or e.failed) and (below is None or position < below)
+        )
 
     def fail_closed_failure(self) -> Failure | None:
         """The first failure a fail_closed binding cannot accept."""

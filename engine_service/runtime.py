@@ -384,7 +384,8 @@ class EngineRuntime:
         if request.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
             request.end(reqs.VLLM_FINISH_REASONS.get(vllm_reason, pb.FINISH_REASON_ERROR))
         ledger = request.ledger
-        unprobed = ledger.unprobed_tokens() if ledger else 0
+        # Positions of tokens the client got: generated token g sits at prompt_len + g.
+        unprobed = ledger.unprobed_tokens(below=request.prompt_len + request.generated) if ledger else 0
         dropped = (ledger.dropped_records if ledger else 0) + request.events.dropped_records
         if request.gate is not None:
             if request.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH):

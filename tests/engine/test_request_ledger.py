@@ -135,6 +135,8 @@ def test_a_refused_request_fails_what_is_in_flight_and_everything_after():
     led.sent(later, 2)
     led.acknowledged("r", 2)
     assert led.unprobed_tokens() == 2 and led.first_unsettled() == 10
+    # Rows at or past the first token the client never got are not its tokens.
+    assert led.unprobed_tokens(below=11) == 1
 
 
 def test_a_refusal_with_nothing_in_flight_is_still_a_failure():
