@@ -8,7 +8,8 @@ For each topology: a real router process and an engine process on loopback.
 A first run captures layer-3 residual rows of a few prompts; a linear probe is
 built to fire first at a known token of prompt 0 (tests/e2e/probes.py), loaded
 into the router, and then `--requests` greedy requests of prompt 0 run one
-after another (`--idle` seconds apart, to measure the engine waking from idle).
+after another, then `--idle-requests` more, each after `--idle` seconds with
+no request (the engine waking from idle).
 Writes bench/results/abort_latency.json (with the command and the machine).
 """
 
@@ -73,7 +74,8 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def measure(name: str, model: str, count: int, max_tokens: int, idle: float, probes_dir: Path) -> dict:
+async def measure(name: str, model: str, count: int, max_tokens: int, idle: float, idle_count: int,
+                  probes_dir: Path) -> dict:
     flags, bind = TOPOLOGIES[name]
     router = processes.router(processes.free_port(), probes_dir, "--heartbeat-interval", "1").start()
     engine = processes.engine(model, router.address, *flags, workers_bind=bind).start()
@@ -93,25 +95,32 @@ async def measure(name: str, model: str, count: int, max_tokens: int, idle: floa
             await stack.wait_for_probe(stub, probe.name)
             trigger = probe.position - baseline[0].finished.prompt_tokens
             binding = pb.ProbeBinding(probe=probe.name, failure_policy=pb.FAILURE_POLICY_FAIL_CLOSED)
-            samples = []
-            for i in range(count):
-                if idle:
-                    await asyncio.sleep(idle)
-                samples.append(await timed_generate(
-                    stub, request(PROMPTS[0], f"{name}-{i}", max_tokens, probes=[binding]), trigger))
+            phases = {}
+            for phase, runs, gap in (("back_to_back", count, 0.0), ("after_idle", idle_count, idle)):
+                samples = []
+                for i in range(runs):
+                    await asyncio.sleep(gap)
+                    samples.append(await timed_generate(
+                        stub, request(PROMPTS[0], f"{name}-{phase}-{i}", max_tokens, probes=[binding]),
+                        trigger))
+                if samples:
+                    phases[phase] = summarize(samples, gap)
     finally:
         engine.kill()
         router.kill()
+    return {"topology": name, "max_tokens": max_tokens, "trigger_index": trigger, **phases}
+
+
+def summarize(samples: list[dict], idle: float) -> dict:
     aborted = [s for s in samples if s["reason"] == pb.FINISH_REASON_PROBE_ABORT]
-    tokens = [s["after_trigger"] for s in aborted]
-    ms = [s["ms"] for s in aborted]
+    tokens = [s["after_trigger"] for s in aborted] or [None]
+    ms = [s["ms"] for s in aborted] or [None]
+    stats = (lambda v: {"median": statistics.median(v), "p99": percentile(v, 0.99), "max": max(v)}
+             if None not in v else None)
     return {
-        "topology": name, "requests": count, "aborted": len(aborted), "max_tokens": max_tokens,
-        "trigger_index": trigger, "idle_s": idle,
-        "tokens_after_trigger": {"median": statistics.median(tokens), "p99": percentile(tokens, 0.99),
-                                 "max": max(tokens)},
-        "ms_trigger_to_finished": {"median": round(statistics.median(ms), 1),
-                                   "p99": round(percentile(ms, 0.99), 1), "max": round(max(ms), 1)},
+        "requests": len(samples), "aborted": len(aborted), "idle_before_each_s": idle,
+        "tokens_after_trigger": stats(tokens),
+        "ms_trigger_to_finished": stats([round(m, 1) for m in ms] if None not in ms else ms),
         "samples": samples,
     }
 
@@ -123,8 +132,8 @@ async def main_async(args) -> dict:
     for name in args.topologies.split(","):
         with tempfile.TemporaryDirectory() as probes_dir:
             result = await measure(name, args.model, args.requests, args.max_tokens, args.idle,
-                                   Path(probes_dir))
-        print(json.dumps({k: v for k, v in result.items() if k != "samples"}), flush=True)
+                                   args.idle_requests, Path(probes_dir))
+        print(json.dumps(result, default=str)[:2000], flush=True)
         results.append(result)
     return {
         "command": "python -m bench.abort_latency " + " ".join(sys.argv[1:]),
@@ -140,7 +149,10 @@ def main() -> int:
     parser.add_argument("--topologies", default="tp1,tp2,pp2")
     parser.add_argument("--requests", type=int, default=40, help="per topology")
     parser.add_argument("--max-tokens", type=int, default=120)
-    parser.add_argument("--idle", type=float, default=0.0, help="seconds between requests")
+    parser.add_argument("--idle-requests", type=int, default=5,
+                        help="then this many requests, each after --idle seconds without any")
+    parser.add_argument("--idle", type=float, default=8.0,
+                        help="seconds idle before each of --idle-requests")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     summary = asyncio.run(main_async(args))

@@ -25,16 +25,20 @@ def probe_info(name: str, layers=LAYERS) -> pb.ProbeInfo:
 
 
 class KeyRecordingRouter(RouterDouble):
-    """Scores nothing; records every row's key in arrival order and acks each step."""
+    """Scores nothing; records every row's key, batch by batch, and acks each step."""
 
     def __init__(self, probe: str = "keys") -> None:
         super().__init__("key-recorder", probes=[probe_info(probe)], heartbeat_s=0.5)
-        self.keys: dict[str, list[tuple[int, int]]] = defaultdict(list)  # rid -> (position, layer)
+        # request id -> one list of (position, layer) keys per batch, in arrival order
+        self.keys: dict[str, list[list[tuple[int, int]]]] = defaultdict(list)
 
     def _score(self, batch: pb.ActivationBatch) -> list[pb.SessionResponse]:
+        arrived: dict[str, list[tuple[int, int]]] = defaultdict(list)
         for block in from_batch(batch):
             for request_id, position in zip(block.request_ids, block.token_positions):
-                self.keys[request_id].append((int(position), block.layer))
+                arrived[request_id].append((int(position), block.layer))
+        for request_id, keys in arrived.items():
+            self.keys[request_id].append(keys)
         return [pb.SessionResponse(ack=pb.StepAck(step=batch.step))]
 
 

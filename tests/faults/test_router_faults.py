@@ -160,6 +160,9 @@ async def test_router_answering_every_batch_with_an_error(engine, proxy):
         await router.kill()
 
 
+OVERFLOW_TOKENS = 300
+
+
 @pytest.mark.parametrize("policy", [CLOSED, OPEN], ids=["fail_closed", "fail_open"])
 async def test_send_queue_overflow(engine, proxy, engine_metrics_port, policy):
     """A router that keeps its session alive (heartbeats) but stops reading: the
@@ -176,11 +179,11 @@ async def test_send_queue_overflow(engine, proxy, engine_metrics_port, policy):
         before = await harness.metrics(engine_metrics_port)
         router.reading.clear()
         requests = []
-        for i in range(2):
+        for i in range(3):
             # Long prompts with every row captured fill the transport's windows at once.
             message = pb.GenerateRequest(
-                request_id=f"overflow-{policy}-{i}", token_ids=pb.TokenIds(ids=[5 + i] * 700),
-                sampling=pb.SamplingParams(max_tokens=120, temperature=0, ignore_eos=True))
+                request_id=f"overflow-{policy}-{i}", token_ids=pb.TokenIds(ids=[5 + i + 10 * policy] * 700),
+                sampling=pb.SamplingParams(max_tokens=OVERFLOW_TOKENS, temperature=0, ignore_eos=True))
             message.probes.add(probe="slow", failure_policy=policy)
             message.probes.add(probe="slow_mlp", failure_policy=policy)
             requests.append(asyncio.create_task(stack.generate(engine, message)))
@@ -199,7 +202,7 @@ async def test_send_queue_overflow(engine, proxy, engine_metrics_port, policy):
         if policy == CLOSED:
             assert harness.ended_by_policy(outcome), outcome.finished
         else:
-            assert outcome.reason == "LENGTH" and len(outcome.tokens) == 120
+            assert outcome.reason == "LENGTH" and len(outcome.tokens) == OVERFLOW_TOKENS
             assert outcome.finished.dropped_records > 0 and outcome.finished.unprobed_tokens > 0
 
 
@@ -267,12 +270,17 @@ async def test_exactly_once_under_load(engine, proxy, engine_metrics_port):
     rows = dropped = 0
     for outcome in outcomes:
         assert outcome.reason == "LENGTH", outcome.finished
-        keys = router.keys[outcome.request_id]
+        batches = router.keys[outcome.request_id]
+        keys = [key for batch in batches for key in batch]
         prompt = outcome.finished.prompt_tokens
         owed = [(p, layer) for p in range(prompt, prompt + harness.fed_positions(outcome))
                 for layer in (0, 1, 2, 3)]
         assert len(set(keys)) == len(keys), f"{outcome.request_id}: a row arrived twice"
-        assert keys == sorted(keys), f"{outcome.request_id}: rows out of (position, layer) order"
+        # A batch is the unit a router scores (its blocks go layer by layer, and
+        # one drain may hold several steps); batches arrive in (position, layer)
+        # order: every key of a batch comes after every key of the batches before.
+        in_order = [key for batch in batches for key in sorted(batch)]
+        assert in_order == sorted(keys), f"{outcome.request_id}: batches out of (position, layer) order"
         assert set(keys) <= set(owed), f"{outcome.request_id}: rows nobody asked for"
         assert len(owed) - len(keys) == outcome.finished.dropped_records, outcome.finished
         rows += len(keys)
