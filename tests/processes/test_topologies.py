@@ -4,6 +4,8 @@ processes): the probe fires at the same token, and only there."""
 from __future__ import annotations
 
 import asyncio
+import time
+from dataclasses import dataclass
 
 import pytest
 
@@ -49,7 +51,34 @@ async def topology_stack(request, tiny_llama_path, tmp_path_factory):
         router.kill()
 
 
-async def test_probe_abort_under_topology(topology_stack):
+@dataclass
+class Armed:
+    """A topology's engine with a probe loaded that fires first at a known token of PROMPTS[0]."""
+
+    name: str
+    engine: pb_grpc.EngineServiceStub
+    baseline: list[stack.Outcome]
+    probe: probes.FiringProbe
+
+    @property
+    def binding(self) -> pb.ProbeBinding:
+        return pb.ProbeBinding(probe=self.probe.name, failure_policy=pb.FAILURE_POLICY_FAIL_CLOSED)
+
+    def check_abort(self, aborted: stack.Outcome) -> int:
+        """Asserts the verdict and where generation stopped; returns the tokens after the trigger."""
+        assert aborted.reason == "PROBE_ABORT", aborted.finished
+        assert aborted.finished.verdict.token_position == self.probe.position
+        trigger = self.probe.position - aborted.finished.prompt_tokens
+        assert trigger == self.probe.position - self.baseline[0].finished.prompt_tokens
+        assert TRIGGER_MIN_INDEX <= trigger < MAX_TOKENS - 2 * ABORT_LATENCY_BOUND
+        assert aborted.tokens[: trigger + 1] == self.baseline[0].tokens[: trigger + 1]
+        after_trigger = len(aborted.tokens) - (trigger + 1)
+        assert aborted.finished.generated_tokens == len(aborted.tokens) < MAX_TOKENS
+        return after_trigger
+
+
+@pytest.fixture(scope="module")
+async def armed(topology_stack):
     name, engine_service, router = topology_stack
     async with stack.channel(engine_service.address) as ch:
         engine = pb_grpc.EngineServiceStub(ch)
@@ -67,18 +96,32 @@ async def test_probe_abort_under_topology(topology_stack):
         async with stack.channel(router.address) as admin_channel:
             await pb_grpc.ProbeAdminServiceStub(admin_channel).LoadProbe(probe.load_request())
         await stack.wait_for_probe(engine, probe.name)
-        binding = pb.ProbeBinding(probe=probe.name, failure_policy=pb.FAILURE_POLICY_FAIL_CLOSED)
-        aborted, other = await asyncio.gather(*[
-            stack.generate(engine, request(p, f"{name}-probed-{i}", probes=[binding]))
-            for i, p in enumerate(PROMPTS)])
-    assert aborted.reason == "PROBE_ABORT"
-    assert aborted.finished.verdict.token_position == probe.position
-    trigger = probe.position - aborted.finished.prompt_tokens
-    assert trigger == probe.position - baseline[0].finished.prompt_tokens
-    assert TRIGGER_MIN_INDEX <= trigger < MAX_TOKENS - 2 * ABORT_LATENCY_BOUND
-    assert aborted.tokens[: trigger + 1] == baseline[0].tokens[: trigger + 1]
-    after_trigger = len(aborted.tokens) - (trigger + 1)
-    print(f"{name}: abort latency {after_trigger} tokens after the triggering token")
+        yield Armed(name, engine, baseline, probe)
+
+
+async def test_probe_abort_under_topology(armed):
+    aborted, other = await asyncio.gather(*[
+        stack.generate(armed.engine, request(p, f"{armed.name}-probed-{i}", probes=[armed.binding]))
+        for i, p in enumerate(PROMPTS)])
+    after_trigger = armed.check_abort(aborted)
+    print(f"{armed.name}: abort latency {after_trigger} tokens after the triggering token")
     assert 0 <= after_trigger <= ABORT_LATENCY_BOUND
-    assert aborted.finished.generated_tokens == len(aborted.tokens) < MAX_TOKENS
-    assert other.reason == "LENGTH" and other.tokens == baseline[1].tokens
+    assert other.reason == "LENGTH" and other.tokens == armed.baseline[1].tokens
+
+
+# Longer than vLLM's shared-memory queue readers busy-spin (1 s) before they
+# park, and than their 5 s re-check interval.
+IDLE_S = 6.0
+IDLE_ABORT_BOUND = 4
+
+
+async def test_abort_lands_promptly_after_the_engine_idles(armed):
+    """The first request after a quiet spell: its abort lands as soon as a warm one's."""
+    await asyncio.sleep(IDLE_S)
+    started = time.monotonic()
+    aborted = await stack.generate(armed.engine, request(PROMPTS[0], f"{armed.name}-after-idle",
+                                                         probes=[armed.binding]))
+    after_trigger = armed.check_abort(aborted)
+    print(f"{armed.name}: after {IDLE_S:.0f} s idle, abort latency {after_trigger} tokens, "
+          f"request took {time.monotonic() - started:.2f} s")
+    assert 0 <= after_trigger <= IDLE_ABORT_BOUND
