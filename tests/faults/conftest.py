@@ -42,7 +42,7 @@ async def engine_service(tiny_llama_path, proxy, engine_metrics_port):
     ).start()
     try:
         async with stack.channel(service.address) as channel:
-            await stack.wait_model_info(pb_grpc.EngineServiceStub(channel), service)
+            await stack.wait_model_info(pb_grpc.EngineServiceStub(channel), service, timeout=400)
         yield service
     finally:
         service.kill()
