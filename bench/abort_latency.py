@@ -81,7 +81,7 @@ async def measure(name: str, model: str, count: int, max_tokens: int, idle: floa
     engine = processes.engine(model, router.address, *flags, workers_bind=bind).start()
     try:
         await router.wait_health(want_serving=None, timeout=60)
-        await engine.wait_health(want_serving=True, timeout=300)
+        await engine.wait_health(want_serving=True, timeout=900)  # a loaded 2-core host is slow
         async with stack.channel(engine.address) as channel:
             stub = pb_grpc.EngineServiceStub(channel)
             baseline = await asyncio.gather(*[
@@ -133,14 +133,20 @@ async def main_async(args) -> dict:
         with tempfile.TemporaryDirectory() as probes_dir:
             result = await measure(name, args.model, args.requests, args.max_tokens, args.idle,
                                    args.idle_requests, Path(probes_dir))
-        print(json.dumps(result, default=str)[:2000], flush=True)
         results.append(result)
-    return {
+        write(args.out, results)  # after every topology: a long run keeps what it measured
+    return results
+
+
+def write(path: Path, results: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
         "command": "python -m bench.abort_latency " + " ".join(sys.argv[1:]),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}, CPU only",
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "results": results,
-    }
+    }, indent=1) + "\n")
+    print(f"wrote {path}", flush=True)
 
 
 def main() -> int:
@@ -155,10 +161,7 @@ def main() -> int:
                         help="seconds idle before each of --idle-requests")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    summary = asyncio.run(main_async(args))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(summary, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    asyncio.run(main_async(args))
     return 0
 
 

@@ -20,9 +20,8 @@ MAX_TOKENS = 120
 TRIGGER_MIN_INDEX = 3
 # Tokens generated after the triggering one before the abort lands (median 1-2,
 # bench/abort_latency.py). An abort that never lands runs to MAX_TOKENS, over
-# 100 tokens past the trigger. PP=2 used to land late after the engine idled
-# (vLLM's shared-memory queues back off); tests/processes/test_pp_idle_abort.py
-# bounds that case.
+# 100 tokens past the trigger. A late PP=2 abort was once seen after the engine
+# idled; test_abort_lands_promptly_after_the_engine_idles bounds that case.
 ABORT_LATENCY_BOUND = 16
 # name: (engine flags, CPU thread binding).
 TOPOLOGIES = {
