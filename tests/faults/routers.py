@@ -50,21 +50,12 @@ class ErroringRouter(RouterDouble):
         super().__init__("erroring", probes=[probe_info(probe)], heartbeat_s=0.5)
         self.probe = probe
         self.errors_sent = 0
-        self.incarnations: dict[str, int] = {}
-
-    def _handle(self, message: pb.SessionRequest) -> list[pb.SessionResponse]:
-        if message.WhichOneof("message") == "request_start":
-            start = message.request_start
-            self.incarnations[start.request_id] = start.incarnation
-        return super()._handle(message)
 
     def _score(self, batch: pb.ActivationBatch) -> list[pb.SessionResponse]:
         replies = []
         for request_id in dict.fromkeys(r for b in from_batch(batch) for r in b.request_ids):
             self.errors_sent += 1
-            replies.append(pb.SessionResponse(error=pb.RequestError(
-                request_id=request_id, probe=self.probe, code=pb.STATUS_CODE_INTERNAL,
-                message="probe evaluation failed", step=batch.step,
-                incarnation=self.incarnations.get(request_id, 0))))
+            replies.append(self._error(request_id, pb.STATUS_CODE_INTERNAL, "probe evaluation failed",
+                                       probe=self.probe, step=batch.step))
         replies.append(pb.SessionResponse(ack=pb.StepAck(step=batch.step)))
         return replies
