@@ -66,9 +66,11 @@ class TcpProxy:
         if self._server is not None:
             self._server.close()
         self.drop_connections()
-        for task in list(self._tasks):
+        current = asyncio.current_task()
+        tasks = [t for t in self._tasks if t is not current]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._server is not None:
             await self._server.wait_closed()
 
@@ -81,10 +83,12 @@ class TcpProxy:
     async def _accept(self, client_reader: asyncio.StreamReader,
                       client_writer: asyncio.StreamWriter) -> None:
         self.connections += 1
+        self._tasks.add(asyncio.current_task())  # close() waits for every handler
         host, port = self.target.rsplit(":", 1)
         try:
             upstream_reader, upstream_writer = await asyncio.open_connection(host, int(port))
         except OSError:
+            self._tasks.discard(asyncio.current_task())
             _close(client_writer)  # nothing listens there: the client sees a refused session
             return
         pair = (client_writer, upstream_writer)
@@ -102,6 +106,7 @@ class TcpProxy:
                 pump.cancel()
             await asyncio.gather(*pumps, return_exceptions=True)
             self._tasks.difference_update(pumps)
+            self._tasks.discard(asyncio.current_task())
             self._pairs.discard(pair)
             _close(client_writer)
             _close(upstream_writer)
