@@ -41,7 +41,9 @@ async def test_blackhole_keeps_the_connection_and_passes_nothing(echo_port):
 
 async def test_retarget_closes_old_connections_and_refuses_without_a_listener(echo_port):
     async with TcpProxy(f"127.0.0.1:{echo_port}") as proxy:
-        reader, _ = await asyncio.open_connection("127.0.0.1", proxy.port)
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        writer.write(b"up")
+        assert await reader.read(10) == b"up"  # forwarded: the connection is established
         proxy.retarget("127.0.0.1:1")
         assert await asyncio.wait_for(reader.read(10), 5) == b""
         second, _ = await asyncio.open_connection("127.0.0.1", proxy.port)
