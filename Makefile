@@ -55,6 +55,7 @@ proto: install
 bench: install models
 	$(PY) -m bench.router_throughput
 	$(PY) -m bench.capture_overhead --model $(MODELS)/tiny-llama
+	$(PY) -m bench.abort_latency --model $(MODELS)/tiny-llama
 
 # compose.yaml and compose.gpu.yaml against the Compose Specification's JSON
 # schema (no Docker needed; `make test` runs the same check).

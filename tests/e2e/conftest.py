@@ -35,28 +35,10 @@ async def engine_service(tiny_llama_path, router_ports, engine_metrics_port):
     ).start()
     try:
         async with stack.channel(service.address) as channel:
-            await _wait_model_info(pb_grpc.EngineServiceStub(channel), service)
+            await stack.wait_model_info(pb_grpc.EngineServiceStub(channel), service)
         yield service
     finally:
         service.kill()
-
-
-async def _wait_model_info(stub, service, timeout: float = 240) -> pb.ModelInfo:
-    import asyncio
-    import time
-
-    import grpc
-
-    deadline = time.monotonic() + timeout
-    while True:
-        if service.process.poll() is not None:
-            raise RuntimeError(f"engine exited:\n{service.log_tail()}")
-        try:
-            return (await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=2)).model
-        except grpc.aio.AioRpcError:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.5)
 
 
 @pytest.fixture

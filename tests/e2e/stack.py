@@ -104,3 +104,19 @@ def running_requests(metrics_port: int) -> int:
             if sample.name.removesuffix("_total") in totals and sample.name.endswith("_total"):
                 totals[sample.name.removesuffix("_total")] += sample.value
     return int(totals["undercurrent_engine_requests_started"] - totals["undercurrent_engine_requests_finished"])
+
+
+async def wait_model_info(stub: pb_grpc.EngineServiceStub, service: Service,
+                          timeout: float = 240) -> pb.ModelInfo:
+    """Waits until a starting engine answers GetModelInfo (its health stays
+    NOT_SERVING until a router session is up)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if service.process.poll() is not None:
+            raise RuntimeError(f"engine exited:\n{service.log_tail()}")
+        try:
+            return (await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=2)).model
+        except grpc.aio.AioRpcError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)

@@ -14,12 +14,16 @@ from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 pytestmark = pytest.mark.vllm
 
 PROMPTS = ["The quick brown fox", "Hello, world! How are", "A probe is a small"]
-MAX_TOKENS = 64
+MAX_TOKENS = 160
+TRIGGER_MIN_INDEX = 4
 # Tokens vLLM may generate after the triggering one before the abort lands:
-# the verdict needs a drain, a router round trip and a scheduler step. Typically
-# 1-2 here, but up to 27 seen when the shared 2-core machine was loaded; the
-# bound still fails when an abort does not land (the request would run to 64).
-ABORT_LATENCY_BOUND = 40
+# the verdict needs a drain, a router round trip and a scheduler step. A step of
+# this tiny model takes a few ms, so every ms the router process waits for a
+# core is a token: 1-2 tokens on a quiet machine, tens when other work loads
+# the two cores (bench/abort_latency.py, BENCHMARKS.md). An abort that never
+# lands runs to MAX_TOKENS, over 150 tokens past the trigger: 3x this bound.
+# (Longer requests risk outrunning a loaded router past --router-timeout.)
+ABORT_LATENCY_BOUND = 48
 
 
 def request(prompt: str, rid: str, **fields) -> pb.GenerateRequest:
@@ -50,7 +54,7 @@ async def baseline(engine_service):
 @pytest.fixture
 async def firing_probe(baseline, start_router, engine):
     rows = [probes.rows_by_position(o.batches) for o in baseline]
-    probe = probes.probe_firing_at("fires_on_a", rows[0], rows[1:], min_index=4)
+    probe = probes.probe_firing_at("fires_on_a", rows[0], rows[1:], min_index=TRIGGER_MIN_INDEX)
     router = await start_router(0)
     async with stack.channel(router.address) as ch:
         info = (await pb_grpc.ProbeAdminServiceStub(ch).LoadProbe(probe.load_request())).probe
@@ -73,11 +77,14 @@ async def test_probe_aborts_exactly_the_request_it_fires_on(engine, baseline, fi
     assert verdict.score >= firing_probe.threshold
     assert verdict.router == f"127.0.0.1:{router_ports[0]}"
     trigger_index = firing_probe.position - aborted.finished.prompt_tokens
+    assert trigger_index == firing_probe.position - baseline[0].finished.prompt_tokens
+    assert TRIGGER_MIN_INDEX <= trigger_index < MAX_TOKENS - 2 * ABORT_LATENCY_BOUND
     # Up to the trigger the probed run is the baseline run, token for token.
     assert aborted.tokens[: trigger_index + 1] == baseline[0].tokens[: trigger_index + 1]
     after_trigger = len(aborted.tokens) - (trigger_index + 1)
     print(f"abort latency: {after_trigger} tokens after the triggering token")
     assert 0 <= after_trigger <= ABORT_LATENCY_BOUND
+    assert aborted.finished.generated_tokens == len(aborted.tokens) < MAX_TOKENS
     for outcome, base in zip(others, baseline[1:]):
         assert outcome.reason == "LENGTH", outcome.finished
         assert outcome.tokens == base.tokens

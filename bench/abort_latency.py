@@ -1,0 +1,169 @@
+"""How soon a probe's abort takes effect: tokens generated after the triggering
+token, and milliseconds from the client receiving the triggering token to the
+request's `finished`, over many requests, at TP=1, TP=2 and PP=2.
+
+    python -m bench.abort_latency --model .cache/models/tiny-llama
+
+For each topology: a real router process and an engine process on loopback.
+A first run captures layer-3 residual rows of a few prompts; a linear probe is
+built to fire first at a known token of prompt 0 (tests/e2e/probes.py), loaded
+into the router, and then `--requests` greedy requests of prompt 0 run one
+after another, then `--idle-requests` more, each after `--idle` seconds with
+no request (the engine waking from idle).
+Writes bench/results/abort_latency.json (with the command and the machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from tests.e2e import probes, stack  # noqa: E402
+from tools import processes  # noqa: E402
+from undercurrent.v1 import undercurrent_pb2 as pb  # noqa: E402
+from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "abort_latency.json"
+PROMPTS = ["The quick brown fox", "Hello, world! How are", "A probe is a small"]
+TOPOLOGIES = {
+    "tp1": ([], None),
+    "tp2": (["--tensor-parallel-size", "2"], "0|1"),
+    "pp2": (["--pipeline-parallel-size", "2"], "0|1"),
+}
+
+
+def request(prompt: str, rid: str, max_tokens: int, **fields) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=rid, text=prompt,
+        sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), **fields)
+
+
+async def timed_generate(stub, message, trigger: int) -> dict:
+    """One request; the client-side time the triggering token and `finished` arrived."""
+    tokens, trigger_at, finished = 0, None, None
+    async for response in stub.Generate(message, timeout=300):
+        kind = response.WhichOneof("event")
+        now = time.monotonic()
+        if kind == "tokens":
+            tokens += len(response.tokens.token_ids)
+            if trigger_at is None and tokens > trigger:
+                trigger_at = now
+        elif kind == "finished":
+            finished = response.finished
+            finished_at = now
+    assert finished is not None and trigger_at is not None
+    return {
+        "reason": finished.finish_reason,
+        "after_trigger": finished.generated_tokens - (trigger + 1),
+        "ms": (finished_at - trigger_at) * 1000,
+    }
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+async def measure(name: str, model: str, count: int, max_tokens: int, idle: float, idle_count: int,
+                  probes_dir: Path) -> dict:
+    flags, bind = TOPOLOGIES[name]
+    router = processes.router(processes.free_port(), probes_dir, "--heartbeat-interval", "1").start()
+    engine = processes.engine(model, router.address, *flags, workers_bind=bind).start()
+    try:
+        await router.wait_health(want_serving=None, timeout=60)
+        await engine.wait_health(want_serving=True, timeout=900)  # a loaded 2-core host is slow
+        async with stack.channel(engine.address) as channel:
+            stub = pb_grpc.EngineServiceStub(channel)
+            baseline = await asyncio.gather(*[
+                stack.generate(stub, request(p, f"base-{i}", max_tokens,
+                                             extraction_points=[probes.trace_point()]))
+                for i, p in enumerate(PROMPTS)])
+            rows = [probes.rows_by_position(o.batches) for o in baseline]
+            probe = probes.probe_firing_at(f"bench_{name}", rows[0], rows[1:], min_index=4)
+            async with stack.channel(router.address) as admin:
+                await pb_grpc.ProbeAdminServiceStub(admin).LoadProbe(probe.load_request())
+            await stack.wait_for_probe(stub, probe.name)
+            trigger = probe.position - baseline[0].finished.prompt_tokens
+            binding = pb.ProbeBinding(probe=probe.name, failure_policy=pb.FAILURE_POLICY_FAIL_CLOSED)
+            phases = {}
+            for phase, runs, gap in (("back_to_back", count, 0.0), ("after_idle", idle_count, idle)):
+                samples = []
+                for i in range(runs):
+                    await asyncio.sleep(gap)
+                    samples.append(await timed_generate(
+                        stub, request(PROMPTS[0], f"{name}-{phase}-{i}", max_tokens, probes=[binding]),
+                        trigger))
+                if samples:
+                    phases[phase] = summarize(samples, gap)
+    finally:
+        engine.kill()
+        router.kill()
+    return {"topology": name, "max_tokens": max_tokens, "trigger_index": trigger, **phases}
+
+
+def summarize(samples: list[dict], idle: float) -> dict:
+    aborted = [s for s in samples if s["reason"] == pb.FINISH_REASON_PROBE_ABORT]
+    tokens = [s["after_trigger"] for s in aborted] or [None]
+    ms = [s["ms"] for s in aborted] or [None]
+    stats = (lambda v: {"median": statistics.median(v), "p99": percentile(v, 0.99), "max": max(v)}
+             if None not in v else None)
+    return {
+        "requests": len(samples), "aborted": len(aborted), "idle_before_each_s": idle,
+        "tokens_after_trigger": stats(tokens),
+        "ms_trigger_to_finished": stats([round(m, 1) for m in ms] if None not in ms else ms),
+        "samples": samples,
+    }
+
+
+async def main_async(args) -> dict:
+    import tempfile
+
+    results = []
+    for name in args.topologies.split(","):
+        with tempfile.TemporaryDirectory() as probes_dir:
+            result = await measure(name, args.model, args.requests, args.max_tokens, args.idle,
+                                   args.idle_requests, Path(probes_dir))
+        results.append(result)
+        write(args.out, results)  # after every topology: a long run keeps what it measured
+    return results
+
+
+def write(path: Path, results: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        "command": "python -m bench.abort_latency " + " ".join(sys.argv[1:]),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}, CPU only",
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "results": results,
+    }, indent=1) + "\n")
+    print(f"wrote {path}", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=".cache/models/tiny-llama")
+    parser.add_argument("--topologies", default="tp1,tp2,pp2")
+    parser.add_argument("--requests", type=int, default=40, help="per topology")
+    parser.add_argument("--max-tokens", type=int, default=120)
+    parser.add_argument("--idle-requests", type=int, default=5,
+                        help="then this many requests, each after --idle seconds without any")
+    parser.add_argument("--idle", type=float, default=8.0,
+                        help="seconds idle before each of --idle-requests")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    asyncio.run(main_async(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

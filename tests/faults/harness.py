@@ -1,0 +1,136 @@
+"""What the fault tests share: Prometheus scraping, the observe probe, requests,
+waiting for router state to settle, and the count checks every fault test makes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.request
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from router_service.probe_files import write_probe
+from tests.e2e import stack
+from undercurrent.v1 import undercurrent_pb2 as pb
+
+WATCH = "fault_watch"
+WATCH_LAYER = 1
+
+# The engine's --router-timeout for this package, and the slack a failure may
+# take on top of it to end a request: the watchdog's tick (timeout / 5), one
+# scheduler step to abort, and the finished message on a loaded 2-core machine.
+ROUTER_TIMEOUT_S = 1.5
+END_SLACK_S = 2.5
+# Router state (live requests, sessions) is back to its resting value this
+# soon after the fault ends (the engine's session loss or RequestEnd reaches
+# the router in one round trip; 5 s covers a loaded machine).
+ROUTER_SETTLE_S = 5.0
+
+
+def write_watch_probe(directory: Path, hidden: int = 128) -> None:
+    """Observes every generated token's layer-1 residual norm; never fires."""
+    write_probe(directory / WATCH, {
+        "name": WATCH, "version": "1", "kind": "norm", "tensor_type": "residual_stream",
+        "layers": [WATCH_LAYER], "hidden_size": hidden, "dtype": "float32", "threshold": 1e9,
+        "action": "observe", "tokens": {"scope": "generated"},
+    })
+
+
+def request(rid: str, policy: int, max_tokens: int, probe: str = WATCH, gate: bool = False,
+            action: int = pb.PROBE_ACTION_UNSPECIFIED) -> pb.GenerateRequest:
+    message = pb.GenerateRequest(
+        request_id=rid, text=f"request {rid} says hello",
+        sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+        gate_tokens=gate,
+    )
+    message.probes.add(probe=probe, failure_policy=policy, action=action)
+    return message
+
+
+def scored_positions(outcome: stack.Outcome) -> list[int]:
+    return [p for event in outcome.scores for p in event.token_positions]
+
+
+def fed_positions(outcome: stack.Outcome) -> int:
+    """Generated tokens fed back through the model (all but the last): the rows
+    a generated-scope probe is owed."""
+    return max(0, outcome.finished.generated_tokens - 1)
+
+
+def assert_released_tokens_were_scored(outcome: stack.Outcome) -> None:
+    """gate_tokens under fail_closed: token g reached the client only if its row
+    (position prompt_len + g) was scored."""
+    prompt = outcome.finished.prompt_tokens
+    scored = set(scored_positions(outcome))
+    unscored = [g for g in range(len(outcome.tokens)) if prompt + g not in scored]
+    assert not unscored, (
+        f"{len(unscored)} of {len(outcome.tokens)} released tokens were never scored "
+        f"(first {unscored[:5]}); last scored position {max(scored, default=None)}")
+
+
+def assert_true_counts(outcome: stack.Outcome) -> None:
+    """Every fed row was scored once or counted unprobed, no more and no less.
+
+    A request that ran to its end fed all tokens but the last. One the engine
+    stopped may also have fed its last token: the abort can land after the step
+    that fed it, so either count is true there."""
+    scored = scored_positions(outcome)
+    assert len(scored) == len(set(scored)), "a position was scored twice"
+    accounted = len(scored) + outcome.finished.unprobed_tokens
+    fed = fed_positions(outcome)
+    allowed = {fed} if outcome.reason in ("LENGTH", "STOP") else {fed, fed + 1}
+    assert accounted in allowed, (
+        f"{len(scored)} scored + {outcome.finished.unprobed_tokens} unprobed != "
+        f"{fed} fed ({outcome.finished})")
+
+
+def ended_by_policy(outcome: stack.Outcome) -> bool:
+    return outcome.reason in ("ROUTER_UNAVAILABLE", "ERROR")
+
+
+def scrape(port: int) -> dict[str, float]:
+    """One Prometheus scrape: sample name (with labels, `name{k="v"}`) -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            values[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+    return values
+
+
+async def metrics(port: int) -> dict[str, float]:
+    return await asyncio.to_thread(scrape, port)
+
+
+async def wait_router_state(port: int, sessions: int, live_requests: int = 0,
+                            timeout: float = ROUTER_SETTLE_S) -> float:
+    """Waits until the router's metrics show `sessions` open sessions and
+    `live_requests` requests with state; returns how long that took."""
+    started = time.monotonic()
+    seen = {}
+    while time.monotonic() - started < timeout:
+        seen = await metrics(port)
+        if (seen.get("undercurrent_router_sessions") == sessions
+                and seen.get("undercurrent_router_live_requests") == live_requests):
+            return time.monotonic() - started
+        await asyncio.sleep(0.1)
+    raise AssertionError(
+        f"router state not back to sessions={sessions} live_requests={live_requests} in "
+        f"{timeout} s: sessions={seen.get('undercurrent_router_sessions')} "
+        f"live_requests={seen.get('undercurrent_router_live_requests')}")
+
+
+def engine_dropped(values: dict[str, float], reason: str) -> float:
+    return values.get(f'undercurrent_router_link_dropped_records_total{{reason="{reason}"}}', 0.0)
+
+
+async def wait_tokens(progress: stack.Outcome, count: int, timeout: float = 60) -> None:
+    """Waits until the client received `count` tokens (and at least one score)."""
+    deadline = time.monotonic() + timeout
+    while len(progress.tokens) < count or not progress.scores:
+        assert progress.finished is None, f"finished early: {progress.finished}"
+        assert time.monotonic() < deadline, f"only {len(progress.tokens)} tokens arrived"
+        await asyncio.sleep(0.02)

@@ -1,0 +1,61 @@
+"""Small real gRPC routers (grpc.aio servers speaking the Session protocol) for
+faults a production router should never produce on purpose: an error for every
+batch, and a record of every (request, layer, position) key that arrives.
+Built on the router-link tests' RouterDouble (hello, heartbeats, request
+start/end, acks after scores)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from common.activations import from_batch
+from tests.engine_link.router_double import RouterDouble
+from undercurrent.v1 import undercurrent_pb2 as pb
+
+LAYERS = [0, 1, 2, 3]
+
+
+def probe_info(name: str, layers=LAYERS) -> pb.ProbeInfo:
+    """An observe probe on the residual stream of `layers` for every generated token."""
+    return pb.ProbeInfo(
+        name=name, kind="norm", tensor_type=pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=list(layers),
+        hidden_size=128, dtype="float32", action=pb.PROBE_ACTION_OBSERVE, threshold=1e9,
+        version="1", tokens=pb.TokenSelector(scope=pb.TokenSelector.SCOPE_GENERATED),
+    )
+
+
+class KeyRecordingRouter(RouterDouble):
+    """Scores nothing; records every row's key, batch by batch, and acks each step."""
+
+    def __init__(self, probe: str = "keys") -> None:
+        super().__init__("key-recorder", probes=[probe_info(probe)], heartbeat_s=0.5)
+        # request id -> one list of (position, layer) keys per batch, in arrival order
+        self.keys: dict[str, list[list[tuple[int, int]]]] = defaultdict(list)
+
+    def _score(self, batch: pb.ActivationBatch) -> list[pb.SessionResponse]:
+        arrived: dict[str, list[tuple[int, int]]] = defaultdict(list)
+        for block in from_batch(batch):
+            for request_id, position in zip(block.request_ids, block.token_positions):
+                arrived[request_id].append((int(position), block.layer))
+        for request_id, keys in arrived.items():
+            self.keys[request_id].append(keys)
+        return [pb.SessionResponse(ack=pb.StepAck(step=batch.step))]
+
+
+class ErroringRouter(RouterDouble):
+    """Answers hello, then every batch with an INTERNAL RequestError per request
+    in it, followed by the step's ack: the router processed the step, and failed."""
+
+    def __init__(self, probe: str = "fails") -> None:
+        super().__init__("erroring", probes=[probe_info(probe)], heartbeat_s=0.5)
+        self.probe = probe
+        self.errors_sent = 0
+
+    def _score(self, batch: pb.ActivationBatch) -> list[pb.SessionResponse]:
+        replies = []
+        for request_id in dict.fromkeys(r for b in from_batch(batch) for r in b.request_ids):
+            self.errors_sent += 1
+            replies.append(self._error(request_id, pb.STATUS_CODE_INTERNAL, "probe evaluation failed",
+                                       probe=self.probe, step=batch.step))
+        replies.append(pb.SessionResponse(ack=pb.StepAck(step=batch.step)))
+        return replies
