@@ -21,13 +21,12 @@ import logging
 import os
 from typing import Any
 
-from common.activations import Block
+from common.activations import Block, decode_part
 from common.capture_spec import ExtractionPoint, needs_prompt_positions
 from common.errors import FailedPrecondition
 from engine_service.capture.merge import (
     DeliveredPositions,
     ForwardOrderGate,
-    decode_part,
     merge_blocks,
 )
 from engine_service.capture.topology import RankTopology, Topology

@@ -13,65 +13,15 @@ at different times within a step. No vLLM import: tested without vLLM.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
 
 import numpy as np
 
-from common import tensor_codec
 from common.activations import Block
-from common.capture_spec import tensor_type_to_proto
 from engine_service.capture.row_mapping import parent_request_id
-
-# What a worker returns per (point, layer); plain values so any RPC can carry it.
-WirePart = dict[str, Any]
 
 
 class ShapeMismatch(ValueError):
     """Rows of one (point, layer) whose widths disagree across workers."""
-
-
-def encode_part(
-    point: str,
-    tensor_type: str,
-    layer: int,
-    rows: np.ndarray,
-    wire_dtype: str,
-    request_ids: list[str],
-    positions: np.ndarray,
-    is_generated: np.ndarray,
-) -> WirePart:
-    """Packs one (point, layer)'s rows as bytes. bfloat16 rows arrive as uint16 bits."""
-    return {
-        "point": point,
-        "tensor_type": tensor_type,
-        "layer": int(layer),
-        "dtype": wire_dtype,
-        "shape": [int(d) for d in rows.shape],
-        "rows": np.ascontiguousarray(rows).tobytes(),
-        "request_ids": list(request_ids),
-        "positions": np.ascontiguousarray(positions, dtype="<i8").tobytes(),
-        "is_generated": np.ascontiguousarray(is_generated, dtype=bool).tobytes(),
-    }
-
-
-_STORAGE = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2", "float64": "<f8"}
-
-
-def decode_part(part: WirePart) -> Block:
-    """One shipped (point, layer) as a Block; bfloat16 widens exactly to float32."""
-    rows = np.frombuffer(part["rows"], dtype=_STORAGE[part["dtype"]]).reshape(part["shape"])
-    if part["dtype"] == "bfloat16":
-        rows = tensor_codec.bfloat16_bits_to_float32(rows)
-    return Block(
-        point=part["point"],
-        tensor_type=tensor_type_to_proto(part["tensor_type"]),
-        layer=part["layer"],
-        rows=rows,
-        request_ids=list(part["request_ids"]),
-        token_positions=np.frombuffer(part["positions"], dtype="<i8").astype(np.int64),
-        is_generated=np.frombuffer(part["is_generated"], dtype=bool).copy(),
-        wire_dtype=part["dtype"],
-    )
 
 
 def merge_blocks(blocks: list[Block]) -> list[Block]:

@@ -22,8 +22,8 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from common.capture_spec import ExtractionPoint
-from engine_service.capture.merge import WirePart, encode_part
+from common.activations import Block, WirePart, encode_part
+from common.capture_spec import ExtractionPoint, tensor_type_to_proto
 from engine_service.capture.row_mapping import Registration, RowMapper, Selection
 from undercurrent.v1 import undercurrent_pb2 as pb
 
@@ -243,14 +243,16 @@ class _CaptureState:
             selections = [c[0] for c in chunks]
             parts.append(
                 encode_part(
-                    point=point,
-                    tensor_type=selections[0].tensor_type,
-                    layer=layer,
-                    rows=np.concatenate([c[1] for c in chunks]),
-                    wire_dtype=chunks[0][2],
-                    request_ids=[s.request_id for s in selections for _ in range(len(s.positions))],
-                    positions=np.concatenate([s.positions for s in selections]),
-                    is_generated=np.concatenate([s.is_generated for s in selections]),
+                    Block(
+                        point=point,
+                        tensor_type=tensor_type_to_proto(selections[0].tensor_type),
+                        layer=layer,
+                        rows=np.concatenate([c[1] for c in chunks]),
+                        request_ids=[s.request_id for s in selections for _ in range(len(s.positions))],
+                        token_positions=np.concatenate([s.positions for s in selections]),
+                        is_generated=np.concatenate([s.is_generated for s in selections]),
+                        wire_dtype=chunks[0][2],
+                    )
                 )
             )
         self.buffers.clear()

@@ -8,8 +8,6 @@ from engine_service.capture.merge import (
     DeliveredPositions,
     ForwardOrderGate,
     ShapeMismatch,
-    decode_part,
-    encode_part,
     merge_blocks,
 )
 from undercurrent.v1 import undercurrent_pb2 as pb
@@ -25,20 +23,6 @@ def block(point, layer, keys, hidden=2, offset=0.0):
 
 def keys_of(b: Block):
     return list(zip(b.request_ids, b.token_positions.tolist()))
-
-
-def test_wire_part_round_trip_and_bfloat16_widens_exactly():
-    rows = np.array([[1.5, -2.0], [0.25, 3.0]], dtype=np.float32)
-    part = encode_part("p", "mlp_out", 2, rows, "float32", ["a", "b"], np.array([4, 0]), np.array([True, False]))
-    got = decode_part(part)
-    assert (got.point, got.tensor_type, got.layer) == ("p", pb.TENSOR_TYPE_MLP_OUT, 2)
-    assert got.request_ids == ["a", "b"] and got.token_positions.tolist() == [4, 0]
-    assert got.is_generated.tolist() == [True, False]
-    np.testing.assert_array_equal(got.rows, rows)
-    bits = (rows.view(np.uint32) >> 16).astype(np.uint16)
-    got16 = decode_part(encode_part("p", "mlp_out", 2, bits, "bfloat16", ["a", "b"], np.array([4, 0]), np.array([1, 0])))
-    assert got16.wire_dtype == "bfloat16"
-    np.testing.assert_array_equal(got16.rows, rows)  # these values are exact in bfloat16
 
 
 def test_tp_duplicates_are_dropped_and_rows_sorted_by_request_then_position():
