@@ -112,19 +112,25 @@ def to_batch(blocks: list[Block], step: int = 0) -> pb.ActivationBatch:
     """Packs blocks into one message; request ids are interned in a table."""
     table: dict[str, int] = {}
     batch = pb.ActivationBatch(step=step)
+    previous_ids: list[str] | None = None
+    indexes: list[int] = []
     for block in blocks:
-        indexes = [table.setdefault(r, len(table)) for r in block.request_ids]
-        batch.blocks.append(
-            pb.ActivationBlock(
-                point=block.point,
-                tensor_type=block.tensor_type,
-                layer=block.layer,
-                rows=tensor_codec.encode(block.rows, block.wire_dtype),
-                request_index=indexes,
-                token_positions=block.token_positions.tolist(),
-                is_generated=block.is_generated.tolist(),
-            )
+        # Blocks of one step mostly list the same requests: reuse their indexes.
+        if block.request_ids != previous_ids:
+            indexes = [table.setdefault(r, len(table)) for r in block.request_ids]
+            previous_ids = block.request_ids
+        message = batch.blocks.add(  # add() builds in place; append() would copy the rows
+            point=block.point,
+            tensor_type=block.tensor_type,
+            layer=block.layer,
+            request_index=indexes,
+            token_positions=block.token_positions.tolist(),
+            is_generated=block.is_generated.tolist(),
         )
+        dtype, shape, data = tensor_codec.pack(block.rows, block.wire_dtype)
+        message.rows.dtype = dtype
+        message.rows.shape.extend(shape)
+        message.rows.data = data
     batch.request_ids.extend(table)
     return batch
 
