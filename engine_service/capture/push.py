@@ -55,8 +55,9 @@ class Pusher:
     def __init__(self, address: dict, rank: int) -> None:
         self.rank = rank
         self.seq = 0
-        self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.PUSH)
+        # The process-wide context: a context of its own would block in term()
+        # when collected while a socket is open.
+        self._socket = zmq.Context.instance().socket(zmq.PUSH)
         self._socket.setsockopt(zmq.SNDHWM, SEND_HIGH_WATER_MARK)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.connect(address["endpoint"])
@@ -81,7 +82,6 @@ class Pusher:
 
     def close(self) -> None:
         self._socket.close(linger=0)
-        self._context.term()
 
 
 class Sink:
@@ -90,8 +90,7 @@ class Sink:
     def __init__(self) -> None:
         self._directory = Path(tempfile.mkdtemp(prefix="undercurrent-capture-"))  # mode 0700
         self.address = SinkAddress(f"ipc://{self._directory / 'sink'}", socket.gethostname())
-        self._context = zmq.asyncio.Context()
-        self._socket = self._context.socket(zmq.PULL)
+        self._socket = zmq.asyncio.Context.instance().socket(zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(self.address.endpoint)
         self.received: dict[int, int] = {}
@@ -137,5 +136,4 @@ class Sink:
 
     def close(self) -> None:
         self._socket.close(linger=0)
-        self._context.term()
         shutil.rmtree(self._directory, ignore_errors=True)
