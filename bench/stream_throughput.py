@@ -207,7 +207,7 @@ async def drive_link(name: str, port: int, args, probe_names: list[str], tensors
                     raise RuntimeError(f"{name}: no ack for {STALL_SECONDS} s")
                 await asyncio.sleep(0.0005)
             done = acked()
-            for s in [s for s in sent_at if s <= done]:
+            for s in [s for s in sent_at if s <= done and s not in acked_at]:
                 acked_at[s] = time.perf_counter()
             step += 1
             if step == args.warmup + 1:

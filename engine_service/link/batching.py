@@ -21,21 +21,11 @@ def partition_by_owner(
     Rows whose owner is None land under the key None.
     """
     parts: dict[str | None, list[Block]] = {}
-    owner_cache: dict[str, str | None] = {}
     for block in blocks:
-        # One owner look-up per request, not per row; rows are grouped with numpy.
-        unique, inverse = np.unique(np.asarray(block.request_ids, dtype=object), return_inverse=True)
-        owners = [owner_cache[r] if r in owner_cache else owner_cache.setdefault(r, owner_of(r))
-                  for r in unique.tolist()]
-        if len(set(owners)) == 1:
-            parts.setdefault(owners[0], []).append(block)
-            continue
-        labels = list(dict.fromkeys(owners))
-        code_of = {owner: code for code, owner in enumerate(labels)}
-        row_codes = np.array([code_of[o] for o in owners], dtype=np.int64)[inverse.reshape(-1)]
-        # Owners in the order their first row appears, as a per-row walk would find them.
-        for owner in sorted(labels, key=lambda o: int(np.argmax(row_codes == code_of[o]))):
-            parts.setdefault(owner, []).append(block.select(row_codes == code_of[owner]))
+        owners = [owner_of(r) for r in block.request_ids]
+        for owner in dict.fromkeys(owners):
+            mask = np.fromiter((o == owner for o in owners), dtype=bool, count=len(owners))
+            parts.setdefault(owner, []).append(block if mask.all() else block.select(mask))
     return parts
 
 
