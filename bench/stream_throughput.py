@@ -174,8 +174,11 @@ async def drive(name: str, port: int, args, probe_names: list[str], tensors: lis
                   np.array(latencies) * 1e3)
 
 
-async def drive_link(name: str, port: int, args, probe_names: list[str], tensors: list[pb.Tensor]) -> Result:
-    """One round through the engine's RouterLink: send_step of merged blocks, window by acks."""
+async def drive_link(name: str, ports: int | list[int], args, probe_names: list[str],
+                     tensors: list[pb.Tensor]) -> Result:
+    """One round through the engine's RouterLink (to one replica or several):
+    send_step of merged blocks, window by acks."""
+    ports = [ports] if isinstance(ports, int) else ports
     from engine_service.link import RouterLink, RouterLinkConfig
     from engine_service.request_ledger import RequestLedger
 
@@ -183,11 +186,11 @@ async def drive_link(name: str, port: int, args, probe_names: list[str], tensors
                          tensor_types=[pb.TENSOR_TYPE_RESIDUAL_STREAM])
     request_ids = [f"req-{i}" for i in range(args.rows)]
     bits = [tensor_codec.unpack(t.dtype, t.shape, t.data, as_float32=False) for t in tensors]
-    link = RouterLink(RouterLinkConfig(targets=f"127.0.0.1:{port}", engine_id="bench",
+    link = RouterLink(RouterLinkConfig(targets=",".join(f"127.0.0.1:{p}" for p in ports), engine_id="bench",
                                        queue_max_batches=4 * args.window), model, lambda event: None)
     await link.start()
     try:
-        await link.wait_ready(timeout=STALL_SECONDS)
+        await link.wait_ready(replicas=len(ports), timeout=STALL_SECONDS)
         bindings = [pb.ProbeBinding(probe=p, failure_policy=pb.FAILURE_POLICY_FAIL_OPEN) for p in probe_names]
         ledgers = {rid: RequestLedger(prompt_len=1, policies={p: pb.FAILURE_POLICY_FAIL_OPEN for p in probe_names})
                    for rid in request_ids}
@@ -232,7 +235,8 @@ async def drive_link(name: str, port: int, args, probe_names: list[str], tensors
         latencies = [acked_at[s] - sent_at[s] for s in sent_at if s in acked_at]
         dropped = sum(ledger.dropped_records + len(ledger.failures) for ledger in ledgers.values())
         if dropped:
-            raise RuntimeError(f"{name}: the link dropped {dropped} rows; raise its queue bound")
+            reasons = {f.reason for ledger in ledgers.values() for f in ledger.failures}
+            raise RuntimeError(f"{name}: {dropped} rows or failures were not scored: {sorted(reasons)[:3]}")
         return Result(name, done - measured_from, elapsed, args.rows, len(tensors[0].data),
                       np.array(latencies) * 1e3)
     finally:
@@ -272,7 +276,7 @@ def write_probes(directory: Path, count: int, hidden: int) -> list[str]:
 
 
 def report(args, results: list[Result], batch_ms: float) -> str:
-    link_router, raw_router, link_ack, raw_ack = results
+    link_router, raw_router, link_ack, raw_ack, one_replica, two_replicas = results
     command = "python -m bench.stream_throughput" + "".join(f" {a}" for a in sys.argv[1:])
     lines = [
         "# Engine-to-router stream throughput",
@@ -310,6 +314,10 @@ def report(args, results: list[Result], batch_ms: float) -> str:
         f"{raw_router.seconds / max(raw_router.steps, 1) * 1e3:.1f} ms; {batch_ms:.1f} ms of it went to "
         "decoding and scoring on a worker thread (its `undercurrent_router_batch_seconds` metric), "
         "the rest to gRPC, protobuf parsing and the event loop, which share the two cores with the client.",
+        f"- Router scaling, the engine link to two replicas against one (alternating rounds after the "
+        f"rows above): {two_replicas.rows_per_second / one_replica.rows_per_second:.2f}x. Both replicas "
+        "share this machine's two cores with the sender, so this measures the link's spreading, not "
+        "capacity that a second machine would add.",
         "",
     ]
     return "\n".join(lines)
@@ -325,6 +333,9 @@ async def run(args) -> None:
              "--metrics-port", str(metrics_port)], router_log)
         raw, raw_port = start_process(["-m", "bench.stream_throughput", "--serve-ack-only"],
                                       Path(tmp) / "ack_only.log")
+        second, second_port = start_process(
+            ["-m", "router_service", "--port", "0", "--host", "127.0.0.1", "--probes", tmp],
+            Path(tmp) / "router2.log")
         try:
             tensors = payloads(args.rows, args.hidden)
             rounds = [(await drive_link(f"engine link -> router, {args.probes} probes", router_port, args, names, tensors),
@@ -334,10 +345,16 @@ async def run(args) -> None:
                       for _ in range(args.rounds)]
             results = [sum(r[1:], r[0]) for r in zip(*rounds)]
             batch_ms = router_batch_seconds(metrics_port) * 1e3
+            # Router scaling: the same engine link and load, one replica against two.
+            scaling = [(await drive_link("engine link -> 1 router replica", router_port, args, names, tensors),
+                        await drive_link("engine link -> 2 router replicas", [router_port, second_port], args,
+                                         names, tensors))
+                       for _ in range(args.rounds)]
+            results += [sum(r[1:], r[0]) for r in zip(*scaling)]
         finally:
-            for proc in (router, raw):
+            for proc in (router, raw, second):
                 proc.terminate()
-            for proc in (router, raw):
+            for proc in (router, raw, second):
                 try:
                     proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
