@@ -46,7 +46,8 @@ async def run(args) -> dict:
                 "layers": [1], "hidden_size": HIDDEN, "dtype": "float32", "threshold": 0.99,
                 "action": "abort"}, {"weight": np.zeros(HIDDEN), "bias": np.array([0.0])})
             names.append(name)
-        router = processes.router(processes.free_port(), Path(tmp)).start()
+        router = processes.router(processes.free_port(), Path(tmp), "--max-requests-per-session",
+                                  str(max(levels))).start()
         try:
             await router.wait_health(timeout=120)
             client = SessionClient(router.port)
