@@ -53,7 +53,7 @@ proto: install
 	$(PY) -m common.protogen
 
 bench: install models
-	$(PY) -m bench.router_throughput
+	$(PY) -m bench.stream_throughput
 	$(PY) -m bench.capture_overhead --model $(MODELS)/tiny-llama
 	$(PY) -m bench.abort_latency --model $(MODELS)/tiny-llama
 

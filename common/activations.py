@@ -3,14 +3,17 @@
 A record is keyed by (request_id, point, layer, token_position, is_generated).
 Records travel packed: one ActivationBlock holds every row of one (point,
 layer) in a step, with the keys in parallel arrays. This module is the one
-place that converts between blocks and ActivationBatch messages, and that
-defines the forward-pass order (token_position, layer) a probe sees.
+place that converts blocks to and from bytes, both ways they travel: as
+ActivationBatch messages (engine to router and client) and as plain-value
+parts (capture workers to the engine over vLLM's collective_rpc). Both use
+`common.tensor_codec` for the rows. It also defines the forward-pass order
+(token_position, layer) a probe sees.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -29,7 +32,8 @@ class Block:
     request_ids: list[str]
     token_positions: np.ndarray  # int64 [n]
     is_generated: np.ndarray  # bool [n]
-    wire_dtype: str | None = None  # e.g. "bfloat16"; default: rows.dtype
+    # e.g. "bfloat16", whose rows are kept as uint16 bits; default: rows.dtype
+    wire_dtype: str | None = None
 
     def __post_init__(self) -> None:
         n = self.rows.shape[0]
@@ -70,23 +74,63 @@ class Record:
     vector: np.ndarray = field(compare=False, repr=False)
 
 
+# One block as plain values and bytes, so any RPC (pickle, msgpack) carries it cheaply.
+WirePart = dict[str, Any]
+
+
+def encode_part(block: Block) -> WirePart:
+    """A block as plain values; rows as tensor_codec bytes (bfloat16 stays as bits)."""
+    dtype, shape, data = tensor_codec.pack(block.rows, block.wire_dtype)
+    return {
+        "point": block.point,
+        "tensor_type": int(block.tensor_type),
+        "layer": int(block.layer),
+        "dtype": dtype,
+        "shape": shape,
+        "rows": data,
+        "request_ids": list(block.request_ids),
+        "positions": np.ascontiguousarray(block.token_positions, dtype="<i8").tobytes(),
+        "is_generated": np.ascontiguousarray(block.is_generated, dtype=bool).tobytes(),
+    }
+
+
+def decode_part(part: WirePart) -> Block:
+    """The inverse of encode_part(); rows keep their wire dtype (bfloat16 as bits)."""
+    return Block(
+        point=part["point"],
+        tensor_type=part["tensor_type"],
+        layer=part["layer"],
+        rows=tensor_codec.unpack(part["dtype"], part["shape"], part["rows"], as_float32=False),
+        request_ids=list(part["request_ids"]),
+        token_positions=np.frombuffer(part["positions"], dtype="<i8").astype(np.int64),
+        is_generated=np.frombuffer(part["is_generated"], dtype=bool).copy(),
+        wire_dtype=part["dtype"],
+    )
+
+
 def to_batch(blocks: list[Block], step: int = 0) -> pb.ActivationBatch:
     """Packs blocks into one message; request ids are interned in a table."""
     table: dict[str, int] = {}
     batch = pb.ActivationBatch(step=step)
+    previous_ids: list[str] | None = None
+    indexes: list[int] = []
     for block in blocks:
-        indexes = [table.setdefault(r, len(table)) for r in block.request_ids]
-        batch.blocks.append(
-            pb.ActivationBlock(
-                point=block.point,
-                tensor_type=block.tensor_type,
-                layer=block.layer,
-                rows=tensor_codec.encode(block.rows, block.wire_dtype),
-                request_index=indexes,
-                token_positions=block.token_positions.tolist(),
-                is_generated=block.is_generated.tolist(),
-            )
+        # Blocks of one step mostly list the same requests: reuse their indexes.
+        if block.request_ids != previous_ids:
+            indexes = [table.setdefault(r, len(table)) for r in block.request_ids]
+            previous_ids = block.request_ids
+        message = batch.blocks.add(  # add() builds in place; append() would copy the rows
+            point=block.point,
+            tensor_type=block.tensor_type,
+            layer=block.layer,
+            request_index=indexes,
+            token_positions=block.token_positions.tolist(),
+            is_generated=block.is_generated.tolist(),
         )
+        dtype, shape, data = tensor_codec.pack(block.rows, block.wire_dtype)
+        message.rows.dtype = dtype
+        message.rows.shape.extend(shape)
+        message.rows.data = data
     batch.request_ids.extend(table)
     return batch
 

@@ -105,9 +105,17 @@ class TokenSelector:
                     f"{prompt_len} tokens"
                 )
 
-    def mask(self, positions: np.ndarray, prompt_len: int) -> np.ndarray:
-        """Which of these absolute token positions the selector picks (vectorised)."""
+    def mask(self, positions: np.ndarray, prompt_len: int | np.ndarray) -> np.ndarray:
+        """Which of these absolute token positions the selector picks (vectorised).
+
+        The one implementation of the selector rules: the engine calls it with
+        one request's prompt length to choose the rows it captures, the router
+        with each row's own prompt length (an array shaped like `positions`)
+        to choose the rows a probe reads, so the two can never disagree.
+        A position is generated when it is >= its request's prompt length.
+        """
         positions = np.asarray(positions, dtype=np.int64)
+        prompt_len = np.asarray(prompt_len, dtype=np.int64)
         if self.scope is Scope.PROMPT:
             in_scope = positions < prompt_len
             local = positions
@@ -118,19 +126,19 @@ class TokenSelector:
             in_scope = np.ones(positions.shape, dtype=bool)
             local = positions
         if not self.indexes and not self.ranges:
-            return in_scope
+            return np.broadcast_to(in_scope, positions.shape).copy()
         picked = np.zeros(positions.shape, dtype=bool)
-        if self.indexes:
-            picked |= np.isin(local, [self._resolve(i, prompt_len) for i in self.indexes])
+        for index in self.indexes:
+            picked |= local == self._resolve(index, prompt_len)
         for start, stop in self.ranges:
-            start = self._resolve(start, prompt_len)
-            inside = local >= start
+            inside = local >= self._resolve(start, prompt_len)
             if stop is not None:
                 inside &= local < self._resolve(stop, prompt_len)
             picked |= inside
         return in_scope & picked
 
-    def _resolve(self, index: int, prompt_len: int) -> int:
+    def _resolve(self, index: int, prompt_len: int | np.ndarray) -> int | np.ndarray:
+        """A PROMPT index counted from the prompt's end (-1: last prompt token) as a position."""
         return prompt_len + index if index < 0 and self.scope is Scope.PROMPT else index
 
     def needs_prompt_positions(self, prompt_len: int) -> bool:

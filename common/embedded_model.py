@@ -36,6 +36,17 @@ ARCHITECTURES = {
         num_key_value_heads=1,
         head_dim=64,
     ),
+    # The benchmark model (bench/overhead.py): about 97M parameters, big enough
+    # that a step's compute, not Python, dominates, as in a real deployment.
+    "bench-llama": dict(
+        config_class="LlamaConfig",
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        init_std=0.02,
+    ),
 }
 
 # Text the tokenizer is trained on; deterministic, no download.
@@ -81,6 +92,7 @@ def build_model(arch: str, out: Path) -> None:
 
     spec = dict(ARCHITECTURES[arch])
     config_class = getattr(transformers, spec.pop("config_class"))
+    init_std = spec.pop("init_std", 0.08)
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     config = config_class(
         vocab_size=VOCAB_SIZE,
@@ -98,7 +110,7 @@ def build_model(arch: str, out: Path) -> None:
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dim() > 1:
-                param.normal_(0.0, 0.08)
+                param.normal_(0.0, init_std)
     model.save_pretrained(out, safe_serialization=True)
 
 

@@ -14,7 +14,8 @@ import numpy as np
 
 from undercurrent.v1 import undercurrent_pb2 as pb
 
-# Wire dtype name -> little-endian numpy storage dtype.
+# The one table of wire dtypes: name -> little-endian numpy storage dtype.
+# Every encoder, decoder and size estimate in both services reads it.
 _STORAGE = {
     "float32": np.dtype("<f4"),
     "float16": np.dtype("<f2"),
@@ -28,42 +29,69 @@ class TensorDecodeError(ValueError):
     """A Tensor message whose dtype, shape and bytes do not agree."""
 
 
-def encode(array: np.ndarray, dtype: str | None = None) -> pb.Tensor:
-    """Packs a numpy array. Pass dtype="bfloat16" with a uint16 array of bf16 bits,
-    or with a float32 array to round it to bfloat16."""
-    name = dtype or array.dtype.name
-    if name not in _STORAGE:
+def storage_dtype(name: str) -> np.dtype:
+    """The numpy dtype a wire dtype is stored as (bfloat16: uint16 bits)."""
+    storage = _STORAGE.get(name)
+    if storage is None:
         raise TensorDecodeError(f"dtype {name!r} is not one of {SUPPORTED_DTYPES}")
+    return storage
+
+
+def wire_dtype_of(array: np.ndarray, dtype: str | None = None) -> str:
+    """The wire name of an array's rows: `dtype` when given, else the array's own."""
+    return dtype or array.dtype.name
+
+
+def pack(array: np.ndarray, dtype: str | None = None) -> tuple[str, list[int], bytes]:
+    """(dtype, shape, little-endian bytes). Pass dtype="bfloat16" with a uint16 array
+    of bf16 bits (sent as they are), or with a float32 array to round it to bfloat16."""
+    name = wire_dtype_of(array, dtype)
+    storage = storage_dtype(name)
     if name == "bfloat16" and array.dtype != np.uint16:
         array = float32_to_bfloat16_bits(array)
-    data = np.ascontiguousarray(array, dtype=_STORAGE[name]).tobytes()
-    return pb.Tensor(dtype=name, shape=list(array.shape), data=data)
+    data = np.ascontiguousarray(array, dtype=storage).tobytes()
+    return name, [int(d) for d in array.shape], data
+
+
+def unpack(dtype: str, shape, data: bytes, as_float32: bool = True) -> np.ndarray:
+    """The inverse of pack(); checks that dtype, shape and byte length agree.
+
+    With as_float32=False, bfloat16 stays as its uint16 bits (no copy)."""
+    storage = _STORAGE.get(dtype)
+    if storage is None:
+        raise TensorDecodeError(
+            f"tensor.dtype {dtype!r} is not supported; use one of {SUPPORTED_DTYPES}"
+        )
+    # Python ints: a product such as 2**32 * 2**32 must not wrap to 0 and pass.
+    shape = tuple(int(d) for d in shape)
+    if any(d < 0 for d in shape):
+        raise TensorDecodeError(f"tensor.shape {list(shape)} has a negative dimension")
+    expected = math.prod(shape) * storage.itemsize
+    if len(data) != expected:
+        raise TensorDecodeError(
+            f"tensor.data has {len(data)} bytes but shape {list(shape)} of "
+            f"{dtype} needs {expected}"
+        )
+    try:
+        array = np.frombuffer(data, dtype=storage).reshape(shape)
+    except (ValueError, OverflowError, MemoryError) as err:  # e.g. a zero-size shape numpy cannot index
+        raise TensorDecodeError(f"tensor.shape {list(shape)}: {err}") from None
+    if not as_float32:
+        return array
+    if dtype == "bfloat16":
+        return bfloat16_bits_to_float32(array)
+    return array.astype(np.float32, copy=False)
+
+
+def encode(array: np.ndarray, dtype: str | None = None) -> pb.Tensor:
+    """Packs a numpy array into a Tensor message (see pack())."""
+    name, shape, data = pack(array, dtype)
+    return pb.Tensor(dtype=name, shape=shape, data=data)
 
 
 def decode(tensor: pb.Tensor, as_float32: bool = True) -> np.ndarray:
     """Unpacks a Tensor message; checks that dtype, shape and byte length agree."""
-    storage = _STORAGE.get(tensor.dtype)
-    if storage is None:
-        raise TensorDecodeError(
-            f"tensor.dtype {tensor.dtype!r} is not supported; use one of {SUPPORTED_DTYPES}"
-        )
-    # Python ints: a product such as 2**32 * 2**32 must not wrap to 0 and pass.
-    shape = tuple(int(d) for d in tensor.shape)
-    if any(d < 0 for d in shape):
-        raise TensorDecodeError(f"tensor.shape {list(shape)} has a negative dimension")
-    expected = math.prod(shape) * storage.itemsize
-    if len(tensor.data) != expected:
-        raise TensorDecodeError(
-            f"tensor.data has {len(tensor.data)} bytes but shape {list(shape)} of "
-            f"{tensor.dtype} needs {expected}"
-        )
-    try:
-        array = np.frombuffer(tensor.data, dtype=storage).reshape(shape)
-    except (ValueError, OverflowError, MemoryError) as err:  # e.g. a zero-size shape numpy cannot index
-        raise TensorDecodeError(f"tensor.shape {list(shape)}: {err}") from None
-    if tensor.dtype == "bfloat16":
-        return bfloat16_bits_to_float32(array) if as_float32 else array
-    return array.astype(np.float32, copy=False) if as_float32 else array
+    return unpack(tensor.dtype, tensor.shape, tensor.data, as_float32)
 
 
 def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:

@@ -12,7 +12,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from common.capture_spec import TENSOR_TYPES, tensor_type_from_proto, tensor_type_to_proto
+from common.capture_spec import (
+    TENSOR_TYPES,
+    Scope,
+    TokenSelector,
+    tensor_type_from_proto,
+    tensor_type_to_proto,
+)
+from common.errors import InvalidArgument
 from common.enum_names import short_name
 from undercurrent.v1 import undercurrent_pb2 as pb
 
@@ -23,11 +30,7 @@ AGGREGATIONS = ("ema", "rolling_mean", "max_rolling_mean", "count_over")
 WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
 
 ACTIONS = {"observe": pb.PROBE_ACTION_OBSERVE, "abort": pb.PROBE_ACTION_ABORT}
-SCOPES = {
-    "prompt": pb.TokenSelector.SCOPE_PROMPT,
-    "generated": pb.TokenSelector.SCOPE_GENERATED,
-    "all": pb.TokenSelector.SCOPE_ALL,
-}
+SCOPES = {scope.value: scope for scope in Scope}
 
 
 class ManifestError(ValueError):
@@ -70,25 +73,6 @@ class MemberSpec:
 
 
 @dataclass(frozen=True)
-class TokenScope:
-    """Which of a request's rows a probe reads (the proto's TokenSelector)."""
-
-    scope: int = pb.TokenSelector.SCOPE_GENERATED
-    indexes: tuple[int, ...] = ()
-    ranges: tuple[tuple[int, int | None], ...] = ()
-
-    def to_proto(self) -> pb.TokenSelector:
-        return pb.TokenSelector(
-            scope=self.scope,
-            indexes=list(self.indexes),
-            ranges=[
-                pb.IndexRange(start=s) if e is None else pb.IndexRange(start=s, stop=e)
-                for s, e in self.ranges
-            ],
-        )
-
-
-@dataclass(frozen=True)
 class Manifest:
     name: str
     version: str
@@ -101,7 +85,7 @@ class Manifest:
     action: int  # pb.ProbeAction
     min_tokens: int
     patience: int
-    tokens: TokenScope
+    tokens: TokenSelector  # the rule the engine captures by, in common.capture_spec
     scorer: ScorerSpec
     description: str = ""
 
@@ -213,13 +197,13 @@ def _layers(fields: "_Fields", tensor_type: int) -> tuple[int, ...]:
     return tuple(sorted(raw))
 
 
-def _token_scope(data: dict) -> TokenScope:
+def _token_scope(data: dict) -> TokenSelector:
     fields = _Fields(data, "manifest.tokens")
     scope = SCOPES[fields.choice("scope", tuple(SCOPES), default="generated")]
     indexes = fields.optional("indexes", list, [])
     ranges_raw = fields.optional("ranges", list, [])
     fields.done()
-    negative_ok = scope == pb.TokenSelector.SCOPE_PROMPT
+    negative_ok = scope is Scope.PROMPT
     for i, index in enumerate(indexes):
         if not _is_int(index) or (index < 0 and not negative_ok):
             raise ManifestError(
@@ -234,7 +218,12 @@ def _token_scope(data: dict) -> TokenScope:
         stop = rng.integer("stop", minimum=None if negative_ok else 0, default=None)
         rng.done()
         ranges.append((start, stop))
-    return TokenScope(scope, tuple(indexes), tuple(ranges))
+    selector = TokenSelector(scope, tuple(indexes), tuple(ranges))
+    try:
+        selector.validate("manifest.tokens")
+    except InvalidArgument as err:
+        raise ManifestError(str(err)) from None
+    return selector
 
 
 def _scorer(fields: "_Fields", kind: str, prefix: str) -> ScorerSpec:

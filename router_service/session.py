@@ -94,12 +94,11 @@ class _Gathered:
     slots: list[np.ndarray] = field(default_factory=list)  # index into batch.request_ids
     positions: list[np.ndarray] = field(default_factory=list)
     layers: list[np.ndarray] = field(default_factory=list)
-    generated: list[np.ndarray] = field(default_factory=list)
     values: list[np.ndarray] = field(default_factory=list)
 
     def arrays(self) -> tuple[np.ndarray, ...]:
         return tuple(np.concatenate(parts) for parts in
-                     (self.slots, self.positions, self.layers, self.generated, self.values))
+                     (self.slots, self.positions, self.layers, self.values))
 
 
 @dataclass
@@ -349,7 +348,6 @@ class SessionState:
             part.slots.append(slots[rows])
             part.positions.append(block.token_positions[rows])
             part.layers.append(layers[rows])
-            part.generated.append(block.is_generated[rows])
             part.values.append(values[rows, plan.columns[id(probe)]])
         return out
 
@@ -359,10 +357,9 @@ class SessionState:
     ) -> list[pb.SessionResponse]:
         """Scores one probe over all its requests' rows; files abort candidates; returns scores."""
         probe, m = part.probe, part.probe.manifest
-        slots, positions, layers, generated, values = part.arrays()
+        slots, positions, layers, values = part.arrays()
         forward = np.lexsort((layers, positions, slots))  # per request: (token_position, layer)
-        selected = forward[selects(m.tokens, positions[forward], generated[forward],
-                                   prompt_lengths[slots[forward]])]
+        selected = forward[m.tokens.mask(positions[forward], prompt_lengths[slots[forward]])]
         if selected.size == 0:
             return []
         slots, positions, layers, values = slots[selected], positions[selected], layers[selected], values[selected]
@@ -516,26 +513,3 @@ def _block_request_ids(batch: pb.ActivationBatch, i: int) -> list[str]:
     count = len(batch.request_ids)
     return [batch.request_ids[j] for j in set(batch.blocks[i].request_index) if j < count]
 
-
-def selects(scope, positions: np.ndarray, generated: np.ndarray, prompt_lengths: np.ndarray) -> np.ndarray:
-    """Mask of the rows a probe's token scope reads (the proto's TokenSelector rules).
-
-    prompt_lengths: per row, its request's prompt length (a scalar works too)."""
-    if scope.scope == pb.TokenSelector.SCOPE_PROMPT:
-        in_scope, index = ~generated, positions
-    elif scope.scope == pb.TokenSelector.SCOPE_GENERATED:
-        in_scope, index = generated, positions - prompt_lengths
-    else:
-        in_scope, index = np.ones_like(generated), positions
-    if not scope.indexes and not scope.ranges:
-        return in_scope
-
-    def resolve(i: int):
-        return i + prompt_lengths if i < 0 else i
-
-    chosen = np.zeros_like(in_scope)
-    for i in scope.indexes:
-        chosen |= index == resolve(i)
-    for start, stop in scope.ranges:
-        chosen |= (index >= resolve(start)) & (index < (np.inf if stop is None else resolve(stop)))
-    return in_scope & chosen

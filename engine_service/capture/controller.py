@@ -8,28 +8,33 @@
     params = require_prompt_computation(params, points, prompt_len)
     await controller.register(request_id, points, prompt_len)
     ... engine.generate(prompt, params, request_id) ...
-    blocks = await controller.drain()        # after every step
+    blocks = await controller.drain()        # in a loop: waits for the next rows
     await controller.unregister(request_id)  # when the request ends
 
-Every call fans out to every worker with one collective_rpc, which vLLM runs
-between engine steps, so a drain never races a forward pass.
+Control calls (start, register, unregister) fan out to every worker with one
+collective_rpc, which vLLM runs between engine steps. Rows do not take that
+road: each shipping worker pushes them when its forward pass ends
+(`capture.push`), and drain() waits on that socket, so capturing costs the
+engine core no round trip per step. Workers on another host are drained by
+collective_rpc instead.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from typing import Any
 
-from common.activations import Block
+from common.activations import Block, decode_part
 from common.capture_spec import ExtractionPoint, needs_prompt_positions
 from common.errors import FailedPrecondition
 from engine_service.capture.merge import (
     DeliveredPositions,
     ForwardOrderGate,
-    decode_part,
     merge_blocks,
 )
+from engine_service.capture.push import Sink
 from engine_service.capture.topology import RankTopology, Topology
 from undercurrent.v1 import undercurrent_pb2 as pb
 
@@ -40,6 +45,12 @@ WORKER_EXTENSION = "engine_service.capture.worker_extension.CaptureWorkerExtensi
 # layout, worker extension mixing) this capture was verified against.
 SUPPORTED_VLLM_VERSIONS = ("0.32",)
 ALLOW_UNTESTED_VLLM_ENV = "UNDERCURRENT_ALLOW_UNTESTED_VLLM"
+# drain() waits at most this long for rows (or, while nothing is registered, for a
+# registration) before it returns empty, so its caller's loop never spins.
+DRAIN_WAIT_S = 0.01
+# How long drain() waits for the last rows of an ending request before it gives up
+# on them (logged); they were pushed before the request's unregister returned.
+BARRIER_TIMEOUT_S = 5.0
 
 
 class CaptureUnavailable(FailedPrecondition):
@@ -130,6 +141,10 @@ class CaptureController:
         self._delivered = DeliveredPositions()
         self._gate = ForwardOrderGate()
         self._request_errors: dict[str, str] = {}
+        self._sink: Sink | None = None
+        self._rpc_drained = True  # some shipping rank does not push (another host)
+        self._barrier: dict[int, int] = {}  # rank -> push sequence every ending row is within
+        self._registrations = asyncio.Event()
 
     async def start(self) -> pb.ModelInfo:
         import vllm
@@ -151,6 +166,9 @@ class CaptureController:
         except Exception as exc:  # the worker's reason travels in the message
             raise CaptureUnavailable(f"capture could not start on every worker: {exc}") from exc
         self._topology = Topology(tuple(RankTopology.from_dict(r) for r in reports))
+        if self._sink is None:
+            self._sink = Sink()
+            await self.use_push(True)
         info = self.model_info()
         log.info(
             "capture: %s, %d layers, ranks %s, tensor types %s",
@@ -160,6 +178,17 @@ class CaptureController:
             list(self._topology.tensor_types),
         )
         return info
+
+    async def use_push(self, enabled: bool) -> None:
+        """Rows by push (the default after start()) or, disabled, by a collective_rpc
+        drain per call as before push existed: kept so benchmarks compare the two in
+        one run, and as the path for workers on another host."""
+        sink = self._sink.address.as_dict() if enabled and self._sink is not None else None
+        pushes = await self.engine.collective_rpc("undercurrent_push_to", args=(sink,))
+        self._rpc_drained = any(
+            rank.ships and not push for rank, push in zip(self.topology.ranks, pushes)
+        )
+        self._barrier = {}
 
     @property
     def topology(self) -> Topology:
@@ -188,6 +217,7 @@ class CaptureController:
         )
         self._registered.add(request_id)
         self._ending.discard(request_id)
+        self._registrations.set()
         for point in points:
             layers = point.capture_layers(self.topology.num_layers)
             stages = {r.pp_rank for layer in layers for r in self.topology.owners(layer)}
@@ -198,19 +228,41 @@ class CaptureController:
         """Stops capture for a request; its last rows arrive with the next drain()."""
         if request_id not in self._registered:
             return
-        await self.engine.collective_rpc("undercurrent_unregister", args=(request_id,))
+        pushed = await self.engine.collective_rpc("undercurrent_unregister", args=(request_id,))
+        for rank, seq in zip(self.topology.ranks, pushed):
+            if seq:
+                self._barrier[rank.rank] = max(self._barrier.get(rank.rank, 0), seq)
         self._registered.discard(request_id)
         self._ending.add(request_id)
+        self._registrations.set()
 
     async def drain(self) -> list[Block]:
         """Every worker's new rows, merged, exactly once, in (point, layer) blocks.
 
-        Costs nothing when no request is registered or ending.
+        Waits up to DRAIN_WAIT_S for rows to arrive, and returns the rows of
+        requests that ended (unregister) only complete. Costs no worker call
+        when no request is registered or ending, or when every shipping worker
+        pushes.
         """
         if not self._registered and not self._ending:
+            if self._rpc_drained:
+                return []
+            self._registrations.clear()
+            try:
+                await asyncio.wait_for(self._registrations.wait(), DRAIN_WAIT_S)
+            except TimeoutError:
+                pass
             return []
         ending = set(self._ending)
-        shipments = await self.engine.collective_rpc("undercurrent_drain")
+        shipments = []
+        if self._sink is not None:
+            if ending:
+                barrier, self._barrier = self._barrier, {}
+                shipments = await self._sink.receive_until(barrier, BARRIER_TIMEOUT_S)
+            else:
+                shipments = await self._sink.receive(0 if self._rpc_drained else DRAIN_WAIT_S)
+        if self._rpc_drained:
+            shipments += await self.engine.collective_rpc("undercurrent_drain")
         errors = [f"rank {s['rank']}: {e}" for s in shipments for e in s["errors"]]
         for shipment in shipments:
             for request_id, point, start, stop in shipment["gaps"]:

@@ -13,65 +13,15 @@ at different times within a step. No vLLM import: tested without vLLM.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
 
 import numpy as np
 
-from common import tensor_codec
 from common.activations import Block
-from common.capture_spec import tensor_type_to_proto
 from engine_service.capture.row_mapping import parent_request_id
-
-# What a worker returns per (point, layer); plain values so any RPC can carry it.
-WirePart = dict[str, Any]
 
 
 class ShapeMismatch(ValueError):
     """Rows of one (point, layer) whose widths disagree across workers."""
-
-
-def encode_part(
-    point: str,
-    tensor_type: str,
-    layer: int,
-    rows: np.ndarray,
-    wire_dtype: str,
-    request_ids: list[str],
-    positions: np.ndarray,
-    is_generated: np.ndarray,
-) -> WirePart:
-    """Packs one (point, layer)'s rows as bytes. bfloat16 rows arrive as uint16 bits."""
-    return {
-        "point": point,
-        "tensor_type": tensor_type,
-        "layer": int(layer),
-        "dtype": wire_dtype,
-        "shape": [int(d) for d in rows.shape],
-        "rows": np.ascontiguousarray(rows).tobytes(),
-        "request_ids": list(request_ids),
-        "positions": np.ascontiguousarray(positions, dtype="<i8").tobytes(),
-        "is_generated": np.ascontiguousarray(is_generated, dtype=bool).tobytes(),
-    }
-
-
-_STORAGE = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2", "float64": "<f8"}
-
-
-def decode_part(part: WirePart) -> Block:
-    """One shipped (point, layer) as a Block; bfloat16 widens exactly to float32."""
-    rows = np.frombuffer(part["rows"], dtype=_STORAGE[part["dtype"]]).reshape(part["shape"])
-    if part["dtype"] == "bfloat16":
-        rows = tensor_codec.bfloat16_bits_to_float32(rows)
-    return Block(
-        point=part["point"],
-        tensor_type=tensor_type_to_proto(part["tensor_type"]),
-        layer=part["layer"],
-        rows=rows,
-        request_ids=list(part["request_ids"]),
-        token_positions=np.frombuffer(part["positions"], dtype="<i8").astype(np.int64),
-        is_generated=np.frombuffer(part["is_generated"], dtype=bool).copy(),
-        wire_dtype=part["dtype"],
-    )
 
 
 def merge_blocks(blocks: list[Block]) -> list[Block]:
@@ -91,11 +41,16 @@ def merge_blocks(blocks: list[Block]) -> list[Block]:
                 f"point {point!r} layer {layer}: workers shipped rows of shapes "
                 f"{sorted(list(w) for w in widths)}"
             )
-        request_ids = [r for p in parts for r in p.request_ids]
+        request_ids = parts[0].request_ids if len(parts) == 1 else [r for p in parts for r in p.request_ids]
         positions = np.concatenate([p.token_positions for p in parts])
+        codes = _request_codes(request_ids)
+        if len(parts) == 1 and _strictly_increasing(codes, positions):
+            # One worker's rows, already in (request, position) order with no
+            # repeated key (the common case): keep them as they are, no copy.
+            merged.append(parts[0])
+            continue
         is_generated = np.concatenate([p.is_generated for p in parts])
         rows = np.concatenate([p.rows for p in parts]) if len(parts) > 1 else parts[0].rows
-        codes = _request_codes(request_ids)
         # Stable sort by (request, position); the first copy of a key stays first.
         order = np.lexsort((np.arange(len(positions)), positions, codes))
         codes, positions_sorted = codes[order], positions[order]
@@ -108,7 +63,7 @@ def merge_blocks(blocks: list[Block]) -> list[Block]:
                 tensor_type=parts[0].tensor_type,
                 layer=layer,
                 rows=rows[keep],
-                request_ids=[request_ids[i] for i in keep],
+                request_ids=[request_ids[i] for i in keep.tolist()],
                 token_positions=positions[keep],
                 is_generated=is_generated[keep],
                 wire_dtype=parts[0].wire_dtype,
@@ -117,10 +72,18 @@ def merge_blocks(blocks: list[Block]) -> list[Block]:
     return merged
 
 
+def _strictly_increasing(codes: np.ndarray, positions: np.ndarray) -> bool:
+    """True when (code, position) pairs are sorted with no repeated pair."""
+    if len(codes) < 2:
+        return True
+    step = np.diff(codes)
+    return bool(((step > 0) | ((step == 0) & (np.diff(positions) > 0))).all())
+
+
 def _request_codes(request_ids: list[str]) -> np.ndarray:
     """Integer codes that sort like the request ids."""
-    index = {name: i for i, name in enumerate(sorted(set(request_ids)))}
-    return np.fromiter((index[r] for r in request_ids), dtype=np.int64, count=len(request_ids))
+    unique, codes = np.unique(np.asarray(request_ids, dtype=object), return_inverse=True)
+    return codes.astype(np.int64, copy=False).reshape(-1)
 
 
 class DeliveredPositions:
@@ -134,38 +97,44 @@ class DeliveredPositions:
     """
 
     def __init__(self) -> None:
-        self._high: dict[tuple[str, str, int], int] = {}
+        # (point, layer) -> request -> highest delivered position.
+        self._high: dict[tuple[str, int], dict[str, int]] = {}
         self.dropped = 0
 
     def filter(self, blocks: list[Block]) -> list[Block]:
-        """Drops rows at or below their key's mark; expects merge_blocks() output."""
+        """Drops rows at or below their key's mark; expects merge_blocks() output
+        (rows ordered by request, then position)."""
         kept_blocks = []
         for block in blocks:
-            keep = np.ones(block.num_rows, dtype=bool)
-            start = 0
-            while start < block.num_rows:
-                request_id = block.request_ids[start]
-                stop = start
-                while stop < block.num_rows and block.request_ids[stop] == request_id:
-                    stop += 1
-                key = (request_id, block.point, block.layer)
-                high = self._high.get(key, -1)
-                positions = block.token_positions[start:stop]
-                keep[start:stop] = positions > high
-                self._high[key] = max(high, int(positions.max()))
-                start = stop
-            self.dropped += int((~keep).sum())
-            if keep.all():
+            n = block.num_rows
+            if n == 0:
+                continue
+            marks = self._high.setdefault((block.point, block.layer), {})
+            ids = block.request_ids
+            highs = np.fromiter((marks.get(r, -1) for r in ids), dtype=np.int64, count=n)
+            keep = block.token_positions > highs
+            # The last row of each request's run holds its highest position.
+            ids_array = np.asarray(ids, dtype=object)
+            last = np.ones(n, dtype=bool)
+            last[:-1] = ids_array[1:] != ids_array[:-1]
+            for r, position, high in zip(ids_array[last].tolist(), block.token_positions[last].tolist(),
+                                         highs[last].tolist()):
+                marks[r] = max(high, position)
+            dropped = n - int(keep.sum())
+            self.dropped += dropped
+            if not dropped:
                 kept_blocks.append(block)
-            elif keep.any():
+            elif dropped < n:
                 kept_blocks.append(block.select(keep))
         return kept_blocks
 
     def forget(self, request_ids: set[str]) -> None:
         """Frees the marks of finished requests (including their n>1 children)."""
-        self._high = {
-            k: v for k, v in self._high.items() if parent_request_id(k[0], request_ids) not in request_ids
-        }
+        if not request_ids:
+            return
+        for marks in self._high.values():
+            for record_id in [r for r in marks if parent_request_id(r, request_ids) in request_ids]:
+                del marks[record_id]
 
 
 class ForwardOrderGate:

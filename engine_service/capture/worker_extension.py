@@ -22,8 +22,9 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from common.capture_spec import ExtractionPoint
-from engine_service.capture.merge import WirePart, encode_part
+from common.activations import Block, WirePart, encode_part
+from common.capture_spec import ExtractionPoint, tensor_type_to_proto
+from engine_service.capture.push import Pusher
 from engine_service.capture.row_mapping import Registration, RowMapper, Selection
 from undercurrent.v1 import undercurrent_pb2 as pb
 
@@ -48,15 +49,25 @@ class CaptureWorkerExtension:
             self._undercurrent = _CaptureState(self)
         return self._undercurrent.topology
 
+    def undercurrent_push_to(self, sink: dict | None) -> bool:
+        """Pushes every step's rows to the driver's sink from now on (None: stops);
+        False when this rank does not push: it ships nothing, runs on another
+        host, or was told to stop (it is then drained by RPC)."""
+        return self._undercurrent.push_to(sink)
+
     def undercurrent_register(self, request_id: str, points: list[bytes], prompt_len: int) -> None:
         parsed = tuple(
             ExtractionPoint.from_proto(pb.ExtractionPoint.FromString(p)) for p in points
         )
         self._undercurrent.mapper.register(Registration(request_id, parsed, int(prompt_len)))
 
-    def undercurrent_unregister(self, request_id: str) -> None:
-        """Stops capturing new rows; rows already buffered go out with the next drain."""
+    def undercurrent_unregister(self, request_id: str) -> int:
+        """Stops capturing new rows; rows already buffered go out with the next drain.
+
+        Returns the sequence number of this rank's last push (0: none), which
+        every row of the request is at or before."""
         self._undercurrent.mapper.unregister(request_id)
+        return self._undercurrent.pushed_seq()
 
     def undercurrent_drain(self) -> dict:
         return self._undercurrent.drain()
@@ -111,6 +122,7 @@ class _CaptureState:
             defaultdict(list)
         )
         self.errors: list[str] = []
+        self.pusher: Pusher | None = None
         self.topology = dict(
             rank=int(worker.rank),
             tp_rank=int(tp_group.rank_in_group),
@@ -162,8 +174,22 @@ class _CaptureState:
             device=runner.device,
         )
 
+    def push_to(self, sink: dict | None) -> bool:
+        if sink is None or not self.ships or not Pusher.reaches(sink):
+            if self.pusher is not None:
+                self.pusher.close()
+            self.pusher = None
+            return False
+        if self.pusher is None:
+            self.pusher = Pusher(sink, self.topology["rank"])
+        return True
+
+    def pushed_seq(self) -> int:
+        return self.pusher.seq if self.pusher is not None else 0
+
     def _install_hooks(self, model, layers, norm, start_layer: int, end_layer: int) -> None:
         model.register_forward_pre_hook(self._plan_step, with_kwargs=True)
+        model.register_forward_hook(self._push_step)
         for i in range(start_layer, end_layer):
             layers[i].register_forward_hook(self._residual_hook(i))
             layers[i].self_attn.register_forward_hook(self._output_hook("attn_out", i), with_kwargs=True)
@@ -186,6 +212,11 @@ class _CaptureState:
             query_start_loc,
             positions[:num_rows].cpu().numpy(),
         )
+
+    def _push_step(self, module, args, output) -> None:
+        """After this stage's forward pass: everything it captured goes to the driver."""
+        if self.pusher is not None and (self.buffers or self.errors or self.mapper.gaps):
+            self.pusher.push(self.drain())
 
     def _residual_hook(self, layer: int):
         key = ("residual_stream", layer)
@@ -243,14 +274,16 @@ class _CaptureState:
             selections = [c[0] for c in chunks]
             parts.append(
                 encode_part(
-                    point=point,
-                    tensor_type=selections[0].tensor_type,
-                    layer=layer,
-                    rows=np.concatenate([c[1] for c in chunks]),
-                    wire_dtype=chunks[0][2],
-                    request_ids=[s.request_id for s in selections for _ in range(len(s.positions))],
-                    positions=np.concatenate([s.positions for s in selections]),
-                    is_generated=np.concatenate([s.is_generated for s in selections]),
+                    Block(
+                        point=point,
+                        tensor_type=tensor_type_to_proto(selections[0].tensor_type),
+                        layer=layer,
+                        rows=np.concatenate([c[1] for c in chunks]),
+                        request_ids=[s.request_id for s in selections for _ in range(len(s.positions))],
+                        token_positions=np.concatenate([s.positions for s in selections]),
+                        is_generated=np.concatenate([s.is_generated for s in selections]),
+                        wire_dtype=chunks[0][2],
+                    )
                 )
             )
         self.buffers.clear()

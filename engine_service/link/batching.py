@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from common import tensor_codec
 from common.activations import Block
 
 
@@ -28,7 +29,6 @@ def partition_by_owner(
     return parts
 
 
-_WIRE_ITEMSIZE = {"bfloat16": 2}
 # Bytes a batch may need beyond its rows: the SessionRequest envelope, the step,
 # and per block its header and key-array tags. Generous on purpose.
 _BATCH_OVERHEAD = 64
@@ -39,8 +39,7 @@ _ROW_KEY_BYTES = 16 + 4
 
 
 def _row_bytes(block: Block, longest_request_id: int) -> int:
-    dtype = block.wire_dtype or block.rows.dtype.name
-    itemsize = _WIRE_ITEMSIZE.get(dtype) or np.dtype(dtype).itemsize
+    itemsize = tensor_codec.storage_dtype(tensor_codec.wire_dtype_of(block.rows, block.wire_dtype)).itemsize
     hidden = int(np.prod(block.rows.shape[1:], dtype=np.int64))
     return hidden * itemsize + _ROW_KEY_BYTES + longest_request_id
 
@@ -68,7 +67,7 @@ def split_by_size(blocks: list[Block], max_bytes: int) -> list[list[Block]]:
     Order is kept: concatenating the parts gives back the rows in their order.
     A block is cut row-wise only when it does not fit.
     """
-    longest_id = max((len(r.encode()) for b in blocks for r in b.request_ids), default=0)
+    longest_id = max((len(r.encode()) for b in blocks for r in set(b.request_ids)), default=0)
     parts: list[list[Block]] = []
     current: list[Block] = []
     size = _BATCH_OVERHEAD

@@ -67,3 +67,46 @@ async def test_nothing_registered_drains_without_a_round_trip(llama_engine):
         assert await controller.drain() == []
     finally:
         controller.engine = saved
+
+
+async def test_rows_are_pushed_with_no_drain_round_trip_and_an_ending_request_arrives_whole(llama_engine):
+    """Workers push each step's rows; the engine core serves no drain RPC, and the
+    drain after unregister waits for the request's last push (the barrier)."""
+    engine, controller = llama_engine
+    calls = []
+    real = engine.collective_rpc
+
+    async def counting(method, *args, **kwargs):
+        calls.append(method)
+        return await real(method, *args, **kwargs)
+
+    engine.collective_rpc = counting
+    try:
+        run = await run_requests(engine, controller, [Request("pushed", prompt(6, 1), [GOOD], max_tokens=5)])
+    finally:
+        del engine.collective_rpc
+    assert calls == ["undercurrent_register", "undercurrent_unregister"]
+    assert sorted(k[3] for k in run.records()) == list(range(6 + 5 - 1))
+    # Nothing of the request arrives after its ending drain.
+    assert await controller.drain() == []
+
+
+async def test_the_rpc_drain_still_delivers_every_row_when_workers_do_not_push(llama_engine):
+    """The path for workers on another host: no push, one collective_rpc per drain."""
+    engine, controller = llama_engine
+    calls = []
+    real = engine.collective_rpc
+
+    async def counting(method, *args, **kwargs):
+        calls.append(method)
+        return await real(method, *args, **kwargs)
+
+    await controller.use_push(False)
+    engine.collective_rpc = counting
+    try:
+        run = await run_requests(engine, controller, [Request("drained", prompt(6, 2), [GOOD], max_tokens=5)])
+    finally:
+        del engine.collective_rpc
+        await controller.use_push(True)
+    assert "undercurrent_drain" in calls
+    assert sorted(k[3] for k in run.records()) == list(range(6 + 5 - 1))

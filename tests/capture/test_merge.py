@@ -8,8 +8,6 @@ from engine_service.capture.merge import (
     DeliveredPositions,
     ForwardOrderGate,
     ShapeMismatch,
-    decode_part,
-    encode_part,
     merge_blocks,
 )
 from undercurrent.v1 import undercurrent_pb2 as pb
@@ -25,20 +23,6 @@ def block(point, layer, keys, hidden=2, offset=0.0):
 
 def keys_of(b: Block):
     return list(zip(b.request_ids, b.token_positions.tolist()))
-
-
-def test_wire_part_round_trip_and_bfloat16_widens_exactly():
-    rows = np.array([[1.5, -2.0], [0.25, 3.0]], dtype=np.float32)
-    part = encode_part("p", "mlp_out", 2, rows, "float32", ["a", "b"], np.array([4, 0]), np.array([True, False]))
-    got = decode_part(part)
-    assert (got.point, got.tensor_type, got.layer) == ("p", pb.TENSOR_TYPE_MLP_OUT, 2)
-    assert got.request_ids == ["a", "b"] and got.token_positions.tolist() == [4, 0]
-    assert got.is_generated.tolist() == [True, False]
-    np.testing.assert_array_equal(got.rows, rows)
-    bits = (rows.view(np.uint32) >> 16).astype(np.uint16)
-    got16 = decode_part(encode_part("p", "mlp_out", 2, bits, "bfloat16", ["a", "b"], np.array([4, 0]), np.array([1, 0])))
-    assert got16.wire_dtype == "bfloat16"
-    np.testing.assert_array_equal(got16.rows, rows)  # these values are exact in bfloat16
 
 
 def test_tp_duplicates_are_dropped_and_rows_sorted_by_request_then_position():
@@ -134,3 +118,36 @@ def test_gate_releases_a_spanning_point_only_when_every_stage_delivered():
     last = gate.release([], ending={"r"})
     assert [(r.token_position, r.layer) for r in forward_order(last)] == [(3, 0)]
     assert gate.release([], ending=set()) == []
+
+
+def test_random_drains_deliver_each_key_once_with_the_first_copy_like_a_reference():
+    """Vectorised merge and filter against a dict-per-key reference, over random
+    drains with TP duplicates, preemption restarts and interleaved requests."""
+    rng = np.random.default_rng(11)
+    delivered = DeliveredPositions()
+    reference: dict[tuple, float] = {}
+    got: dict[tuple, float] = {}
+    progress = {r: 0 for r in ("a", "b", "c", "0_d", "1_d")}
+    for drain in range(40):
+        arrivals = []
+        for request in rng.permutation(list(progress)).tolist():
+            if rng.uniform() < 0.15:
+                progress[request] = int(rng.integers(0, progress[request] + 1))  # preempted: recompute
+            start, count = progress[request], int(rng.integers(0, 4))
+            progress[request] += count
+            for layer in (0, 1):
+                keys = [(request, p) for p in range(start, start + count)]
+                if keys:
+                    arrivals.append(block("p", layer, keys, offset=drain / 100))
+                    if rng.uniform() < 0.3:  # a TP duplicate of the same rows
+                        arrivals.append(block("p", layer, keys, offset=drain / 100 + 0.001))
+        for b in arrivals:
+            for (request, position), value in zip(keys_of(b), b.rows[:, 0].tolist()):
+                reference.setdefault((request, b.layer, position), value)
+        for b in delivered.filter(merge_blocks(arrivals)):
+            assert keys_of(b) == sorted(keys_of(b))
+            for (request, position), value in zip(keys_of(b), b.rows[:, 0].tolist()):
+                key = (request, b.layer, position)
+                assert key not in got, f"{key} delivered twice"
+                got[key] = value
+    assert got == reference

@@ -97,3 +97,26 @@ def test_unknown_enum_values_are_named_with_their_field_path():
         "hello.model.tensor_types[1]: 8 is not a TensorType")
     with pytest.raises(InvalidArgument, match=r"probes\[0\]\.action: 3 is not a ProbeAction"):
         check_enums(pb.GenerateRequest(probes=[pb.ProbeBinding(action=3)]))
+
+
+def test_worker_part_round_trip_keeps_bfloat16_as_bits():
+    """Workers ship parts to the engine with the same codec; bf16 is never widened there."""
+    rows = np.array([[1.5, -2.0], [0.25, 3.0]], dtype=np.float32)
+    bits = (rows.view(np.uint32) >> 16).astype(np.uint16)
+    for array, dtype in ((rows, "float32"), (bits, "bfloat16")):
+        block = activations.Block("p", pb.TENSOR_TYPE_MLP_OUT, 2, array, ["a", "b"], np.array([4, 0]),
+                                  np.array([True, False]), dtype)
+        got = activations.decode_part(activations.encode_part(block))
+        assert (got.point, got.tensor_type, got.layer, got.wire_dtype) == ("p", pb.TENSOR_TYPE_MLP_OUT, 2, dtype)
+        assert got.request_ids == ["a", "b"] and got.token_positions.tolist() == [4, 0]
+        assert got.is_generated.tolist() == [True, False]
+        assert got.rows.dtype == array.dtype
+        np.testing.assert_array_equal(got.rows, array)
+        # And on to the router: the batch carries the same bits, decoded exactly.
+        (decoded,) = activations.from_batch(activations.to_batch([got]))
+        np.testing.assert_array_equal(decoded.rows, rows)  # these values are exact in bfloat16
+
+
+def test_unknown_dtype_is_refused_when_encoding():
+    with pytest.raises(tensor_codec.TensorDecodeError, match="'int8' is not one of"):
+        tensor_codec.encode(np.zeros(2, np.int8))

@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 from sklearn.linear_model import LogisticRegression
 
-from router_service.manifest import TokenScope, manifest_from_dict
+from router_service.manifest import manifest_from_dict
 from router_service.probes import ProjectionPlan, build_probe, first_firing_segments
-from router_service.session import selects
 from tests.router.helpers import manifest
 from undercurrent.v1 import undercurrent_pb2 as pb
 
@@ -195,25 +194,6 @@ def test_rule_across_batches_matches_a_loop(seed):
         if hit[0] >= 0 and got is None:
             got = a + int(hit[0])
     assert got == first_firing_loop(scores, threshold, min_tokens, patience)
-
-
-# -- token scopes ----------------------------------------------------------------
-
-
-def test_token_scopes_select_the_right_rows():
-    positions = np.arange(8)
-    generated = positions >= 5  # prompt_length 5
-    S = pb.TokenSelector
-    cases = [
-        (TokenScope(S.SCOPE_GENERATED), [5, 6, 7]),
-        (TokenScope(S.SCOPE_PROMPT), [0, 1, 2, 3, 4]),
-        (TokenScope(S.SCOPE_ALL), list(range(8))),
-        (TokenScope(S.SCOPE_PROMPT, indexes=(-1,)), [4]),
-        (TokenScope(S.SCOPE_GENERATED, ranges=((1, None),)), [6, 7]),
-        (TokenScope(S.SCOPE_ALL, indexes=(0,), ranges=((6, 7),)), [0, 6]),
-    ]
-    for scope, expected in cases:
-        assert positions[selects(scope, positions, generated, 5)].tolist() == expected, scope
 
 
 def test_rule_over_many_requests_at_once_matches_a_loop_per_request():

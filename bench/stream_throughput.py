@@ -1,20 +1,28 @@
-"""How many activation rows one router process scores per second, against raw gRPC.
+"""Engine-to-router stream throughput, against raw gRPC bidi of the same payloads.
 
-Two servers run as separate processes on loopback, fed the same payloads by the
-same client: the real router (`python -m router_service`, 10 logistic probes,
-every request bound to all of them) and an ack-only servicer that answers every
-batch with its StepAck and nothing else (the ceiling the transport sets). Each
-step is one decode step of `--rows` requests: one bf16 row of `--hidden` each.
-The client keeps `--window` steps in flight. Results and the exact command go to
-bench/results/router_throughput.md.
+Two servers run as separate processes on loopback: the real router
+(`python -m router_service`, 10 logistic probes, every request bound to all of
+them) and an ack-only servicer that answers every batch with its StepAck and
+nothing else (the ceiling the transport sets). Two senders feed them the same
+rows, taking turns round by round:
+  engine link   the engine's own path: `RouterLink.send_step` of merged blocks
+                (bf16 bits, as the capture workers ship them) -> partition per
+                replica -> split by size -> ActivationBatch -> bounded queue ->
+                Session stream; acks come back as processed positions
+  raw gRPC      a bare grpc.aio bidi client writing prebuilt ActivationBatch
+                messages of the same rows
+Each step is one decode step of `--rows` requests: one bf16 row of `--hidden`
+each. Both keep `--window` steps in flight. Results and the exact command go to
+bench/results/stream_throughput.md and .json.
 
-    python -m bench.router_throughput [--rounds 4] [--seconds 2] [--rows 256] [--hidden 4096]
+    python -m bench.stream_throughput [--rounds 4] [--seconds 2] [--rows 256] [--hidden 4096]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
 import re
@@ -30,6 +38,7 @@ import grpc
 import numpy as np
 
 from common import tensor_codec
+from common.activations import Block
 from common.grpc_server import SERVICE_FULL_NAMES, channel_options, start_server
 from router_service.probe_files import write_probe
 from tools.processes import free_port
@@ -37,7 +46,7 @@ from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "bench" / "results" / "router_throughput.md"
+RESULTS = REPO / "bench" / "results" / "stream_throughput.md"
 LAYER = 16
 STALL_SECONDS = 30.0
 
@@ -165,6 +174,75 @@ async def drive(name: str, port: int, args, probe_names: list[str], tensors: lis
                   np.array(latencies) * 1e3)
 
 
+async def drive_link(name: str, ports: int | list[int], args, probe_names: list[str],
+                     tensors: list[pb.Tensor]) -> Result:
+    """One round through the engine's RouterLink (to one replica or several):
+    send_step of merged blocks, window by acks."""
+    ports = [ports] if isinstance(ports, int) else ports
+    from engine_service.link import RouterLink, RouterLinkConfig
+    from engine_service.request_ledger import RequestLedger
+
+    model = pb.ModelInfo(model="bench", hidden_size=args.hidden, num_layers=32, dtype="bfloat16",
+                         tensor_types=[pb.TENSOR_TYPE_RESIDUAL_STREAM])
+    request_ids = [f"req-{i}" for i in range(args.rows)]
+    bits = [tensor_codec.unpack(t.dtype, t.shape, t.data, as_float32=False) for t in tensors]
+    link = RouterLink(RouterLinkConfig(targets=",".join(f"127.0.0.1:{p}" for p in ports), engine_id="bench",
+                                       queue_max_batches=4 * args.window), model, lambda event: None)
+    await link.start()
+    try:
+        await link.wait_ready(replicas=len(ports), timeout=STALL_SECONDS)
+        bindings = [pb.ProbeBinding(probe=p, failure_policy=pb.FAILURE_POLICY_FAIL_OPEN) for p in probe_names]
+        ledgers = {rid: RequestLedger(prompt_len=1, policies={p: pb.FAILURE_POLICY_FAIL_OPEN for p in probe_names})
+                   for rid in request_ids}
+        for rid in request_ids:
+            link.start_request(rid, 1, bindings, 1, ledgers[rid])
+        acked_at: dict[int, float] = {}
+        sent_at: dict[int, float] = {}
+
+        def acked() -> int:
+            return min(ledger.releasable_through() for ledger in ledgers.values())
+
+        step, start, deadline, measured_from = 0, None, None, 0
+        while deadline is None or time.perf_counter() < deadline:
+            stalled_by = time.perf_counter() + STALL_SECONDS
+            while step - acked() >= args.window:
+                if time.perf_counter() > stalled_by:
+                    raise RuntimeError(f"{name}: no ack for {STALL_SECONDS} s")
+                await asyncio.sleep(0.0005)
+            done = acked()
+            for s in [s for s in sent_at if s <= done and s not in acked_at]:
+                acked_at[s] = time.perf_counter()
+            step += 1
+            if step == args.warmup + 1:
+                while acked() < args.warmup:
+                    await asyncio.sleep(0.001)
+                start, measured_from = time.perf_counter(), acked()
+                sent_at.clear()
+                acked_at.clear()
+                deadline = start + args.seconds
+            rows = bits[step % len(bits)]
+            sent_at[step] = time.perf_counter()
+            link.send_step([Block("resid", pb.TENSOR_TYPE_RESIDUAL_STREAM, LAYER, rows, request_ids,
+                                  np.full(args.rows, step, dtype=np.int64), np.ones(args.rows, dtype=bool),
+                                  "bfloat16")])
+        drained_by = time.perf_counter() + STALL_SECONDS
+        while acked() < step and time.perf_counter() < drained_by:
+            await asyncio.sleep(0.0005)
+        elapsed = time.perf_counter() - start
+        done = acked()
+        for s in [s for s in sent_at if s <= done and s not in acked_at]:
+            acked_at[s] = time.perf_counter()
+        latencies = [acked_at[s] - sent_at[s] for s in sent_at if s in acked_at]
+        dropped = sum(ledger.dropped_records + len(ledger.failures) for ledger in ledgers.values())
+        if dropped:
+            reasons = {f.reason for ledger in ledgers.values() for f in ledger.failures}
+            raise RuntimeError(f"{name}: {dropped} rows or failures were not scored: {sorted(reasons)[:3]}")
+        return Result(name, done - measured_from, elapsed, args.rows, len(tensors[0].data),
+                      np.array(latencies) * 1e3)
+    finally:
+        await link.close()
+
+
 def start_process(argv: list[str], log: Path) -> tuple[subprocess.Popen, int]:
     proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=log.open("w"), text=True)
@@ -198,10 +276,10 @@ def write_probes(directory: Path, count: int, hidden: int) -> list[str]:
 
 
 def report(args, results: list[Result], batch_ms: float) -> str:
-    router, raw = results
-    command = "python -m bench.router_throughput" + "".join(f" {a}" for a in sys.argv[1:])
+    link_router, raw_router, link_ack, raw_ack, one_replica, two_replicas = results
+    command = "python -m bench.stream_throughput" + "".join(f" {a}" for a in sys.argv[1:])
     lines = [
-        "# Router throughput",
+        "# Engine-to-router stream throughput",
         "",
         f"Command: `{command}`",
         "",
@@ -211,13 +289,15 @@ def report(args, results: list[Result], batch_ms: float) -> str:
         "the cores). Client and servers on one machine over loopback.",
         "",
         f"Stream: one decode step per message, {args.rows} requests x 1 bf16 row of {args.hidden} "
-        f"({router.bytes_per_step / 1e6:.2f} MB of activations per step), {args.window} steps in "
-        f"flight. The servers take turns, {args.rounds} rounds of {args.warmup} warm-up steps and "
-        f"{args.seconds:g} s measured each, so load from other jobs hits both alike. "
+        f"({raw_ack.bytes_per_step / 1e6:.2f} MB of activations per step), {args.window} steps in "
+        f"flight. Sender and server pairs take turns, {args.rounds} rounds of {args.warmup} warm-up "
+        f"steps and {args.seconds:g} s measured each, so load from other jobs hits all alike. "
         f"Router: {args.probes} logistic probes on the streamed layer, every request bound to all "
-        "of them (action abort; no rule fires, so the replies are the acks alone).",
+        "of them (action abort; no rule fires, so the replies are the acks alone). Engine link: "
+        "the engine's RouterLink sending merged blocks; raw gRPC: a bare bidi client sending "
+        "prebuilt messages of the same rows.",
         "",
-        "| server | steps | rows/s | MB/s | ack p50 ms | ack p99 ms |",
+        "| sender -> server | steps | rows/s | MB/s | ack p50 ms | ack p99 ms |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for r in results:
@@ -225,11 +305,19 @@ def report(args, results: list[Result], batch_ms: float) -> str:
                      f"| {r.ack_p50_ms:.1f} | {r.ack_p99_ms:.1f} |")
     lines += [
         "",
-        f"Router / raw gRPC: {router.rows_per_second / raw.rows_per_second:.0%} of the transport's rows/s. "
-        f"At the router's rate a step took {router.seconds / router.steps * 1e3:.1f} ms; "
-        f"{batch_ms:.1f} ms of it went to decoding and scoring on a worker thread (its "
-        "`undercurrent_router_batch_seconds` metric), the rest to gRPC, protobuf parsing and "
-        "the event loop, which share the two cores with the client.",
+        f"- Engine link -> router / raw gRPC -> ack-only (the target's ratio): "
+        f"{link_router.rows_per_second / raw_ack.rows_per_second:.2f}.",
+        f"- Engine link / raw gRPC, both to the ack-only server (the engine side's own cost): "
+        f"{link_ack.rows_per_second / raw_ack.rows_per_second:.2f}.",
+        f"- Router / ack-only, both fed by raw gRPC (the router's own cost): "
+        f"{raw_router.rows_per_second / raw_ack.rows_per_second:.2f}. At the router's rate a step took "
+        f"{raw_router.seconds / max(raw_router.steps, 1) * 1e3:.1f} ms; {batch_ms:.1f} ms of it went to "
+        "decoding and scoring on a worker thread (its `undercurrent_router_batch_seconds` metric), "
+        "the rest to gRPC, protobuf parsing and the event loop, which share the two cores with the client.",
+        f"- Router scaling, the engine link to two replicas against one (alternating rounds after the "
+        f"rows above): {two_replicas.rows_per_second / one_replica.rows_per_second:.2f}x. Both replicas "
+        "share this machine's two cores with the sender, so this measures the link's spreading, not "
+        "capacity that a second machine would add.",
         "",
     ]
     return "\n".join(lines)
@@ -243,19 +331,30 @@ async def run(args) -> None:
         router, router_port = start_process(
             ["-m", "router_service", "--port", "0", "--host", "127.0.0.1", "--probes", tmp,
              "--metrics-port", str(metrics_port)], router_log)
-        raw, raw_port = start_process(["-m", "bench.router_throughput", "--serve-ack-only"],
+        raw, raw_port = start_process(["-m", "bench.stream_throughput", "--serve-ack-only"],
                                       Path(tmp) / "ack_only.log")
+        second, second_port = start_process(
+            ["-m", "router_service", "--port", "0", "--host", "127.0.0.1", "--probes", tmp],
+            Path(tmp) / "router2.log")
         try:
             tensors = payloads(args.rows, args.hidden)
-            rounds = [(await drive(f"router, {args.probes} linear probes", router_port, args, names, tensors),
-                       await drive("raw gRPC bidi (ack-only)", raw_port, args, [], tensors))
+            rounds = [(await drive_link(f"engine link -> router, {args.probes} probes", router_port, args, names, tensors),
+                       await drive(f"raw gRPC -> router, {args.probes} probes", router_port, args, names, tensors),
+                       await drive_link("engine link -> ack-only", raw_port, args, [], tensors),
+                       await drive("raw gRPC -> ack-only", raw_port, args, [], tensors))
                       for _ in range(args.rounds)]
             results = [sum(r[1:], r[0]) for r in zip(*rounds)]
             batch_ms = router_batch_seconds(metrics_port) * 1e3
+            # Router scaling: the same engine link and load, one replica against two.
+            scaling = [(await drive_link("engine link -> 1 router replica", router_port, args, names, tensors),
+                        await drive_link("engine link -> 2 router replicas", [router_port, second_port], args,
+                                         names, tensors))
+                       for _ in range(args.rounds)]
+            results += [sum(r[1:], r[0]) for r in zip(*scaling)]
         finally:
-            for proc in (router, raw):
+            for proc in (router, raw, second):
                 proc.terminate()
-            for proc in (router, raw):
+            for proc in (router, raw, second):
                 try:
                     proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
@@ -265,6 +364,13 @@ async def run(args) -> None:
     text = report(args, results, batch_ms)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(text)
+    RESULTS.with_suffix(".json").write_text(json.dumps({
+        "command": "python -m bench.stream_throughput" + "".join(f" {a}" for a in sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "args": vars(args), "router_batch_ms": batch_ms,
+        "results": [{"name": r.name, "steps": r.steps, "seconds": r.seconds, "rows_per_s": r.rows_per_second,
+                     "mb_per_s": r.megabytes_per_second, "ack_p50_ms": r.ack_p50_ms, "ack_p99_ms": r.ack_p99_ms}
+                    for r in results]}, indent=1))
     print(text)
 
 

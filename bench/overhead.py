@@ -1,0 +1,322 @@
+"""What Undercurrent costs against vanilla vLLM, in one process and one run.
+
+    python -m bench.overhead                       # embedded and bench model, batch 1, 8, 32
+    python -m bench.overhead --models bench --batches 8 --rounds 5
+    python -m bench.overhead --parallel tp2        # or pp2: every engine with 2 workers (slow here)
+
+Per model, three engines run side by side in this process: vLLM's `AsyncLLM`
+with default compilation, the same with `enforce_eager`, and the Undercurrent
+engine service (`EngineRuntime`: capture extension, drain loop, router link;
+the gRPC front end is left out, as it is the same for every mode), linked to
+a real router process on loopback. Every round runs each mode once, in an
+order rotated per round, so load from other jobs on the shared cores hits
+every mode alike; the reported figure is the median over rounds of tokens/s,
+and each ratio is taken between medians.
+
+Modes:
+  vllm_default    vanilla AsyncLLM, default compilation
+  vllm_eager      vanilla AsyncLLM, enforce_eager (what capture needs today)
+  uc_off          Undercurrent, no probe, no extraction point
+  uc_one_layer    one observe probe on one layer's residual stream (generated tokens)
+  uc_all_router   every tensor type at every layer, every token, to the router
+                  (observe probes: residual_stream, attn_out and mlp_out on all
+                  layers, and final_norm)
+  uc_all_client   every tensor type at every layer, every token, streamed to the client
+  MODE/rpc        (for the modes in --rpc-modes) the same with rows drained by one
+                  collective_rpc per drain instead of pushed by the workers: the
+                  drain before and after that change, measured in the same run
+
+Each request is greedy with ignore_eos, a distinct random prompt of
+--prompt-tokens tokens (no prefix-cache hits between modes), --tokens new tokens.
+Writes bench/results/overhead[-PARALLEL].json and prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+
+from common import embedded_model  # noqa: E402
+from router_service.probe_files import write_probe  # noqa: E402
+from tools import processes  # noqa: E402
+from undercurrent.v1 import undercurrent_pb2 as pb  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"
+MODELS = {"embedded": "tiny-llama", "bench": "bench-llama"}
+MODES = ("vllm_default", "vllm_eager", "uc_off", "uc_one_layer", "uc_all_router", "uc_all_client")
+TENSOR_TYPES = (
+    ("residual_stream", pb.TENSOR_TYPE_RESIDUAL_STREAM),
+    ("attn_out", pb.TENSOR_TYPE_ATTN_OUT),
+    ("mlp_out", pb.TENSOR_TYPE_MLP_OUT),
+    ("final_norm", pb.TENSOR_TYPE_FINAL_NORM),
+)
+PARALLEL = {
+    "none": ({}, None),
+    "tp2": ({"tensor_parallel_size": 2}, "0|1"),
+    "pp2": ({"pipeline_parallel_size": 2}, "0|1"),
+}
+
+
+def write_probes(directory: Path, config: dict) -> None:
+    """One probe reading one layer, and one per tensor type reading every layer."""
+    layers = config["num_hidden_layers"]
+    base = {"version": "1", "kind": "norm", "hidden_size": config["hidden_size"], "dtype": "float32",
+            "threshold": 1e30, "action": "observe"}
+    write_probe(directory / "one_layer", {**base, "name": "one_layer", "tensor_type": "residual_stream",
+                                          "layers": [layers // 2], "tokens": {"scope": "generated"}})
+    for name, _ in TENSOR_TYPES:
+        extra = {} if name == "final_norm" else {"layers": list(range(layers))}
+        write_probe(directory / f"all_{name}", {**base, "name": f"all_{name}", "tensor_type": name,
+                                                "tokens": {"scope": "all"}, **extra})
+
+
+class Workload:
+    """Distinct random prompts per (mode, round, request), the same shape for every mode."""
+
+    def __init__(self, vocab: int, prompt_tokens: int, tokens: int, seed: int = 0):
+        self.rng = np.random.default_rng(seed)
+        self.vocab, self.prompt_tokens, self.tokens = vocab, prompt_tokens, tokens
+
+    def prompts(self, count: int) -> list[list[int]]:
+        # Ids from 3 up: 0..2 are the embedded tokenizer's special tokens.
+        return self.rng.integers(3, self.vocab, size=(count, self.prompt_tokens)).tolist()
+
+
+def generate_request(mode: str, request_id: str, prompt: list[int], tokens: int, layers: int) -> pb.GenerateRequest:
+    message = pb.GenerateRequest(
+        request_id=request_id, token_ids=pb.TokenIds(ids=prompt),
+        sampling=pb.SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True),
+    )
+    if mode == "uc_one_layer":
+        message.probes.add(probe="one_layer", failure_policy=pb.FAILURE_POLICY_FAIL_OPEN)
+    elif mode == "uc_all_router":
+        for name, _ in TENSOR_TYPES:
+            message.probes.add(probe=f"all_{name}", failure_policy=pb.FAILURE_POLICY_FAIL_OPEN)
+    elif mode == "uc_all_client":
+        for name, tensor_type in TENSOR_TYPES:
+            message.extraction_points.add(
+                name=name, tensor_type=tensor_type,
+                layers=[] if name == "final_norm" else list(range(layers)),
+                tokens=pb.TokenSelector(scope=pb.TokenSelector.SCOPE_ALL), stream_to_client=True)
+    return message
+
+
+class Engines:
+    """The three engines of one model, and one router for the probe modes."""
+
+    def __init__(self, model: Path, parallel: str, max_model_len: int):
+        self.model, self.parallel, self.max_model_len = model, parallel, max_model_len
+        self.config = json.loads((model / "config.json").read_text())
+        self.vanilla: dict[str, object] = {}
+        self.runtime = None
+        self.uc_llm = None
+        self.router = None
+
+    def _kwargs(self, **extra) -> dict:
+        return dict(model=str(self.model), dtype="float32", max_model_len=self.max_model_len,
+                    disable_log_stats=True, **PARALLEL[self.parallel][0], **extra)
+
+    async def start(self, modes: list[str]) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from engine_service.capture.controller import CaptureController, capture_engine_kwargs
+        from engine_service.link import RouterLinkConfig
+        from engine_service.runtime import EngineRuntime, EngineSettings
+
+        for mode, eager in (("vllm_default", False), ("vllm_eager", True)):
+            if mode in modes:
+                print(f"starting {mode} ...", flush=True)
+                self.vanilla[mode] = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._kwargs(enforce_eager=eager)))
+        if not any(m.startswith("uc_") for m in modes):
+            return
+        probes_dir = REPO / ".cache" / "bench-probes" / self.model.name
+        write_probes(probes_dir, self.config)
+        self.router = processes.router(processes.free_port(), probes_dir).start()
+        await self.router.wait_health(timeout=120)
+        print("starting the Undercurrent engine ...", flush=True)
+        self.uc_llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**capture_engine_kwargs(**self._kwargs())))
+        self.runtime = EngineRuntime(
+            self.uc_llm, CaptureController(self.uc_llm),
+            link_config=RouterLinkConfig(targets=self.router.address),
+            settings=EngineSettings(default_failure_policy=pb.FAILURE_POLICY_FAIL_OPEN),
+        )
+        await self.runtime.start()
+        await self.runtime.link.wait_ready(timeout=60)
+        deadline = time.monotonic() + 30
+        while len(self.runtime.link.catalog()) < 1 + len(TENSOR_TYPES):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"router catalog incomplete: {sorted(self.runtime.link.catalog())}")
+            await asyncio.sleep(0.1)
+
+    async def run(self, mode: str, prompts: list[list[int]], tokens: int, tag: str) -> tuple[float, int]:
+        """Runs len(prompts) concurrent requests; returns (seconds, tokens generated)."""
+        mode, _, drain = mode.partition("/")
+        if self.runtime is not None and mode.startswith("uc_"):
+            push = drain != "rpc"
+            if getattr(self, "_push", True) != push:
+                await self.runtime.capture.use_push(push)
+                self._push = push
+        if mode.startswith("vllm_"):
+            coros = [self._vanilla_one(self.vanilla[mode], f"{tag}-{i}", p, tokens) for i, p in enumerate(prompts)]
+        else:
+            layers = self.config["num_hidden_layers"]
+            coros = [self._uc_one(generate_request(mode, f"{tag}-{i}", p, tokens, layers), mode)
+                     for i, p in enumerate(prompts)]
+        start = time.perf_counter()
+        produced = await asyncio.gather(*coros)
+        elapsed = time.perf_counter() - start
+        if any(p != tokens for p in produced):
+            raise RuntimeError(f"{mode}: requests produced {produced} tokens, expected {tokens} each")
+        return elapsed, sum(produced)
+
+    @staticmethod
+    async def _vanilla_one(llm, request_id: str, prompt: list[int], tokens: int) -> int:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True,
+                                output_kind=RequestOutputKind.DELTA)
+        got = 0
+        async for output in llm.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id):
+            got += len(output.outputs[0].token_ids)
+        return got
+
+    async def _uc_one(self, message: pb.GenerateRequest, mode: str) -> int:
+        got = rows = 0
+        finished = None
+        async for response in self.runtime.generate(message):
+            if response.HasField("tokens"):
+                got += len(response.tokens.token_ids)
+            elif response.HasField("activations"):
+                rows += sum(len(b.token_positions) for b in response.activations.blocks)
+            elif response.HasField("finished"):
+                finished = response.finished
+        if finished.finish_reason != pb.FINISH_REASON_LENGTH or finished.unprobed_tokens or finished.dropped_records:
+            raise RuntimeError(f"{mode} {message.request_id}: finished {finished}")
+        if mode == "uc_all_client":
+            layers = self.config["num_hidden_layers"]
+            expected = (len(message.token_ids.ids) + got - 1) * (3 * layers + 1)
+            if rows != expected:
+                raise RuntimeError(f"{mode} {message.request_id}: {rows} rows streamed, expected {expected}")
+        return got
+
+    async def close(self) -> None:
+        if self.runtime is not None:
+            await self.runtime.close()
+        for llm in [*self.vanilla.values(), self.uc_llm]:
+            if llm is not None:
+                llm.shutdown()
+        if self.router is not None:
+            self.router.kill()
+
+
+async def bench_model(name: str, args) -> dict:
+    model = embedded_model.make(MODELS[name], REPO / ".cache" / "models" / MODELS[name])
+    engines = Engines(model, args.parallel, args.max_model_len)
+    modes = list(args.modes) + [f"{m}/rpc" for m in args.rpc_modes]
+    workload = Workload(engines.config["vocab_size"], args.prompt_tokens, args.tokens)
+    seconds: dict[tuple[int, str], list[float]] = {}
+    try:
+        await engines.start(list(args.modes))
+        for mode in modes:  # warm-up: compile, allocate, first router binding
+            await engines.run(mode, workload.prompts(2), 4, f"warm-{mode}")
+        for batch in args.batches:
+            for r in range(args.rounds):
+                order = modes[r % len(modes):] + modes[: r % len(modes)]
+                for mode in order:
+                    elapsed, produced = await engines.run(mode, workload.prompts(batch), args.tokens,
+                                                          f"{mode}-b{batch}-r{r}")
+                    seconds.setdefault((batch, mode), []).append(elapsed)
+                    print(f"{name} batch {batch:>2} round {r} {mode:>14}: {elapsed:6.2f} s "
+                          f"{produced / elapsed:8.1f} tok/s", flush=True)
+    finally:
+        await engines.close()
+    rows = []
+    for batch in args.batches:
+        tps = {m: statistics.median(batch * args.tokens / s for s in seconds[(batch, m)]) for m in modes}
+        for mode in modes:
+            rows.append({
+                "model": name, "batch": batch, "mode": mode,
+                "seconds": seconds[(batch, mode)],
+                "tokens_per_s_median": tps[mode],
+                "vs_vllm_eager": tps[mode] / tps["vllm_eager"] if "vllm_eager" in tps else None,
+                "vs_vllm_default": tps[mode] / tps["vllm_default"] if "vllm_default" in tps else None,
+            })
+    return {"model": name, "path": str(model.relative_to(REPO)), "config": {
+        k: engines.config[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                       "num_key_value_heads", "intermediate_size")}, "rows": rows}
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| model | batch | mode | tokens/s (median) | vs vLLM eager | vs vLLM default |",
+             "|---|---:|---|---:|---:|---:|"]
+    for result in results:
+        for row in result["rows"]:
+            fmt = lambda v: "" if v is None else f"{v:.3f}"  # noqa: E731
+            lines.append(f"| {row['model']} | {row['batch']} | {row['mode']} | {row['tokens_per_s_median']:,.1f} "
+                         f"| {fmt(row['vs_vllm_eager'])} | {fmt(row['vs_vllm_default'])} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="embedded,bench", help=f"comma list of {sorted(MODELS)}")
+    parser.add_argument("--batches", default="1,8,32", help="concurrent requests, comma list")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma list")
+    parser.add_argument("--rpc-modes", default="uc_off,uc_all_router",
+                        help="Undercurrent modes also run with the collective_rpc drain (MODE/rpc)")
+    parser.add_argument("--tokens", type=int, default=32, help="new tokens per request")
+    parser.add_argument("--prompt-tokens", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--parallel", choices=sorted(PARALLEL), default="none")
+    parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--out", default="", help="result file name (default: overhead[-PARALLEL].json)")
+    args = parser.parse_args()
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.modes = [m for m in args.modes.split(",") if m]
+    args.rpc_modes = [m for m in args.rpc_modes.split(",") if m]
+    unknown = (set(args.modes) - set(MODES)) | (set(args.rpc_modes) - set(args.modes) - {""})
+    if unknown:
+        parser.error(f"--modes: unknown {sorted(unknown)}; choose from {list(MODES)}")
+    bind = PARALLEL[args.parallel][1]
+    if bind:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    started = time.time()
+    results = [asyncio.run(bench_model(name, args)) for name in args.models.split(",")]
+    import vllm
+
+    report = {
+        "command": "python -m bench.overhead" + "".join(f" {a}" for a in sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
+        "wall_seconds": round(time.time() - started, 1),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores shared with other jobs, "
+                   f"load average {os.getloadavg()[0]:.1f} at the end",
+        "vllm": vllm.__version__, "python": platform.python_version(),
+        "parallel": args.parallel, "tokens": args.tokens, "prompt_tokens": args.prompt_tokens,
+        "rounds": args.rounds, "results": results,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / (args.out or ("overhead.json" if args.parallel == "none" else f"overhead-{args.parallel}.json"))
+    out.write_text(json.dumps(report, indent=1))
+    print(f"\n{report['command']}  ({report['date']}, {report['wall_seconds']} s, {report['machine']})\n")
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

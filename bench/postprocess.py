@@ -1,0 +1,87 @@
+"""The engine service's per-step post-processing, without vLLM: worker parts ->
+merge -> exactly-once filter -> forward-order gate -> per-replica partition ->
+ActivationBatch messages, timed on one synthetic decode step.
+
+    python -m bench.postprocess [--requests 256] [--layers 32] [--hidden 4096] [--repeat 5]
+
+Each worker part is what a capture worker ships for one (point, layer): one
+bf16 row per request. Prints the median milliseconds per stage and writes
+bench/results/postprocess.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from common.activations import Block, decode_part, encode_part, to_batch
+from engine_service.link import batching
+from engine_service.link.assignment import pick_replica
+from engine_service.capture.merge import DeliveredPositions, ForwardOrderGate, merge_blocks
+from undercurrent.v1 import undercurrent_pb2 as pb
+
+RESULTS = Path(__file__).resolve().parent / "results" / "postprocess.json"
+
+
+def worker_parts(requests: int, layers: int, hidden: int, step: int) -> list[dict]:
+    rng = np.random.default_rng(step)
+    ids = [f"req-{i:04d}" for i in range(requests)]
+    positions = np.full(requests, 100 + step, dtype=np.int64)
+    return [
+        encode_part(Block(f"probe.residual_stream.{layer}", pb.TENSOR_TYPE_RESIDUAL_STREAM, layer,
+                          rng.integers(0, 2**16, size=(requests, hidden), dtype=np.uint16), ids, positions,
+                          np.ones(requests, dtype=bool), "bfloat16"))
+        for layer in range(layers)
+    ]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    replicas = [f"router-{i}" for i in range(args.replicas)]
+    owner = {f"req-{i:04d}": pick_replica(f"req-{i:04d}", replicas) for i in range(args.requests)}
+    delivered, gate = DeliveredPositions(), ForwardOrderGate()
+    times: dict[str, list[float]] = {}
+
+    def timed(name, fn, *a):
+        start = time.perf_counter()
+        out = fn(*a)
+        times.setdefault(name, []).append((time.perf_counter() - start) * 1e3)
+        return out
+
+    for step in range(args.repeat):
+        parts = worker_parts(args.requests, args.layers, args.hidden, step)
+        blocks = timed("decode_part", lambda: [decode_part(p) for p in parts])
+        blocks = timed("merge_blocks", merge_blocks, blocks)
+        blocks = timed("DeliveredPositions.filter", delivered.filter, blocks)
+        blocks = timed("ForwardOrderGate.release", gate.release, blocks, set())
+        by_owner = timed("partition_by_owner", batching.partition_by_owner, blocks, owner.get)
+        timed("split + to_batch", lambda: [to_batch(p) for part in by_owner.values()
+                                           for p in batching.split_by_size(part, 64 << 20)])
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    total = sum(medians.values())
+    print(f"{args.requests} requests x {args.layers} layers x {args.hidden} bf16, {args.replicas} replicas; "
+          f"median of {args.repeat} steps")
+    for name, ms in medians.items():
+        print(f"  {name:<28} {ms:8.1f} ms")
+    print(f"  {'total':<28} {total:8.1f} ms")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({"command": "python -m bench.postprocess" + "".join(f" {a}" for a in sys.argv[1:]),
+                                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                   "args": vars(args), "median_ms": medians, "total_ms": total}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

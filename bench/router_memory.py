@@ -1,0 +1,90 @@
+"""Router memory per open request: resident memory of a real router process as
+one Session opens requests bound to probes, none of them ended.
+
+    python -m bench.router_memory [--requests 1000,5000,10000] [--probes 4]
+
+Reads VmRSS from /proc (Linux) after each level, once the router has
+acknowledged an empty batch sent after the last request_start (so every start
+was processed). Writes bench/results/router_memory.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from router_service.probe_files import write_probe
+from tests.router.helpers import SessionClient, model_info
+from tools import processes
+
+HIDDEN = 1024
+RESULTS = Path(__file__).resolve().parent / "results" / "router_memory.json"
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError("no VmRSS")
+
+
+async def run(args) -> dict:
+    levels = [int(n) for n in args.requests.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        names = []
+        for i in range(args.probes):
+            name = f"p{i}"
+            write_probe(Path(tmp) / name, {
+                "name": name, "version": "1", "kind": "logistic", "tensor_type": "residual_stream",
+                "layers": [1], "hidden_size": HIDDEN, "dtype": "float32", "threshold": 0.99,
+                "action": "abort"}, {"weight": np.zeros(HIDDEN), "bias": np.array([0.0])})
+            names.append(name)
+        router = processes.router(processes.free_port(), Path(tmp), "--max-requests-per-session",
+                                  str(max(levels))).start()
+        try:
+            await router.wait_health(timeout=120)
+            client = SessionClient(router.port)
+            await client.open(model_info(hidden=HIDDEN, layers=4))
+            await client.sync()
+            rows = [{"open_requests": 0, "rss_kib": rss_kib(router.process.pid)}]
+            opened = 0
+            for level in levels:
+                while opened < level:
+                    client.start(f"req-{opened}", *names, prompt_length=16)
+                    opened += 1
+                await client.sync()
+                time.sleep(0.5)
+                rows.append({"open_requests": level, "rss_kib": rss_kib(router.process.pid)})
+                print(rows[-1], flush=True)
+            await client.close()
+        finally:
+            router.kill()
+    base = rows[0]["rss_kib"]
+    for row in rows[1:]:
+        row["kib_per_1000_requests"] = (row["rss_kib"] - base) / row["open_requests"] * 1000
+    return {"command": "python -m bench.router_memory" + "".join(f" {a}" for a in sys.argv[1:]),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "probes_per_request": args.probes,
+            "rows": rows}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", default="1000,5000,10000", help="open-request levels, ascending")
+    parser.add_argument("--probes", type=int, default=4, help="probes bound to every request")
+    args = parser.parse_args()
+    report = asyncio.run(run(args))
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

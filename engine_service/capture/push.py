@@ -1,0 +1,139 @@
+"""Workers push each step's captured rows to the engine service, with no round trip.
+
+Draining by `collective_rpc` costs a round trip through vLLM's engine core
+after every step, and the engine core serves it between two steps, so each
+drain delays the next forward pass. Instead, each shipping worker pushes what
+it captured as soon as its forward pass ends, over a ZeroMQ PUSH socket (vLLM
+already depends on pyzmq) to one PULL socket the driver binds. Payloads carry
+a per-worker sequence number; `unregister` returns each worker's last one, so
+the driver knows when every row of an ending request has arrived (a barrier),
+and nothing depends on two channels racing.
+
+The socket is a Unix socket in a directory only this user can open, and
+shipments are msgpack (plain values and bytes; never pickle, so a stray
+writer cannot run code in the engine service). Only workers on the driver's
+host push; a worker on another node keeps its rows for the `collective_rpc`
+drain, which still works for every worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import socket
+import tempfile
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+log = logging.getLogger(__name__)
+
+# Payloads a worker queues in ZeroMQ while the driver is not reading; past it the
+# worker keeps rows in its own buffer and sends them with a later step.
+SEND_HIGH_WATER_MARK = 1024
+
+
+@dataclass(frozen=True)
+class SinkAddress:
+    """Where workers push: a ZeroMQ endpoint, valid on one host only."""
+
+    endpoint: str
+    host: str
+
+    def as_dict(self) -> dict:
+        return {"endpoint": self.endpoint, "host": self.host}
+
+
+class Pusher:
+    """The worker side: one PUSH socket and a sequence number."""
+
+    def __init__(self, address: dict, rank: int) -> None:
+        self.rank = rank
+        self.seq = 0
+        # The process-wide context: a context of its own would block in term()
+        # when collected while a socket is open.
+        self._socket = zmq.Context.instance().socket(zmq.PUSH)
+        self._socket.setsockopt(zmq.SNDHWM, SEND_HIGH_WATER_MARK)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(address["endpoint"])
+        self._unsent: list[bytes] = []
+
+    @staticmethod
+    def reaches(address: dict) -> bool:
+        """True when this process runs on the sink's host (the endpoint is host-local)."""
+        return address.get("host") == socket.gethostname()
+
+    def push(self, shipment: dict) -> None:
+        """Sends one shipment (never blocks: a full queue keeps it for the next push)."""
+        self.seq += 1
+        self._unsent.append(msgspec.msgpack.encode({**shipment, "seq": self.seq}))
+        while self._unsent:
+            try:
+                self._socket.send(self._unsent[0], flags=zmq.NOBLOCK)
+            except zmq.Again:
+                log.warning("capture: the engine service is not reading; %d shipments wait", len(self._unsent))
+                return
+            self._unsent.pop(0)
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+
+
+class Sink:
+    """The driver side: one PULL socket, and what each worker's sequence reached."""
+
+    def __init__(self) -> None:
+        self._directory = Path(tempfile.mkdtemp(prefix="undercurrent-capture-"))  # mode 0700
+        self.address = SinkAddress(f"ipc://{self._directory / 'sink'}", socket.gethostname())
+        self._socket = zmq.asyncio.Context.instance().socket(zmq.PULL)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(self.address.endpoint)
+        self.received: dict[int, int] = {}
+        weakref.finalize(self, shutil.rmtree, self._directory, True)
+
+    async def receive(self, timeout_s: float) -> list[dict]:
+        """Every shipment that has arrived; waits up to timeout_s for the first one."""
+        shipments = await self._take()
+        if not shipments and await self._socket.poll(timeout_s * 1000, zmq.POLLIN):
+            shipments = await self._take()
+        return shipments
+
+    async def receive_until(self, barrier: dict[int, int], timeout_s: float) -> list[dict]:
+        """Shipments until every rank's sequence reached its barrier (or timeout_s passed)."""
+        shipments = await self._take()
+        deadline = time.monotonic() + timeout_s
+        while not self.reached(barrier):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = {r: (self.received.get(r, 0), s) for r, s in barrier.items() if self.received.get(r, 0) < s}
+                log.error("capture: shipments missing after %.1f s (rank: (received, expected)) %s", timeout_s, missing)
+                break
+            if await self._socket.poll(left * 1000, zmq.POLLIN):
+                shipments += await self._take()
+        return shipments
+
+    def reached(self, barrier: dict[int, int]) -> bool:
+        return all(self.received.get(rank, 0) >= seq for rank, seq in barrier.items())
+
+    async def _take(self) -> list[dict]:
+        """Every shipment already queued, without waiting."""
+        shipments = []
+        while True:
+            try:
+                # On an asyncio socket a NOBLOCK receive resolves at once (or raises Again).
+                data = await self._socket.recv(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return shipments
+            shipment = msgspec.msgpack.decode(data)
+            rank = shipment["rank"]
+            self.received[rank] = max(self.received.get(rank, 0), shipment["seq"])
+            shipments.append(shipment)
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+        shutil.rmtree(self._directory, ignore_errors=True)

@@ -1,0 +1,117 @@
+"""One table of token-selector cases, run through both services' real code paths.
+
+The engine decides which rows it captures (`RowMapper.plan`, per request); the
+router decides which delivered rows a probe reads (a live Session scoring a
+batch). Both call `common.capture_spec.TokenSelector.mask`; this table pins the
+semantics and proves that neither side has a rule of its own.
+"""
+
+import numpy as np
+import pytest
+
+from common.activations import Block
+from common.capture_spec import ExtractionPoint, Scope, TokenSelector
+from engine_service.capture.row_mapping import Registration, RowMapper
+from router_service.probe_files import write_probe
+from tests.router.helpers import HIDDEN, SessionClient, manifest, start_router
+from undercurrent.v1 import undercurrent_pb2 as pb
+
+# Every request runs positions 0..TOTAL-1; prompt lengths differ per request so a
+# rule that mixed up one request's prompt length with another's would show.
+TOTAL = 9
+PROMPT_LENGTHS = {"short": 2, "mid": 5, "long": 8}
+
+# (selector, {request: selected positions}); indexes and ranges count within the scope.
+CASES = [
+    (TokenSelector(Scope.ALL), {r: list(range(TOTAL)) for r in PROMPT_LENGTHS}),
+    (TokenSelector(Scope.PROMPT), {"short": [0, 1], "mid": [0, 1, 2, 3, 4], "long": list(range(8))}),
+    (TokenSelector(Scope.GENERATED), {"short": list(range(2, 9)), "mid": [5, 6, 7, 8], "long": [8]}),
+    # Negative prompt indexes count from each request's own prompt end.
+    (TokenSelector(Scope.PROMPT, indexes=(-1,)), {"short": [1], "mid": [4], "long": [7]}),
+    (TokenSelector(Scope.PROMPT, indexes=(0, -2)), {"short": [0], "mid": [0, 3], "long": [0, 6]}),
+    (TokenSelector(Scope.PROMPT, ranges=((-3, None),)), {"short": [0, 1], "mid": [2, 3, 4], "long": [5, 6, 7]}),
+    (TokenSelector(Scope.PROMPT, ranges=((1, -1),)), {"short": [], "mid": [1, 2, 3], "long": [1, 2, 3, 4, 5, 6]}),
+    # Generated index g is position prompt_len + g; an open range runs to the end.
+    (TokenSelector(Scope.GENERATED, indexes=(0, 2)), {"short": [2, 4], "mid": [5, 7], "long": [8]}),
+    (TokenSelector(Scope.GENERATED, ranges=((1, None),)), {"short": list(range(3, 9)), "mid": [6, 7, 8], "long": []}),
+    (TokenSelector(Scope.GENERATED, ranges=((1, 3),)), {"short": [3, 4], "mid": [6, 7], "long": []}),
+    # ALL counts absolute positions, whatever the prompt length.
+    (TokenSelector(Scope.ALL, indexes=(0,), ranges=((6, 8),)), {r: [0, 6, 7] for r in PROMPT_LENGTHS}),
+    (TokenSelector(Scope.ALL, ranges=((7, None),)), {r: [7, 8] for r in PROMPT_LENGTHS}),
+]
+IDS = [f"case{i}" for i in range(len(CASES))]
+
+
+def engine_selection(selector: TokenSelector) -> dict[str, list[int]]:
+    """What the engine's row mapping captures when every position passes through the model."""
+    mapper = RowMapper(range(0, 2), num_layers=2, has_final_norm=False)
+    point = ExtractionPoint("p", "residual_stream", (1,), selector)
+    for request_id, prompt_len in PROMPT_LENGTHS.items():
+        mapper.register(Registration(request_id, (point,), prompt_len))
+    # One step with each request's whole sequence as one chunk (vLLM id suffixes included).
+    req_ids = [f"{r}-0123abcd" for r in PROMPT_LENGTHS]
+    query_start_loc = np.arange(len(req_ids) + 1) * TOTAL
+    positions = np.tile(np.arange(TOTAL), len(req_ids))
+    got = {r: [] for r in PROMPT_LENGTHS}
+    for selection in mapper.plan(req_ids, query_start_loc, positions).get(("residual_stream", 1), []):
+        got[selection.request_id] = selection.positions.tolist()
+        assert selection.is_generated.tolist() == [
+            p >= PROMPT_LENGTHS[selection.request_id] for p in selection.positions.tolist()
+        ]
+    return got
+
+
+async def router_selection(tmp_path, selector: TokenSelector) -> dict[str, list[int]]:
+    """What a live router's probe scores when it is sent every position of every request."""
+    tokens = {"scope": selector.scope.value, "indexes": list(selector.indexes),
+              "ranges": [{"start": s} if e is None else {"start": s, "stop": e} for s, e in selector.ranges]}
+    write_probe(tmp_path / "reader", manifest("reader", kind="linear", threshold=1e9, action="observe",
+                                              tokens=tokens),
+                {"weight": np.eye(HIDDEN)[0], "bias": np.array([0.0])})
+    router = await start_router(tmp_path)
+    client = SessionClient(router)
+    try:
+        await client.open()
+        rows, ids, positions = [], [], []
+        for request_id, prompt_len in PROMPT_LENGTHS.items():
+            client.start(request_id, "reader", prompt_length=prompt_len)
+            for position in range(TOTAL):
+                rows.append(np.full(HIDDEN, float(position), np.float32))
+                ids.append(request_id)
+                positions.append(position)
+        positions = np.array(positions, dtype=np.int64)
+        client.batch(Block("p", pb.TENSOR_TYPE_RESIDUAL_STREAM, 1, np.stack(rows), ids, positions,
+                           positions >= np.array([PROMPT_LENGTHS[r] for r in ids])))
+        got = {r: [] for r in PROMPT_LENGTHS}
+        for message in await client.sync():
+            if message.WhichOneof("message") == "scores":
+                scores = message.scores
+                got[scores.request_id] += list(scores.token_positions)
+                # The probe reads row[0], which is the position: the scored row is the named one.
+                assert list(scores.scores) == [float(p) for p in scores.token_positions]
+        return got
+    finally:
+        await client.close()
+        await router.shutdown(grace_period=0)
+
+
+@pytest.mark.parametrize(("selector", "expected"), CASES, ids=IDS)
+def test_engine_captures_what_the_table_says(selector, expected):
+    selector.validate("case")
+    assert engine_selection(selector) == expected
+
+
+@pytest.mark.parametrize(("selector", "expected"), CASES, ids=IDS)
+async def test_router_scores_what_the_table_says(tmp_path, selector, expected):
+    assert await router_selection(tmp_path, selector) == expected
+
+
+def test_scalar_and_per_row_prompt_lengths_agree():
+    """The engine passes one prompt length, the router one per row: same answer."""
+    positions = np.arange(TOTAL)
+    for selector, _ in CASES:
+        for prompt_len in PROMPT_LENGTHS.values():
+            np.testing.assert_array_equal(
+                selector.mask(positions, prompt_len),
+                selector.mask(positions, np.full(TOTAL, prompt_len)),
+            )
