@@ -1,0 +1,103 @@
+"""Development credentials for `make run`, the test stacks and the benchmarks.
+
+`DevSecurity.ensure()` makes (once, under a lock, in `.cache/devcerts`) a
+development CA, certificates for `engine`, `router` and `client`, and token
+files: two client callers (`demo` and `other`, so tests can act as two
+callers) and one admin (`operator`). It hands out the matching service flags
+and client channels, so every process started through `tools.processes`
+speaks TLS with tokens unless asked for plaintext.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import fcntl
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from cryptography import x509
+
+from common import devcerts
+from common.grpc_server import channel_options
+
+DEV_DIR = Path(__file__).resolve().parent.parent / ".cache" / "devcerts"
+NAMES = ("engine", "router", "client")
+ADMIN_SERVICE = "undercurrent.v1.ProbeAdminService"
+
+
+@dataclass(frozen=True)
+class DevSecurity:
+    directory: Path
+    client_token: str  # caller "demo"
+    other_client_token: str  # caller "other"
+    admin_token: str  # caller "operator"
+
+    @classmethod
+    def ensure(cls, directory: Path = DEV_DIR) -> "DevSecurity":
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(directory / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent test processes make them once
+            if not _usable(directory):
+                devcerts.generate(directory, list(NAMES))
+                _write_tokens(directory)
+        tokens = {name: token for name, token in (
+            line.split(":", 1) for path in ("client-tokens", "admin-tokens")
+            for line in (directory / path).read_text().split())}
+        return cls(directory, tokens["demo"], tokens["other"], tokens["operator"])
+
+    def pem(self, name: str) -> tuple[Path, Path]:
+        return self.directory / f"{name}.pem", self.directory / f"{name}.key"
+
+    @property
+    def ca(self) -> Path:
+        return self.directory / "ca.pem"
+
+    def _tls_flags(self, name: str) -> list[str]:
+        cert, key = self.pem(name)
+        return ["--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(self.ca)]
+
+    def router_flags(self) -> list[str]:
+        return [*self._tls_flags("router"), "--admin-tokens-file", str(self.directory / "admin-tokens")]
+
+    def engine_flags(self) -> list[str]:
+        return [*self._tls_flags("engine"), "--client-tokens-file", str(self.directory / "client-tokens")]
+
+    def channel_credentials(self, token: str | None = None) -> grpc.ChannelCredentials:
+        """TLS with the `client` certificate (routers require one) and a bearer
+        token on every call: `token`, or by default the admin token for
+        ProbeAdminService and the `demo` client token for everything else."""
+        cert, key = self.pem("client")
+        tls = grpc.ssl_channel_credentials(self.ca.read_bytes(), key.read_bytes(), cert.read_bytes())
+        plugin = _Tokens(token, self.client_token, self.admin_token)
+        return grpc.composite_channel_credentials(tls, grpc.metadata_call_credentials(plugin, "dev-tokens"))
+
+    def channel(self, address: str, token: str | None = None) -> grpc.aio.Channel:
+        return grpc.aio.secure_channel(address, self.channel_credentials(token), options=channel_options())
+
+
+class _Tokens(grpc.AuthMetadataPlugin):
+    def __init__(self, fixed: str | None, client: str, admin: str):
+        self.fixed, self.client, self.admin = fixed, client, admin
+
+    def __call__(self, context, callback):
+        token = self.fixed or (self.admin if context.service_url.endswith(ADMIN_SERVICE) else self.client)
+        callback((("authorization", f"Bearer {token}"),), None)
+
+
+def _usable(directory: Path) -> bool:
+    files = [directory / f for f in ("ca.pem", "client-tokens", "admin-tokens")]
+    files += [directory / f"{n}.{ext}" for n in NAMES for ext in ("pem", "key")]
+    if not all(f.exists() for f in files):
+        return False
+    expires = x509.load_pem_x509_certificate((directory / "ca.pem").read_bytes()).not_valid_after_utc
+    return expires - dt.datetime.now(dt.timezone.utc) > dt.timedelta(days=1)
+
+
+def _write_tokens(directory: Path) -> None:
+    def token() -> str:
+        return secrets.token_urlsafe(24)
+
+    devcerts.write_atomically(directory / "client-tokens", f"demo:{token()}\nother:{token()}\n".encode(), 0o600)
+    devcerts.write_atomically(directory / "admin-tokens", f"operator:{token()}\n".encode(), 0o600)
