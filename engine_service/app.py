@@ -12,6 +12,7 @@ from common.errors import Unavailable
 from common.grpc_server import PortInUse, SERVICE_FULL_NAMES, start_server
 from common.security.config import CLIENT_TOKENS, SecurityConfigError, security_from_args
 from common.security.tls import ChannelFactory
+from engine_service.ownership import RequestOwners
 from engine_service.servicer import EngineServicer
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
@@ -150,6 +151,7 @@ class _StartingServicer(EngineServicer):
 
     def __init__(self, holder: dict):
         self._holder = holder
+        self.owners = RequestOwners()
 
     @property
     def runtime(self):
