@@ -1,8 +1,8 @@
 """Probe files on disk and inline: a JSON manifest plus safetensors weights.
 
 `load_probe_path` accepts the layouts of common/probe_layout.py.
-Probes are data only: JSON and safetensors, never pickle (no torch.load, no
-np.load with pickles), so loading a probe cannot run code.
+Probes are data only: JSON and safetensors, never pickle (nothing here unpickles,
+so loading a probe cannot run code; tests/security/test_probe_data.py checks it).
 `--probes DIR` loads DIR itself if it holds a manifest.json, else every such
 subdirectory and every top-level `.safetensors` file, in name order.
 """
