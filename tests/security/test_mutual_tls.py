@@ -190,3 +190,17 @@ def test_a_key_that_is_not_the_certificates_key_fails_naming_both_files(pki, rog
         mismatched.read()
     with pytest.raises(TLSConfigError, match="--tls-ca .*nope.pem"):
         PemFiles(files.cert, files.key, pki.directory / "nope.pem").read()
+
+
+async def test_the_health_probe_command_checks_a_mutual_tls_router(secure_router, pki, capsys):
+    from common.health_probe import main as health_probe
+
+    router, _ = await secure_router()
+    files = pki.files("router")
+    address = f"127.0.0.1:{router.port}"
+    with_cert = ["--tls-ca", str(files.ca), "--tls-cert", str(files.cert), "--tls-key", str(files.key)]
+    assert await asyncio.to_thread(health_probe, [address, *with_cert]) == 0
+    assert await asyncio.to_thread(health_probe, [address, "--tls-ca", str(files.ca)]) == 1
+    assert await asyncio.to_thread(health_probe, [address, "--insecure"]) == 1
+    out, err = capsys.readouterr()
+    assert out == f"{address}: SERVING\n" and err == f"{address}: UNAVAILABLE\n" * 2
