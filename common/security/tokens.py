@@ -123,9 +123,6 @@ class TokenSet:
             self._stamp = self._file_stamp()
             log.error("%s; keeping the previous %s tokens", err, self.label)
 
-    def __len__(self) -> int:
-        return len(self._tokens)
-
     def caller_of(self, token: str) -> str | None:
         """The caller's name when the token is one of the set, else None (constant time
         in the token's content: every entry is compared, with compare_digest)."""
