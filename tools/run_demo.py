@@ -82,13 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(router.wait_health(timeout=60))
         print(f"router SERVING on {router.address}", flush=True)
         asyncio.run(engine.wait_health(timeout=args.startup_timeout))
-        print(f"engine SERVING on {engine.address}", flush=True)
-        if args.norm_demo:
-            asyncio.run(demo(engine, args.prompt, args.max_tokens, probe_name))
-        else:
-            from probe_lifecycle.demo import lifecycle_demo
-
-            asyncio.run(lifecycle_demo(engine.address, router.address, REPO / ".cache" / "lifecycle"))
+        print(f"engine SERVING on {engine.address} over TLS (CA {engine.security.ca}; "
+              f"client tokens in {engine.security.directory / 'client-tokens'})", flush=True)
+        asyncio.run(demo(engine, args.prompt, args.max_tokens, probe_name))
         if not args.exit_after_demo:
             print("Both services keep running; Ctrl-C stops them.", flush=True)
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})

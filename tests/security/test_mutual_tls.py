@@ -14,6 +14,9 @@ import grpc
 import numpy as np
 import pytest
 from cryptography import x509
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common import devcerts
 
 from common.grpc_server import channel_options
 from common.security.tls import ChannelFactory, ClientTLS, PemFiles, ServerTLS, TLSConfigError
@@ -204,3 +207,31 @@ async def test_the_health_probe_command_checks_a_mutual_tls_router(secure_router
     assert await asyncio.to_thread(health_probe, [address, "--insecure"]) == 1
     out, err = capsys.readouterr()
     assert out == f"{address}: SERVING\n" and err == f"{address}: UNAVAILABLE\n" * 2
+
+
+async def test_a_rotated_client_ca_applies_to_new_connections(make_router, probes_dir, pki, rogue, tmp_path):
+    """The router's --tls-ca file is replaced: engines of the new CA get in,
+    engines of the old one no longer do."""
+    from common.security.config import ServerSecurity
+
+    trusted = tmp_path / "router-trusts.pem"
+    trusted.write_bytes(pki.ca_path.read_bytes())
+    router_files = pki.files("router")
+    tls = ServerTLS(PemFiles(router_files.cert, router_files.key, trusted), require_client_cert=True)
+    router = await make_router(probes_dir, security=ServerSecurity(tls))
+    old_engine = pki.files("engine")
+    new_engine = rogue.files("engine", ca=pki.ca_path)  # verifies the router against the router's CA
+
+    async def handshake(files) -> bool:
+        async with engine_channel(files, router) as channel:
+            try:
+                await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                return True
+            except grpc.aio.AioRpcError as err:
+                assert err.code() == HANDSHAKE_FAILED
+                return False
+
+    assert (await handshake(old_engine), await handshake(new_engine)) == (True, False)
+    devcerts.write_atomically(trusted, rogue.ca_path.read_bytes())
+    assert (await handshake(old_engine), await handshake(new_engine)) == (False, True)
+    assert tls.reloads == 1
