@@ -14,7 +14,6 @@ README's security section).
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import ipaddress
 import os

@@ -76,7 +76,7 @@ async def test_plaintext_to_a_tls_port_is_refused(secure_router):
     await assert_refused(router, grpc.aio.insecure_channel(f"127.0.0.1:{router.port}"))
 
 
-async def test_the_router_certificate_must_name_the_host_the_engine_dialled(secure_router, pki, rogue):
+async def test_the_router_certificate_must_name_the_host_the_engine_dialled(secure_router, pki):
     # A replica found through dns:router.test:PORT is dialled at its address; its
     # certificate must carry router.test, not the address.
     router, _ = await secure_router(dns_names=["router.test"], ip_addresses=())
