@@ -1,6 +1,12 @@
-"""Exit 0 when a gRPC server reports SERVING: `python -m common.health_probe HOST:PORT`.
+"""gRPC health for container checks and Kubernetes probes (no grpcurl needed).
 
-Used by container health checks and Kubernetes probes (no grpcurl needed).
+  python -m common.health_probe HOST:PORT TLS-FLAGS         exit 0 when the server reports SERVING
+  python -m common.health_probe --live HOST:PORT TLS-FLAGS  exit 0 when the server answers at all
+
+SERVING is readiness: a router reports NOT_SERVING until it has probes, an engine
+until vLLM is up. `--live` is liveness: a process that answers health, whatever
+the status, is alive and must not be restarted for being unready.
+
 For a TLS service pass `--tls-ca` (and, for a router, which requires a client
 certificate from every caller, `--tls-cert` and `--tls-key`: the router's own
 pair serves); `--server-name` is the name the certificate must carry when it
@@ -26,6 +32,7 @@ def parse_args(argv: list[str]):
     parser.add_argument("--tls-key", type=Path, help="private key of --tls-cert")
     parser.add_argument("--server-name", help="name the server's certificate must carry (default: HOST)")
     parser.add_argument("--insecure", action="store_true", help="plaintext")
+    parser.add_argument("--live", action="store_true", help="exit 0 on any answer (liveness)")
     args = parser.parse_args(argv)
     if args.insecure == (args.tls_ca is not None):
         parser.error("give --tls-ca for a TLS service or --insecure for a plaintext one")
@@ -59,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     print(f"{args.address}: {status}")
-    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+    return 0 if args.live or reply.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
 if __name__ == "__main__":

@@ -207,6 +207,11 @@ async def test_the_health_probe_command_checks_a_mutual_tls_router(secure_router
     assert await asyncio.to_thread(health_probe, [address, "--insecure"]) == 1
     out, err = capsys.readouterr()
     assert out == f"{address}: SERVING\n" and err == f"{address}: UNAVAILABLE\n" * 2
+    router.registry.unload("p", True)  # no probe: NOT_SERVING, yet alive
+    await asyncio.sleep(0.2)
+    assert await asyncio.to_thread(health_probe, [address, *with_cert]) == 1
+    assert await asyncio.to_thread(health_probe, ["--live", address, *with_cert]) == 0
+    assert capsys.readouterr().out == f"{address}: NOT_SERVING\n" * 2
 
 
 async def test_a_rotated_client_ca_applies_to_new_connections(make_router, probes_dir, pki, rogue, tmp_path):
