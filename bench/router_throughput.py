@@ -242,7 +242,7 @@ async def run(args) -> None:
         router_log = Path(tmp) / "router.log"
         router, router_port = start_process(
             ["-m", "router_service", "--port", "0", "--host", "127.0.0.1", "--probes", tmp,
-             "--metrics-port", str(metrics_port)], router_log)
+             "--metrics-port", str(metrics_port), "--insecure"], router_log)
         raw, raw_port = start_process(["-m", "bench.router_throughput", "--serve-ack-only"],
                                       Path(tmp) / "ack_only.log")
         try:
