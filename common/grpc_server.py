@@ -105,4 +105,6 @@ async def start_server(
     await handle.set_serving(False)
     log.info("listening on %s:%d with %s (%s)", host, bound,
              "TLS" if security.tls else "PLAINTEXT", ", ".join(names))
+    if security.warning:
+        log.warning(security.warning)
     return handle

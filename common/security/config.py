@@ -19,7 +19,6 @@ is logged as a warning at start-up.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,8 +30,6 @@ from common.security.tokens import (
     TokenConfigError,
     TokenSet,
 )
-
-log = logging.getLogger(__name__)
 
 ENGINE_SERVICE = "undercurrent.v1.EngineService"
 PROBE_ADMIN_SERVICE = "undercurrent.v1.ProbeAdminService"
@@ -66,6 +63,8 @@ class ServerSecurity:
     tls: ServerTLS | None = None
     tokens: dict[str, TokenSet] = field(default_factory=dict)
     reflection: bool = False
+    # Logged as a warning once the server listens (--insecure).
+    warning: str | None = None
 
     @classmethod
     def plaintext(cls, reflection: bool = True) -> "ServerSecurity":
@@ -128,12 +127,10 @@ def security_from_args(args, token_kind: TokenKind, *, require_client_cert: bool
     tokens = _token_set(args, token_kind, environ)
     service = token_kind.service.rsplit(".", 1)[1]
     if files is None:
-        log.warning(
-            "--insecure: serving PLAINTEXT gRPC with no transport security%s; development only",
-            "" if tokens else f" and no {token_kind.label} tokens ({service} accepts any caller)",
-        )
-        security = ServerSecurity(None, {token_kind.service: tokens} if tokens else {}, args.reflection)
-        return security, None
+        warning = "--insecure: serving PLAINTEXT gRPC with no transport security{}; development only".format(
+            "" if tokens else f" and no {token_kind.label} tokens ({service} accepts any caller)")
+        tokens_by_service = {token_kind.service: tokens} if tokens else {}
+        return ServerSecurity(None, tokens_by_service, args.reflection, warning), None
     if tokens is None:
         raise SecurityConfigError(
             f"{token_kind.flag}: {service} needs {token_kind.label} tokens "

@@ -59,6 +59,7 @@ async def test_serves_health_and_metrics_drains_on_sigterm_and_exits_cleanly(tmp
     logs = [json.loads(line) for line in proc.stderr.read().splitlines()]
     messages = [entry["msg"] for entry in logs]
     assert "router started" in messages and "draining" in messages and messages[-1] == "stopped"
+    assert any(e["level"] == "warning" and e["msg"].startswith("--insecure: serving PLAINTEXT") for e in logs)
     assert next(e for e in logs if e["msg"] == "probe loaded")["probe"] == "p"
     assert next(e for e in logs if e["msg"] == "stopped")["requests_cut_off"] == 0
 

@@ -10,6 +10,7 @@ import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
+from common.grpc_server import start_server
 from common.security.config import ADMIN_TOKENS, SecurityConfigError, security_from_args
 from router_service.cli import parse_args
 from tests.conftest import REPO
@@ -53,12 +54,15 @@ def test_tls_needs_a_token_source_and_reads_tokens_from_file_or_environment(tmp_
     assert security.reflection
 
 
-def test_insecure_is_plaintext_and_logged_as_a_warning(tmp_path, caplog):
+async def test_insecure_is_plaintext_and_logged_as_a_warning_once_listening(tmp_path, caplog):
     security, client_tls = security_from_args(router_args(tmp_path, "--insecure"), ADMIN_TOKENS,
                                               require_client_cert=True, environ={})
     assert security.tls is None and security.tokens == {} and client_tls is None
-    assert "--insecure: serving PLAINTEXT gRPC" in caplog.text
-    assert "ProbeAdminService accepts any caller" in caplog.text
+    handle = await start_server([], "127.0.0.1", 0, security=security)
+    await handle.server.stop(None)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == ["--insecure: serving PLAINTEXT gRPC with no transport security and no admin "
+                        "tokens (ProbeAdminService accepts any caller); development only"]
 
 
 def run(module, *args):
