@@ -21,7 +21,7 @@ from common import devcerts
 from common.grpc_server import channel_options
 from common.security.tls import ChannelFactory, ClientTLS, PemFiles, ServerTLS, TLSConfigError
 from engine_service.app import link_config
-from engine_service.router_link import RouterLink
+from engine_service.link import RouterLink
 from tests.router.helpers import HIDDEN, SessionClient, block, kinds
 from tests.engine_link.helpers import MODEL
 
