@@ -15,7 +15,8 @@ from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 pytestmark = pytest.mark.vllm
 
 
-def long_request(rid: str, max_tokens: int = 48) -> pb.GenerateRequest:
+def long_request(rid: str, max_tokens: int = 900) -> pb.GenerateRequest:
+    """Long enough (900 tokens) to still run while another caller pokes at it."""
     return pb.GenerateRequest(request_id=rid, text="one caller's request",
                               sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
 
@@ -39,9 +40,9 @@ async def test_another_callers_abort_finds_nothing_and_the_request_finishes_norm
         assert not running.done()
         # ... and it finishes untouched.
         finished = await running
-        assert finished.reason == "LENGTH" and len(finished.tokens) == 48
+        assert finished.reason == "LENGTH" and len(finished.tokens) == 900
         # Its owner can abort its own requests.
-        again = asyncio.create_task(stack.generate(owner, long_request("mine-2", max_tokens=400)))
+        again = asyncio.create_task(stack.generate(owner, long_request("mine-2")))
         while not (await owner.Abort(pb.AbortRequest(request_id="mine-2"))).found:
             assert not again.done()
             await asyncio.sleep(0.02)
