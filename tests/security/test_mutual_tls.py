@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common import devcerts
 
-from common.grpc_server import channel_options
+from common.grpc_server import MAX_MESSAGE_BYTES, channel_options
 from common.security.tls import ChannelFactory, ClientTLS, PemFiles, ServerTLS, TLSConfigError
 from engine_service.app import link_config
 from engine_service.link import RouterLink
@@ -111,7 +111,7 @@ async def test_the_engine_link_connects_only_to_replicas_whose_certificate_names
         return addresses
 
     args = SimpleNamespace(router=f"dns:router.test:{good.port}", router_timeout=1.0, send_queue=8,
-                           overflow_policy="drop_oldest")
+                           overflow_policy="drop_oldest", max_message_bytes=MAX_MESSAGE_BYTES)
     config = link_config(args, ClientTLS(pki.files("engine")))
     config.reconnect_base_s = config.reconnect_max_s = 0.05
     link = RouterLink(config, MODEL, lambda event: None, resolver=resolve)
