@@ -20,11 +20,11 @@ import grpc
 from cryptography import x509
 
 from common import devcerts
+from common.security import client
 from common.grpc_server import channel_options
 
 DEV_DIR = Path(__file__).resolve().parent.parent / ".cache" / "devcerts"
 NAMES = ("engine", "router", "client")
-ADMIN_SERVICE = "undercurrent.v1.ProbeAdminService"
 
 
 @dataclass(frozen=True)
@@ -69,21 +69,16 @@ class DevSecurity:
         token on every call: `token`, or by default the admin token for
         ProbeAdminService and the `demo` client token for everything else."""
         cert, key = self.pem("client")
-        tls = grpc.ssl_channel_credentials(self.ca.read_bytes(), key.read_bytes(), cert.read_bytes())
-        plugin = _Tokens(token, self.client_token, self.admin_token)
-        return grpc.composite_channel_credentials(tls, grpc.metadata_call_credentials(plugin, "dev-tokens"))
+        return client.tls_credentials(self.ca, cert, key, token or self.client_token, token or self.admin_token)
+
+    def client_env(self) -> dict[str, str]:
+        """The environment of common.security.client for the `demo` caller and the admin."""
+        cert, key = self.pem("client")
+        return {client.ENV_CA: str(self.ca), client.ENV_CERT: str(cert), client.ENV_KEY: str(key),
+                client.ENV_TOKEN: self.client_token, client.ENV_ADMIN_TOKEN: self.admin_token}
 
     def channel(self, address: str, token: str | None = None) -> grpc.aio.Channel:
         return grpc.aio.secure_channel(address, self.channel_credentials(token), options=channel_options())
-
-
-class _Tokens(grpc.AuthMetadataPlugin):
-    def __init__(self, fixed: str | None, client: str, admin: str):
-        self.fixed, self.client, self.admin = fixed, client, admin
-
-    def __call__(self, context, callback):
-        token = self.fixed or (self.admin if context.service_url.endswith(ADMIN_SERVICE) else self.client)
-        callback((("authorization", f"Bearer {token}"),), None)
 
 
 def _usable(directory: Path) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 from pathlib import Path
@@ -84,7 +85,13 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(engine.wait_health(timeout=args.startup_timeout))
         print(f"engine SERVING on {engine.address} over TLS (CA {engine.security.ca}; "
               f"client tokens in {engine.security.directory / 'client-tokens'})", flush=True)
-        asyncio.run(demo(engine, args.prompt, args.max_tokens, probe_name))
+        if args.norm_demo:
+            asyncio.run(demo(engine, args.prompt, args.max_tokens, probe_name))
+        else:
+            from probe_lifecycle.demo import lifecycle_demo
+
+            os.environ.update(engine.security.client_env())  # the lifecycle commands' credentials
+            asyncio.run(lifecycle_demo(engine.address, router.address, REPO / ".cache" / "lifecycle"))
         if not args.exit_after_demo:
             print("Both services keep running; Ctrl-C stops them.", flush=True)
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})

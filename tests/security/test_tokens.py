@@ -206,3 +206,24 @@ async def test_probe_admin_needs_an_admin_token_and_a_refused_call_changes_nothi
     assert router.metrics.registry.get_sample_value(
         "undercurrent_auth_refused_total", {"service": PROBE_ADMIN_SERVICE, "reason": "wrong_token"}) == 2
     await channel.close()
+
+
+async def test_tools_take_tls_and_tokens_from_the_environment(secure_router, pki):
+    from common.grpc_server import channel_options
+    from common.security.client import channel_from_env
+
+    router, _ = await secure_router()
+    client = pki.files("engine")
+    environ = {"UNDERCURRENT_TLS_CA": str(client.ca), "UNDERCURRENT_TLS_CERT": str(client.cert),
+               "UNDERCURRENT_TLS_KEY": str(client.key), "UNDERCURRENT_TOKEN": CLIENT_TOKEN,
+               "UNDERCURRENT_ADMIN_TOKEN": ADMIN_TOKEN}
+    address = f"127.0.0.1:{router.port}"
+    async with channel_from_env(address, channel_options(), environ) as channel:
+        listed = await pb_grpc.ProbeAdminServiceStub(channel).ListProbes(pb.ListProbesRequest())
+    assert [p.name for p in listed.probes] == ["p"]
+    async with channel_from_env(address, channel_options(), {**environ, "UNDERCURRENT_ADMIN_TOKEN": ""}) as channel:
+        code, _ = await code_of(lambda: pb_grpc.ProbeAdminServiceStub(channel).ListProbes(pb.ListProbesRequest()))
+    async with channel_from_env(address, channel_options(), {}) as plaintext:
+        refused, _ = await code_of(lambda: pb_grpc.ProbeAdminServiceStub(plaintext).ListProbes(
+            pb.ListProbesRequest(), timeout=5))
+    assert (code, refused) == (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE)
