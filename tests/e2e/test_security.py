@@ -26,18 +26,19 @@ async def test_another_callers_abort_finds_nothing_and_the_request_finishes_norm
     async with stack.channel(engine_service.address) as mine, \
             stack.channel(engine_service.address, token=other_token) as theirs:
         owner, other = pb_grpc.EngineServiceStub(mine), pb_grpc.EngineServiceStub(theirs)
+        await other.GetModelInfo(pb.GetModelInfoRequest())  # connected before the request starts
         outcome = stack.Outcome()
         running = asyncio.create_task(stack.generate(owner, long_request("mine"), outcome=outcome))
         while not outcome.tokens:
             assert not running.done(), running
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(0.005)
         # To the other caller the running request does not exist ...
-        assert not (await other.Abort(pb.AbortRequest(request_id="mine"))).found
         with pytest.raises(grpc.aio.AioRpcError) as reused:
             await stack.generate(other, long_request("mine", max_tokens=2))
+        assert not (await other.Abort(pb.AbortRequest(request_id="mine"))).found
+        assert not running.done(), "the request ended before the checks: they proved nothing"
         assert (reused.value.code(), reused.value.details()) == (
             grpc.StatusCode.NOT_FOUND, "request_id: 'mine' not found")
-        assert not running.done()
         # ... and it finishes untouched.
         finished = await running
         assert finished.reason == "LENGTH" and len(finished.tokens) == 900
