@@ -1,6 +1,9 @@
 """A development CA and service certificates: `python -m common.devcerts --out DIR --names engine,router`.
 
-Writes DIR/ca.pem (and ca.key), and for every name NAME.pem and NAME.key. Each
+Writes DIR/ca.pem (and ca.key), and for every name NAME.pem and NAME.key;
+with `--client-tokens demo --admin-tokens operator`, also the token files
+DIR/client-tokens and DIR/admin-tokens (NAME:TOKEN per line, random tokens;
+an existing token file is kept, so callers keep their tokens across runs). Each
 certificate is valid for the name itself, `localhost`, `127.0.0.1`, `::1`, the
 compose service name (the name) and the Kubernetes service names
 (NAME.NAMESPACE.svc, NAME.NAMESPACE.svc.cluster.local and the headless
@@ -17,6 +20,7 @@ from __future__ import annotations
 import datetime as dt
 import ipaddress
 import os
+import secrets
 import sys
 from pathlib import Path
 
@@ -134,6 +138,17 @@ def write_pair(directory: Path, stem: str, key, cert) -> None:
     write_atomically(directory / f"{stem}.pem", cert_pem(cert))
 
 
+def write_tokens(path: Path, names: list[str]) -> None:
+    """A token file (NAME:TOKEN per line, the services' --*-tokens-file format)
+    with a fresh random token per name; readable by its owner only."""
+    lines = "".join(f"{name}:{secrets.token_urlsafe(24)}\n" for name in names)
+    write_atomically(path, lines.encode(), 0o600)
+
+
+def _names(value: str) -> list[str]:
+    return [n.strip() for n in value.split(",") if n.strip()]
+
+
 def generate(out: Path, names: list[str], namespaces: list[str] | None = None,
              days: float = DEFAULT_DAYS) -> None:
     """Writes a fresh CA and one certificate per name into out (reusing out/ca.* if present)."""
@@ -160,16 +175,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--namespaces", default="default",
                         help="Kubernetes namespaces whose service names the certificates cover")
     parser.add_argument("--days", type=float, default=DEFAULT_DAYS, help="validity in days")
+    parser.add_argument("--client-tokens", default="", metavar="NAMES",
+                        help="comma-separated callers: write OUT/client-tokens unless it exists")
+    parser.add_argument("--admin-tokens", default="", metavar="NAMES",
+                        help="comma-separated operators: write OUT/admin-tokens unless it exists")
     args = parser.parse_args(argv)
-    names = [n.strip() for n in args.names.split(",") if n.strip()]
+    names = _names(args.names)
     if not names:
         parser.error("--names: give at least one name")
     bad = [n for n in names if not n.replace("-", "").replace(".", "").isalnum()]
     if bad:
         parser.error(f"--names: {bad[0]!r} is not a DNS name")
-    namespaces = [n.strip() for n in args.namespaces.split(",") if n.strip()]
-    generate(args.out, names, namespaces, args.days)
-    print(f"wrote ca.pem and {', '.join(f'{n}.pem/{n}.key' for n in names)} to {args.out}")
+    token_files = {"client-tokens": _names(args.client_tokens), "admin-tokens": _names(args.admin_tokens)}
+    for flag, callers in zip(("--client-tokens", "--admin-tokens"), token_files.values()):
+        bad = [n for n in callers if ":" in n or not n.isprintable() or " " in n]
+        if bad:
+            parser.error(f"{flag}: {bad[0]!r} is not a caller name (no ':' or spaces)")
+    generate(args.out, names, _names(args.namespaces), args.days)
+    written = ["ca.pem", *(f"{n}.pem/{n}.key" for n in names)]
+    for filename, callers in token_files.items():
+        if callers and not (args.out / filename).exists():
+            write_tokens(args.out / filename, callers)
+            written.append(filename)
+    print(f"wrote {', '.join(written)} to {args.out}")
     return 0
 
 

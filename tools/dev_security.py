@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime as dt
 import fcntl
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,8 +90,5 @@ def _usable(directory: Path) -> bool:
 
 
 def _write_tokens(directory: Path) -> None:
-    def token() -> str:
-        return secrets.token_urlsafe(24)
-
-    devcerts.write_atomically(directory / "client-tokens", f"demo:{token()}\nother:{token()}\n".encode(), 0o600)
-    devcerts.write_atomically(directory / "admin-tokens", f"operator:{token()}\n".encode(), 0o600)
+    devcerts.write_tokens(directory / "client-tokens", ["demo", "other"])
+    devcerts.write_tokens(directory / "admin-tokens", ["operator"])
