@@ -141,6 +141,9 @@ def test_gpu_overlay_reserves_gpus_shares_host_ipc_and_builds_the_cuda_image():
     services = compose_config("compose.yaml", "compose.gpu.yaml")["services"]
     engine = services["engine"]
     assert engine["ipc"] == "host"
+    # The overlay's environment merges with the base's: the health probe keeps its CA.
+    assert engine["environment"]["UNDERCURRENT_TLS_CA"] == "/certs/ca.pem"
+    assert "--tls-cert=/certs/engine.pem" in engine["command"]
     devices = engine["deploy"]["resources"]["reservations"]["devices"]
     assert devices == [{"capabilities": ["gpu"], "driver": "nvidia", "count": -1}]
     for name in ("engine", "models"):
