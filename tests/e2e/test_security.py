@@ -42,12 +42,16 @@ async def test_another_callers_abort_finds_nothing_and_the_request_finishes_norm
         # ... and it finishes untouched.
         finished = await running
         assert finished.reason == "LENGTH" and len(finished.tokens) == 900
-        # Its owner can abort its own requests.
-        again = asyncio.create_task(stack.generate(owner, long_request("mine-2")))
-        while not (await owner.Abort(pb.AbortRequest(request_id="mine-2"))).found:
-            assert not again.done()
-            await asyncio.sleep(0.02)
-        assert (await again).reason == "CLIENT_ABORT"
+        # Its owner can abort its own requests: once it streams, so the Abort
+        # cannot land before the request runs or after it ended.
+        again_outcome = stack.Outcome()
+        again = asyncio.create_task(stack.generate(owner, long_request("mine-2"), outcome=again_outcome))
+        while not again_outcome.tokens:
+            assert not again.done(), again
+            await asyncio.sleep(0.005)
+        assert (await owner.Abort(pb.AbortRequest(request_id="mine-2"))).found
+        aborted = await again
+        assert aborted.reason == "CLIENT_ABORT" and len(aborted.tokens) < 900
 
 
 async def test_the_engine_refuses_a_missing_or_wrong_token_and_plaintext(engine_service):
