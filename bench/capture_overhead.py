@@ -90,7 +90,8 @@ async def main_async(args) -> str:
     config = json.loads((Path(args.model) / "config.json").read_text())
     probes_dir = Path(".cache/bench-probes")
     write_bench_probe(probes_dir, config)
-    router = processes.router(processes.free_port(), probes_dir).start()
+    # Plaintext: this measures capture and probing, not TLS.
+    router = processes.router(processes.free_port(), probes_dir, secure=False).start()
     await router.wait_health(timeout=60)
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**capture_engine_kwargs(
         model=args.model, dtype="float32", max_model_len=1024, disable_log_stats=True)))

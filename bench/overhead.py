@@ -145,7 +145,8 @@ class Engines:
             return
         probes_dir = REPO / ".cache" / "bench-probes" / self.model.name
         write_probes(probes_dir, self.config)
-        self.router = processes.router(processes.free_port(), probes_dir).start()
+        # Plaintext: this measures capture and probing, not TLS.
+        self.router = processes.router(processes.free_port(), probes_dir, secure=False).start()
         await self.router.wait_health(timeout=120)
         print("starting the Undercurrent engine ...", flush=True)
         self.uc_llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**capture_engine_kwargs(**self._kwargs())))

@@ -330,11 +330,12 @@ async def run(args) -> None:
         router_log = Path(tmp) / "router.log"
         router, router_port = start_process(
             ["-m", "router_service", "--port", "0", "--host", "127.0.0.1", "--probes", tmp,
-             "--metrics-port", str(metrics_port)], router_log)
+             "--metrics-port", str(metrics_port), "--insecure"], router_log)
         raw, raw_port = start_process(["-m", "bench.stream_throughput", "--serve-ack-only"],
                                       Path(tmp) / "ack_only.log")
         second, second_port = start_process(
-            ["-m", "router_service", "--port", "0", "--host", "127.0.0.1", "--probes", tmp],
+            ["-m", "router_service", "--port", "0", "--host", "127.0.0.1", "--probes", tmp,
+             "--insecure"],
             Path(tmp) / "router2.log")
         try:
             tensors = payloads(args.rows, args.hidden)

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Reports bad flags as one line naming the problem, not a usage dump."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def fail(prog: str, message: str) -> "NoReturn":  # noqa: F821

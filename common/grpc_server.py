@@ -1,5 +1,6 @@
 """What every Undercurrent gRPC server has: explicit message-size limits,
-keepalive, the error-mapping interceptor, grpc.health.v1 and reflection."""
+keepalive, the error-mapping interceptor, grpc.health.v1, and its security
+(TLS, the token interceptor, reflection when enabled: common.security)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.errors import ErrorMappingInterceptor
+from common.security.auth import TokenAuthInterceptor
+from common.security.config import ServerSecurity
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -61,13 +64,20 @@ async def start_server(
     host: str,
     port: int,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
+    security: ServerSecurity | None = None,
+    metrics_registry=None,
 ) -> ServerHandle:
     """registrations: (add_XServicer_to_server, servicer, full service name) triples.
 
     Starts NOT_SERVING; the caller flips health when its dependencies are ready.
+    security None: plaintext with reflection and no tokens (in-process test servers);
+    authentication refusals are counted in metrics_registry.
     """
+    security = security if security is not None else ServerSecurity.plaintext()
+    # Authentication runs first, so a refused call never reaches a handler.
+    interceptors = [TokenAuthInterceptor(security.tokens, metrics_registry)] if security.tokens else []
     server = aio.server(
-        interceptors=[ErrorMappingInterceptor()],
+        interceptors=[*interceptors, ErrorMappingInterceptor()],
         options=channel_options(max_message_bytes) + [("grpc.so_reuseport", 0)],
     )
     names = []
@@ -76,12 +86,16 @@ async def start_server(
         names.append(full_name)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
-        server,
-    )
+    if security.reflection:
+        reflection.enable_server_reflection(
+            [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            server,
+        )
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        if security.tls is None:
+            bound = server.add_insecure_port(f"{host}:{port}")
+        else:
+            bound = server.add_secure_port(f"{host}:{port}", security.tls.credentials())
     except RuntimeError as err:
         raise PortInUse(f"cannot listen on {host}:{port}: {err}") from None
     if bound == 0:
@@ -89,5 +103,8 @@ async def start_server(
     await server.start()
     handle = ServerHandle(server, health_servicer, bound, names)
     await handle.set_serving(False)
-    log.info("listening on %s:%d (%s)", host, bound, ", ".join(names))
+    log.info("listening on %s:%d with %s (%s)", host, bound,
+             "TLS" if security.tls else "PLAINTEXT", ", ".join(names))
+    if security.warning:
+        log.warning(security.warning)
     return handle

@@ -20,6 +20,7 @@ from engine_service.requests import (
     DEFAULT_MAX_STREAMS,
     PROMPT_BYTES_PER_TOKEN,
 )
+from common.security.config import CLIENT_TOKENS, add_security_flags
 
 PROG = "engine_service"
 log = logging.getLogger(PROG)
@@ -96,6 +97,7 @@ def build_parser():
         action="store_true",
         help="start even on a vLLM version capture was not verified on",
     )
+    add_security_flags(parser, CLIENT_TOKENS)
     AsyncEngineArgs.add_cli_args(parser)
     return parser
 

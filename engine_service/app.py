@@ -10,6 +10,9 @@ import uuid
 from common.cli import fail
 from common.errors import Unavailable
 from common.grpc_server import PortInUse, SERVICE_FULL_NAMES, start_server
+from common.security.config import CLIENT_TOKENS, SecurityConfigError, security_from_args
+from common.security.tls import ChannelFactory
+from engine_service.ownership import RequestOwners
 from engine_service.servicer import EngineServicer
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
@@ -35,12 +38,14 @@ def create_llm(args):
     return AsyncLLM.from_engine_args(engine_args)
 
 
-def link_config(args):
+def link_config(args, client_tls):
     from engine_service.link import RouterLinkConfig
+    from engine_service.link.targets import DnsTarget, parse_targets
 
     if not args.router:
         return None
     try:
+        targets = parse_targets(args.router)
         return RouterLinkConfig(
             targets=args.router,
             engine_id=f"engine-{uuid.uuid4().hex[:8]}",
@@ -48,6 +53,10 @@ def link_config(args):
             queue_max_batches=args.send_queue,
             overflow_policy=args.overflow_policy,
             max_message_bytes=args.max_message_bytes,
+            # Replicas found through DNS are dialled by address but must prove the name.
+            open_channel=ChannelFactory(
+                client_tls, targets.host if isinstance(targets, DnsTarget) else None
+            ),
         )
     except ValueError as err:
         fail("engine_service", f"--router: {err}")
@@ -59,7 +68,12 @@ async def run(args) -> int:
     from engine_service.requests import RequestLimits
     from engine_service.runtime import EngineRuntime, EngineSettings
 
-    links = link_config(args)  # bad --router fails before anything starts
+    try:  # TLS files and tokens: read now, so a bad one fails before anything starts
+        security, client_tls = security_from_args(args, CLIENT_TOKENS, require_client_cert=False)
+    except SecurityConfigError as err:
+        fail("engine_service", str(err))
+    links = link_config(args, client_tls)  # bad --router fails before anything starts
+    metrics = EngineMetrics(include_vllm=bool(args.metrics_port))
     holder: dict = {}
     try:
         server = await start_server(
@@ -68,6 +82,8 @@ async def run(args) -> int:
             args.host,
             args.port,
             args.max_message_bytes,
+            security=security,
+            metrics_registry=metrics.registry,
         )
     except PortInUse as err:
         fail("engine_service", f"--port: {err}")
@@ -76,7 +92,6 @@ async def run(args) -> int:
         llm = create_llm(args)
     except Exception as err:  # vLLM's own start-up errors, shown as one line
         fail("engine_service", f"vLLM could not start: {type(err).__name__}: {err}")
-    metrics = EngineMetrics(include_vllm=bool(args.metrics_port))
     if args.metrics_port:
         from prometheus_client import start_http_server
 
@@ -136,6 +151,7 @@ class _StartingServicer(EngineServicer):
 
     def __init__(self, holder: dict):
         self._holder = holder
+        self.owners = RequestOwners()
 
     @property
     def runtime(self):

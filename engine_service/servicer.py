@@ -1,11 +1,15 @@
 """The Engine gRPC servicer: a thin layer over EngineRuntime.
 
 Errors raised by the runtime are domain errors; the interceptor in
-common.errors maps them to status codes in one place.
+common.errors maps them to status codes in one place. Each request belongs to
+the authenticated caller that started it (engine_service.ownership).
 """
 
 from __future__ import annotations
 
+from common.security.auth import current_caller
+from engine_service.ownership import RequestOwners
+from engine_service.requests import request_id_of
 from engine_service.runtime import EngineRuntime
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
@@ -14,12 +18,17 @@ from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 class EngineServicer(pb_grpc.EngineServiceServicer):
     def __init__(self, runtime: EngineRuntime):
         self.runtime = runtime
+        self.owners = RequestOwners()
 
     async def Generate(self, request, context):
-        async for response in self.runtime.generate(request):
-            yield response
+        request.request_id = request_id_of(request)  # the id its owner is recorded under
+        with self.owners.claim(request.request_id, current_caller()):
+            async for response in self.runtime.generate(request):
+                yield response
 
     async def Abort(self, request, context):
+        if not self.owners.visible_to(request.request_id, current_caller()):
+            return pb.AbortResponse(found=False)  # another caller's: as if unknown
         return pb.AbortResponse(found=await self.runtime.abort(request.request_id))
 
     async def GetModelInfo(self, request, context):

@@ -5,11 +5,13 @@ from __future__ import annotations
 import grpc
 
 from common.grpc_server import channel_options
+from common.security.client import channel_from_env
 from engine_service.link.targets import DnsTarget, parse_targets, resolve_dns
 
 
 def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=channel_options())
+    """TLS and tokens from UNDERCURRENT_TLS_* / UNDERCURRENT_*TOKEN (common.security.client)."""
+    return channel_from_env(address, channel_options())
 
 
 async def router_addresses(spec: str) -> list[str]:

@@ -17,8 +17,9 @@ from pathlib import Path
 from prometheus_client import start_http_server
 
 from common.grpc_server import MAX_MESSAGE_BYTES, PortInUse
+from common.security.config import ADMIN_TOKENS, SecurityConfigError, add_security_flags, security_from_args
 from router_service import logs
-from router_service.probe_files import ProbeFileError
+from router_service.probe_files import DEFAULT_MAX_INLINE_PROBE_BYTES, ProbeFileError
 from router_service.server import DEFAULT_MAX_SESSIONS, Router, RouterConfig
 from router_service.session import DEFAULT_MAX_REQUESTS_PER_SESSION
 
@@ -58,7 +59,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="live requests per engine session; request_start beyond it gets an in-band "
                              f"RESOURCE_EXHAUSTED error (default {DEFAULT_MAX_REQUESTS_PER_SESSION})")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--max-inline-probe-bytes", type=int, default=DEFAULT_MAX_INLINE_PROBE_BYTES,
+                        help="largest inline LoadProbe (manifest + weights) accepted; larger ones get "
+                             f"RESOURCE_EXHAUSTED (default {DEFAULT_MAX_INLINE_PROBE_BYTES})")
+    add_security_flags(parser, ADMIN_TOKENS)
     args = parser.parse_args(argv)
+    if args.max_inline_probe_bytes <= 0:
+        parser.error("--max-inline-probe-bytes must be > 0")
     if not args.probes.is_dir():
         parser.error(f"--probes {args.probes}: not a directory")
     for flag in ("heartbeat_interval", "grace_period", "max_message_bytes", "max_sessions",
@@ -86,6 +93,8 @@ def check_port_free(host: str, port: int) -> None:
 
 
 async def serve(args: argparse.Namespace) -> None:
+    # Every caller (engines, operators) must present a certificate from --tls-ca.
+    security, _ = security_from_args(args, ADMIN_TOKENS, require_client_cert=True)
     check_port_free(args.host, args.port)
     router = Router(
         RouterConfig(
@@ -99,6 +108,8 @@ async def serve(args: argparse.Namespace) -> None:
             max_message_bytes=args.max_message_bytes,
             max_sessions=args.max_sessions,
             max_requests_per_session=args.max_requests_per_session,
+            security=security,
+            max_inline_probe_bytes=args.max_inline_probe_bytes,
         )
     )
     await router.start()
@@ -119,6 +130,6 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure(args.log_level)
     try:
         asyncio.run(serve(args))
-    except (ProbeFileError, PortInUse) as err:
+    except (ProbeFileError, PortInUse, SecurityConfigError) as err:
         return _fail(str(err))
     return 0

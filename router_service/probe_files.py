@@ -1,6 +1,8 @@
 """Probe files on disk and inline: a JSON manifest plus safetensors weights.
 
 `load_probe_path` accepts the layouts of common/probe_layout.py.
+Probes are data only: JSON and safetensors, never pickle (nothing here unpickles,
+so loading a probe cannot run code; tests/security/test_probe_data.py checks it).
 `--probes DIR` loads DIR itself if it holds a manifest.json, else every such
 subdirectory and every top-level `.safetensors` file, in name order.
 """
@@ -16,11 +18,13 @@ import numpy as np
 import safetensors
 
 from common import tensor_codec
+from common.errors import ResourceExhausted
 from common.probe_layout import MANIFEST_FILE, METADATA_KEY, WEIGHTS_FILE
 from undercurrent.v1 import undercurrent_pb2 as pb
 from router_service.manifest import ManifestError, manifest_from_dict, parse_manifest
 from router_service.probes import Probe, build_probe
 
+DEFAULT_MAX_INLINE_PROBE_BYTES = 32 * 1024 * 1024
 
 _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 _SAFETENSORS_CODES = {name: code for code, name in _SAFETENSORS_DTYPES.items()}
@@ -54,6 +58,16 @@ def load_probe_path(path: str | Path) -> Probe:
         raise ProbeFileError(message if message.startswith(str(path)) else f"{path}: {message}") from None
     except OSError as err:
         raise ProbeFileError(f"{path}: {err.strerror or err}") from None
+
+
+def check_inline_size(manifest_json: str | bytes, weights: bytes, limit: int) -> None:
+    """Refuses an inline probe larger than limit bytes before it is parsed."""
+    size = len(manifest_json) + len(weights)
+    if size > limit:
+        raise ResourceExhausted(
+            f"inline: {size} bytes of manifest and weights, at most {limit} "
+            "(--max-inline-probe-bytes; larger probes load from a path)"
+        )
 
 
 def load_probe_bytes(manifest_json: str | bytes, weights: bytes | None, source: str = "inline") -> Probe:

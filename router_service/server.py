@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.grpc_server import MAX_MESSAGE_BYTES, SERVICE_FULL_NAMES, ServerHandle, start_server
+from common.security.config import ServerSecurity
 from router_service.metrics import RouterMetrics
-from router_service.probe_files import load_probe_path, probe_paths
+from router_service.probe_files import DEFAULT_MAX_INLINE_PROBE_BYTES, load_probe_path, probe_paths
 from router_service.registry import ProbeRegistry
 from router_service.servicers import AdminServicer, LiveSession, SessionServicer
 from router_service.session import DEFAULT_MAX_REQUESTS_PER_SESSION
@@ -41,6 +42,8 @@ class RouterConfig:
     max_message_bytes: int = MAX_MESSAGE_BYTES  # gRPC send and receive limit
     max_sessions: int = DEFAULT_MAX_SESSIONS  # open engine sessions; more get RESOURCE_EXHAUSTED
     max_requests_per_session: int = DEFAULT_MAX_REQUESTS_PER_SESSION  # live requests per session
+    security: ServerSecurity | None = None  # None: plaintext, no tokens (in-process tests)
+    max_inline_probe_bytes: int = DEFAULT_MAX_INLINE_PROBE_BYTES  # larger inline LoadProbe: RESOURCE_EXHAUSTED
 
 
 class Router:
@@ -86,6 +89,8 @@ class Router:
             self.config.host,
             self.config.port,
             self.config.max_message_bytes,
+            security=self.config.security,
+            metrics_registry=self.metrics.registry,
         )
         self._started = True
         self.metrics.probes_loaded.set(len(self.registry))

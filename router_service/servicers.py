@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 from common.enum_checks import check_enums
 from common.errors import InvalidArgument, ResourceExhausted
-from router_service.probe_files import ProbeFileError, load_probe_bytes, load_probe_path
+from router_service.probe_files import ProbeFileError, check_inline_size, load_probe_bytes, load_probe_path
 from router_service.manifest import ManifestError
 from router_service.session import SessionState, error
 from undercurrent.v1 import undercurrent_pb2 as pb
@@ -177,6 +177,8 @@ class AdminServicer(undercurrent_pb2_grpc.ProbeAdminServiceServicer):
             if source == "path":
                 probe = await asyncio.to_thread(load_probe_path, request.path)
             elif source == "inline":
+                check_inline_size(request.inline.manifest_json, request.inline.weights_safetensors,
+                                  self.router.config.max_inline_probe_bytes)
                 probe = load_probe_bytes(
                     request.inline.manifest_json, request.inline.weights_safetensors or None
                 )

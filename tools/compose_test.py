@@ -10,7 +10,8 @@ Steps, each timed and reported:
      folder in pip's configuration (find-links) is served to the engine build;
   4. `docker compose up --wait` (3 router replicas, the model job, the engine);
   5. one Generate with the shipped probe bound, sent from this host through
-     the published port: tokens stream, probe scores come back;
+     the published port over TLS with a client token (the CA and the token
+     read from the `certs` volume): tokens stream, probe scores come back;
   6. `--scale router=2`: the engine's replicas_up gauge follows 3 -> 2, and a
      second Generate still gets scores; vLLM's own series (time to first token,
      end-to-end latency) on the engine's metrics endpoint count both requests;
@@ -42,6 +43,7 @@ from pathlib import Path
 import grpc
 
 from common.grpc_server import channel_options
+from common.security.client import tls_credentials
 from tools.deploy_probes import PROBE_NAME
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
@@ -364,6 +366,15 @@ class Stack:
                              "--wait-timeout", "600", *args],
                             WORK / log_name, re.compile(r"."), env=self.env, timeout=900)
 
+    def client_credentials(self) -> grpc.ChannelCredentials:
+        """TLS trusting the stack's CA, with the `demo` client token: both read
+        from the `certs` volume through the engine container."""
+        ca = WORK / "compose-ca.pem"
+        ca.write_text(self.compose("exec", "-T", "engine", "cat", "/certs/ca.pem").stdout)
+        tokens = self.compose("exec", "-T", "engine", "cat", "/certs/client-tokens").stdout
+        token = dict(line.split(":", 1) for line in tokens.split())["demo"]
+        return tls_credentials(ca, None, None, token, None)
+
     def metric(self, name: str) -> float | None:
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=5) as reply:
@@ -393,7 +404,8 @@ class Stack:
         raise Failure(f"{name} is {seen}, expected {want} within {timeout:.0f} s")
 
 
-async def generate_with_probe(port: int, prompt: str, max_tokens: int) -> dict:
+async def generate_with_probe(port: int, credentials: grpc.ChannelCredentials, prompt: str,
+                              max_tokens: int) -> dict:
     """One Generate through the published port; returns what came back. A probe
     unknown to the engine (NOT_FOUND) is retried for 30 s: routers' catalogs reach
     the engine asynchronously after they connect."""
@@ -402,7 +414,7 @@ async def generate_with_probe(port: int, prompt: str, max_tokens: int) -> dict:
         sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     request.probes.add(probe=PROBE_NAME, failure_policy=pb.FAILURE_POLICY_FAIL_CLOSED)
     deadline = time.monotonic() + 30
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options()) as channel:
+    async with grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials, options=channel_options()) as channel:
         engine = pb_grpc.EngineServiceStub(channel)
         while True:
             seen: dict = {"text": "", "token_ids": 0, "scores": [], "finished": None}
@@ -482,7 +494,8 @@ def main(argv: list[str] | None = None) -> int:
             log(ps)
             (WORK / "compose-ps.txt").write_text(ps)
         with steps.step("Generate with a probe"):
-            seen = asyncio.run(generate_with_probe(stack.engine_port, "The quick brown fox",
+            credentials = stack.client_credentials()
+            seen = asyncio.run(generate_with_probe(stack.engine_port, credentials, "The quick brown fox",
                                                    args.max_tokens))
             log("   " + check_generate(seen, args.max_tokens))
         with steps.step("engine sees 3 router replicas"):
@@ -492,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
             stack.up("--scale", "router=2", log_name="compose-scale.log")
             took = stack.wait_metric(REPLICAS_UP, 2, timeout=90)
             log(f"   {REPLICAS_UP} = 2, {took:.0f} s after the scale-down")
-            seen = asyncio.run(generate_with_probe(stack.engine_port, "Scaled down",
+            seen = asyncio.run(generate_with_probe(stack.engine_port, credentials, "Scaled down",
                                                    args.max_tokens))
             log("   after scaling: " + check_generate(seen, args.max_tokens))
             removed = stack.wait_engine_log(r"router replica (\S+) removed", timeout=60)

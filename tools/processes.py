@@ -1,6 +1,7 @@
 """Service processes on loopback: start, wait for gRPC health, stop.
 
-Shared by the `make run` demo, the end-to-end tests and the benchmarks.
+Shared by the `make run` demo, the end-to-end tests and the benchmarks. Services
+run with TLS and tokens from `tools.dev_security` unless started with secure=False.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tools.dev_security import DevSecurity
 
 LOGS = Path(__file__).resolve().parent.parent / ".cache" / "logs"
 
@@ -36,6 +39,7 @@ class Service:
     port: int
     env: dict = field(default_factory=dict)
     log_to_file: bool = True
+    security: DevSecurity | None = None  # None: plaintext (--insecure)
     process: subprocess.Popen | None = None
 
     @property
@@ -60,6 +64,13 @@ class Service:
         )
         return self
 
+    def channel(self, token: str | None = None) -> grpc.aio.Channel:
+        """A client channel to the service: TLS with the development client
+        certificate and tokens, or plaintext for an --insecure service."""
+        if self.security is None:
+            return grpc.aio.insecure_channel(self.address)
+        return self.security.channel(self.address, token)
+
     def log_tail(self, lines: int = 40) -> str:
         if not self.log_path.exists():
             return ""
@@ -68,7 +79,7 @@ class Service:
     async def wait_health(self, want_serving: bool | None = True, timeout: float = 180) -> None:
         """Waits for the health status (want_serving None: any answer at all)."""
         deadline = time.monotonic() + timeout
-        async with grpc.aio.insecure_channel(self.address) as channel:
+        async with self.channel() as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 if self.process.poll() is not None:
@@ -108,23 +119,32 @@ class Service:
         self.process.wait(timeout=30)
 
 
-def router(port: int, probes_dir: Path, *extra: str, log_to_file: bool = True) -> Service:
+def _security(secure: bool) -> DevSecurity | None:
+    return DevSecurity.ensure() if secure else None
+
+
+def router(port: int, probes_dir: Path, *extra: str, log_to_file: bool = True,
+           secure: bool = True) -> Service:
+    security = _security(secure)
+    flags = security.router_flags() if security else ["--insecure"]
     return Service(
         "router",
         ["router_service", "--host", "127.0.0.1", "--port", str(port), "--probes", str(probes_dir),
-         *extra],
+         *flags, *extra],
         port,
         log_to_file=log_to_file,
+        security=security,
     )
 
 
 def engine(model: str, router_addresses: str, *extra: str, workers_bind: str | None = None,
-           log_to_file: bool = True, max_model_len: int = 512) -> Service:
+           log_to_file: bool = True, max_model_len: int = 512, secure: bool = True) -> Service:
     port = free_port()
+    security = _security(secure)
     args = ["engine_service", "--host", "127.0.0.1", "--port", str(port), "--model", model,
             "--max-model-len", str(max_model_len), "--dtype", "float32", "--disable-log-stats",
-            *extra]
+            *(security.engine_flags() if security else ["--insecure"]), *extra]
     if router_addresses:
         args += ["--router", router_addresses]
     env = {"VLLM_CPU_OMP_THREADS_BIND": workers_bind} if workers_bind else {}
-    return Service("engine", args, port, env, log_to_file)
+    return Service("engine", args, port, env, log_to_file, security)

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 from pathlib import Path
 
-import grpc
-
 from common.enum_names import short_name
-from common.grpc_server import channel_options
 from tools import processes
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
@@ -26,8 +24,8 @@ from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 REPO = Path(__file__).resolve().parent.parent
 
 
-async def demo(engine_address: str, prompt: str, max_tokens: int, probe: str | None) -> None:
-    async with grpc.aio.insecure_channel(engine_address, options=channel_options()) as channel:
+async def demo(engine_service: processes.Service, prompt: str, max_tokens: int, probe: str | None) -> None:
+    async with engine_service.channel() as channel:
         engine = pb_grpc.EngineServiceStub(channel)
         info = (await engine.GetModelInfo(pb.GetModelInfoRequest())).model
         print(
@@ -85,12 +83,14 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(router.wait_health(timeout=60))
         print(f"router SERVING on {router.address}", flush=True)
         asyncio.run(engine.wait_health(timeout=args.startup_timeout))
-        print(f"engine SERVING on {engine.address}", flush=True)
+        print(f"engine SERVING on {engine.address} over TLS (CA {engine.security.ca}; "
+              f"client tokens in {engine.security.directory / 'client-tokens'})", flush=True)
         if args.norm_demo:
-            asyncio.run(demo(engine.address, args.prompt, args.max_tokens, probe_name))
+            asyncio.run(demo(engine, args.prompt, args.max_tokens, probe_name))
         else:
             from probe_lifecycle.demo import lifecycle_demo
 
+            os.environ.update(engine.security.client_env())  # the lifecycle commands' credentials
             asyncio.run(lifecycle_demo(engine.address, router.address, REPO / ".cache" / "lifecycle"))
         if not args.exit_after_demo:
             print("Both services keep running; Ctrl-C stops them.", flush=True)

@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     connection = argparse.ArgumentParser(add_help=False)
     connection.add_argument("--tls-root-cert", metavar="PEM",
                             help="CA certificate of the server: connect with TLS")
+    connection.add_argument("--tls-cert", metavar="PEM",
+                            help="client certificate for mutual TLS (routers require one)")
+    connection.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
     connection.add_argument("--token", default=os.environ.get(TOKEN_ENV),
                             help=f"bearer token sent on every call (default: ${TOKEN_ENV})")
     connection.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
@@ -153,9 +156,14 @@ def _connection(args, flag: str) -> Connection:
     if not target:
         env = ENGINE_ENV if flag == "engine" else ROUTER_ENV
         raise UsageError(f"--{flag} HOST:PORT is required (or set ${env})")
-    if args.tls_root_cert and not os.path.isfile(args.tls_root_cert):
-        raise UsageError(f"--tls-root-cert {args.tls_root_cert!r} is not a file")
-    return Connection(target, root_certificates=args.tls_root_cert, token=args.token)
+    for option in ("tls_root_cert", "tls_cert", "tls_key"):
+        path = getattr(args, option)
+        if path and not os.path.isfile(path):
+            raise UsageError(f"--{option.replace('_', '-')} {path!r} is not a file")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise UsageError("--tls-cert and --tls-key go together")
+    return Connection(target, root_certificates=args.tls_root_cert, certificate_chain=args.tls_cert,
+                      private_key=args.tls_key, token=args.token)
 
 
 def _sampling(args) -> dict:

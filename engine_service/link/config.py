@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.grpc_server import MAX_MESSAGE_BYTES
+from common.security.tls import ChannelFactory
 from engine_service.link.send_queue import OverflowPolicy
 from engine_service.link.targets import parse_targets
 
@@ -29,6 +30,9 @@ class RouterLinkConfig:
     max_message_bytes: int = MAX_MESSAGE_BYTES
     # close(): how long to wait for queues to flush and routers to end their streams.
     close_timeout_s: float = 2.0
+    # Opens each Session's channel: plaintext by default, mutual TLS when the
+    # engine has certificates (a new channel per attempt reads them afresh).
+    open_channel: ChannelFactory = field(default_factory=ChannelFactory)
 
     def __post_init__(self) -> None:
         self.overflow_policy = OverflowPolicy(self.overflow_policy)

@@ -207,9 +207,7 @@ class ReplicaSession:
             await asyncio.sleep(delay)
 
     async def _session(self) -> None:
-        channel = aio.insecure_channel(
-            self.address, options=channel_options(self.config.max_message_bytes)
-        )
+        channel = self.config.open_channel(self.address, channel_options(self.config.max_message_bytes))
         call = undercurrent_pb2_grpc.ProbeRouterServiceStub(channel).Session()
         tasks: list[asyncio.Task] = []
         try:

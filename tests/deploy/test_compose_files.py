@@ -55,7 +55,7 @@ def test_the_schema_check_rejects_a_misspelt_service_key(tmp_path):
 def test_compose_wires_the_engine_to_router_replicas_with_probes_and_shared_memory():
     config = compose_config("compose.yaml")
     services = config["services"]
-    assert set(services) == {"engine", "router", "models"}
+    assert set(services) == {"engine", "router", "models", "certs"}
     assert services["router"]["deploy"]["replicas"] == 3
     assert "--router=dns:router:50061" in services["engine"]["command"]
     assert int(services["engine"]["shm_size"]) >= 256 * 2**20
@@ -64,10 +64,67 @@ def test_compose_wires_the_engine_to_router_replicas_with_probes_and_shared_memo
     # Readiness gates the engine: the router's check needs SERVING (probes loaded).
     assert services["router"]["healthcheck"]["test"][-2:] == ["common.health_probe", "127.0.0.1:50061"]
     assert services["router"]["restart"] == "unless-stopped"
-    for name in ("engine", "router"):
+    for name in ("engine", "router", "certs"):
         assert services[name]["build"]["args"] == {"BASE_IMAGE": "python:3.11-slim"}
     probes_mount = next(v for v in services["router"]["volumes"] if v["target"] == "/probes")
     assert Path(probes_mount["source"]) == REPO / "deploy" / "probes"
+
+
+def flag_values(command: list[str]) -> dict[str, str]:
+    """`--flag value` and `--flag=value` alike."""
+    values, pending = {}, None
+    for arg in command:
+        if pending:
+            values[pending], pending = arg, None
+        elif arg.startswith("--") and "=" in arg:
+            name, _, value = arg.partition("=")
+            values[name] = value
+        elif arg.startswith("--"):
+            pending = arg
+    return values
+
+
+def test_compose_serves_tls_with_tokens_from_the_certs_job():
+    """Both services refuse to start without TLS files or --insecure: compose
+    hands them the certs job's CA, certificates and token files, and their
+    health probes the TLS files they need."""
+    services = compose_config("compose.yaml")["services"]
+    certs = services["certs"]
+    assert certs["entrypoint"][:3] == ["python", "-m", "common.devcerts"]
+    job = flag_values(certs["entrypoint"])
+    assert job["--out"] == "/certs" and job["--names"].split(",") == ["engine", "router", "client"]
+    assert (job["--client-tokens"], job["--admin-tokens"]) == ("demo", "operator")
+    assert certs["image"] == services["router"]["image"]
+    assert [(v["source"], v["target"], v.get("read_only", False)) for v in certs["volumes"]] == [
+        ("certs", "/certs", False)]
+    router, engine = flag_values(services["router"]["command"]), flag_values(services["engine"]["command"])
+    assert "--insecure" not in router and "--insecure" not in engine
+    assert {k: router[k] for k in ("--tls-cert", "--tls-key", "--tls-ca", "--admin-tokens-file")} == {
+        "--tls-cert": "/certs/router.pem", "--tls-key": "/certs/router.key", "--tls-ca": "/certs/ca.pem",
+        "--admin-tokens-file": "/certs/admin-tokens"}
+    assert {k: engine[k] for k in ("--tls-cert", "--tls-key", "--tls-ca", "--client-tokens-file")} == {
+        "--tls-cert": "/certs/engine.pem", "--tls-key": "/certs/engine.key", "--tls-ca": "/certs/ca.pem",
+        "--client-tokens-file": "/certs/client-tokens"}
+    for name in ("engine", "router"):
+        service = services[name]
+        mount = next(v for v in service["volumes"] if v["target"] == "/certs")
+        assert (mount["source"], mount.get("read_only")) == ("certs", True)
+        assert service["depends_on"]["certs"]["condition"] == "service_completed_successfully"
+        assert service["environment"]["UNDERCURRENT_TLS_CA"] == "/certs/ca.pem"
+        assert "--insecure" not in service["healthcheck"]["test"]
+    # A router requires a client certificate of its health probe too.
+    assert (services["router"]["environment"]["UNDERCURRENT_TLS_CERT"],
+            services["router"]["environment"]["UNDERCURRENT_TLS_KEY"]) == ("/certs/client.pem", "/certs/client.key")
+    assert "UNDERCURRENT_TLS_CERT" not in services["engine"]["environment"]
+
+
+def test_router_image_has_what_the_certs_job_and_tls_need():
+    """common.devcerts and common.security.tls import cryptography; the router
+    image (which runs the certs job) installs requirements/router.txt only."""
+    router = (REPO / "requirements" / "router.txt").read_text().splitlines()
+    lock = (REPO / "requirements" / "cpu.lock.txt").read_text().splitlines()
+    pinned = next(line for line in lock if line.startswith("cryptography=="))
+    assert pinned in router
 
 
 def test_compose_takes_ports_tag_and_base_image_from_the_environment():
@@ -84,6 +141,9 @@ def test_gpu_overlay_reserves_gpus_shares_host_ipc_and_builds_the_cuda_image():
     services = compose_config("compose.yaml", "compose.gpu.yaml")["services"]
     engine = services["engine"]
     assert engine["ipc"] == "host"
+    # The overlay's environment merges with the base's: the health probe keeps its CA.
+    assert engine["environment"]["UNDERCURRENT_TLS_CA"] == "/certs/ca.pem"
+    assert "--tls-cert=/certs/engine.pem" in engine["command"]
     devices = engine["deploy"]["resources"]["reservations"]["devices"]
     assert devices == [{"capabilities": ["gpu"], "driver": "nvidia", "count": -1}]
     for name in ("engine", "models"):

@@ -18,7 +18,8 @@ def health_probe(*args: str) -> subprocess.CompletedProcess:
 @pytest.fixture
 def router_without_probes(tmp_path):
     (tmp_path / "probes").mkdir()
-    router = processes.router(processes.free_port(), tmp_path / "probes").start()
+    # Plaintext: these check health semantics (tests/security checks the probe over mutual TLS).
+    router = processes.router(processes.free_port(), tmp_path / "probes", secure=False).start()
     try:
         asyncio.run(router.wait_health(want_serving=False, timeout=60))
         yield router

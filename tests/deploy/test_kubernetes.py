@@ -64,11 +64,48 @@ def test_the_renderer_refuses_features_it_does_not_implement(tmp_path):
         render(tmp_path)
 
 
+TLS_DIR = "/etc/undercurrent/tls"
+ROUTER_PROBE = ["python", "-m", "common.health_probe", f"--tls-ca={TLS_DIR}/ca.crt",
+                f"--tls-cert={TLS_DIR}/tls.crt", f"--tls-key={TLS_DIR}/tls.key",
+                "--server-name=undercurrent-router", "127.0.0.1:50061"]
+
+
 def test_router_liveness_does_not_depend_on_probes_but_readiness_does():
+    """Both over mutual TLS (Kubernetes' own gRPC probe speaks no TLS)."""
     router = container(objects("cpu")[("Deployment", "undercurrent-router")], "router")
-    assert router["readinessProbe"]["grpc"] == {"port": 50061}
-    assert router["livenessProbe"]["exec"]["command"] == [
-        "python", "-m", "common.health_probe", "--live", "127.0.0.1:50061"]
+    assert router["readinessProbe"]["exec"]["command"] == ROUTER_PROBE
+    assert router["livenessProbe"]["exec"]["command"] == [*ROUTER_PROBE[:3], "--live", *ROUTER_PROBE[3:]]
+
+
+def flags(args: list[str]) -> dict[str, str]:
+    return dict(a.split("=", 1) for a in args if a.startswith("--") and "=" in a)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_services_serve_tls_with_tokens_from_secrets(overlay):
+    """Both services refuse to start without TLS files or --insecure: the pods
+    get them (and the token files) from required Secrets, one certificate per
+    service, each service only its own kind of tokens."""
+    rendered = objects(overlay)
+    for name, tokens_flag, tokens_key in (("engine", "--client-tokens-file", "client-tokens"),
+                                          ("router", "--admin-tokens-file", "admin-tokens")):
+        deployment = rendered[("Deployment", f"undercurrent-{name}")]
+        spec = deployment["spec"]["template"]["spec"]
+        service = container(deployment, name)
+        assert "--insecure" not in service["args"]
+        assert {k: v for k, v in flags(service["args"]).items() if k.startswith("--tls") or k == tokens_flag} == {
+            "--tls-cert": f"{TLS_DIR}/tls.crt", "--tls-key": f"{TLS_DIR}/tls.key",
+            "--tls-ca": f"{TLS_DIR}/ca.crt", tokens_flag: f"/etc/undercurrent/tokens/{tokens_key}"}
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert volumes["tls"]["secret"] == {"secretName": f"undercurrent-{name}-tls"}
+        assert volumes["tokens"]["secret"] == {
+            "secretName": "undercurrent-tokens", "items": [{"key": tokens_key, "path": tokens_key}]}
+        mounts = {m["name"]: m for m in service["volumeMounts"]}
+        assert mounts["tls"] == {"name": "tls", "mountPath": TLS_DIR, "readOnly": True}
+        assert mounts["tokens"] == {"name": "tokens", "mountPath": "/etc/undercurrent/tokens", "readOnly": True}
+        for probe in ("readinessProbe", "livenessProbe"):
+            command = service[probe]["exec"]["command"]
+            assert f"--tls-ca={TLS_DIR}/ca.crt" in command and f"--server-name=undercurrent-{name}" in command
 
 
 def test_routers_are_headless_budgeted_and_autoscaled():
@@ -88,7 +125,7 @@ def test_routers_are_headless_budgeted_and_autoscaled():
     assert router["resources"]["requests"]["cpu"]
 
 
-def test_referenced_configmap_pvc_and_tls_secret():
+def test_referenced_configmap_and_pvc():
     cpu = objects("cpu")
     configmap = cpu[("ConfigMap", CONFIGMAP_NAME)]
     assert set(configmap["binaryData"]) == {PROBE_FILE.name}
@@ -98,8 +135,6 @@ def test_referenced_configmap_pvc_and_tls_secret():
     engine_volumes = {v["name"]: v for v in engine_spec["volumes"]}
     claim = engine_volumes["models"]["persistentVolumeClaim"]["claimName"]
     assert ("PersistentVolumeClaim", claim) in cpu
-    for volumes in (router_volumes, engine_volumes):
-        assert volumes["tls"]["secret"] == {"secretName": "undercurrent-tls", "optional": True}
     # The CPU overlay writes the embedded model into that claim before the engine starts.
     init = engine_spec["initContainers"][0]
     assert init["command"][:3] == ["python", "-m", "common.embedded_model"]
@@ -115,7 +150,9 @@ def test_engine_has_resources_memory_backed_shm_and_separate_probes(overlay, shm
     assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": shm}
     assert {"name": "dshm", "mountPath": "/dev/shm"} in engine["volumeMounts"]
     assert engine["resources"]["requests"]["cpu"] and engine["resources"]["limits"]["memory"]
-    assert engine["readinessProbe"] == {"grpc": {"port": 50051}, "periodSeconds": 5}
+    assert engine["readinessProbe"]["exec"]["command"] == [
+        "python", "-m", "common.health_probe", f"--tls-ca={TLS_DIR}/ca.crt",
+        "--server-name=undercurrent-engine", "127.0.0.1:50051"]
     assert "--live" in engine["livenessProbe"]["exec"]["command"]
     assert "--live" in engine["startupProbe"]["exec"]["command"]
     assert spec["securityContext"]["runAsNonRoot"] is True

@@ -6,12 +6,23 @@ from __future__ import annotations
 import pytest
 
 from tests.e2e import stack
+from tools.dev_security import DevSecurity
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.vllm
 
 MAX_MODEL_LEN = 1024  # the embedded models' max_position_embeddings
+
+
+@pytest.fixture(autouse=True, scope="package")
+def client_credentials():
+    """The lifecycle commands take TLS files and tokens from the environment
+    (common.security.client); the services here run with TLS."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in DevSecurity.ensure().client_env().items():
+            patch.setenv(name, value)
+        yield
 
 
 @pytest.fixture(scope="package")

@@ -10,22 +10,22 @@ from pathlib import Path
 import grpc
 
 from common.enum_names import short_name
-from common.grpc_server import channel_options
 from tools import processes
+from tools.dev_security import DevSecurity
 from tools.processes import Service, free_port  # noqa: F401  (re-exported for the tests)
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 
 
 def router(port: int, probes_dir: Path, *extra: str) -> Service:
-    """A router with fast heartbeats, so lost sessions show quickly."""
-    return processes.router(port, probes_dir, "--heartbeat-interval", "1", *extra)
+    """A router with fast heartbeats, so lost sessions show quickly, and reflection."""
+    return processes.router(port, probes_dir, "--heartbeat-interval", "1", "--reflection", *extra)
 
 
 def engine(model: str, router_addresses: str, *extra: str, workers_bind: str | None = None,
            max_model_len: int = 512) -> Service:
-    """An engine whose requests give up on an unreachable router after 1.5 s."""
-    return processes.engine(model, router_addresses, "--router-timeout", "1.5", *extra,
+    """An engine whose requests give up on an unreachable router after 1.5 s, with reflection."""
+    return processes.engine(model, router_addresses, "--router-timeout", "1.5", "--reflection", *extra,
                             workers_bind=workers_bind, max_model_len=max_model_len)
 
 
@@ -70,8 +70,10 @@ async def generate(stub: pb_grpc.EngineServiceStub, request: pb.GenerateRequest,
     return outcome
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=channel_options())
+def channel(address: str, token: str | None = None) -> grpc.aio.Channel:
+    """TLS with the development client certificate; the `demo` client token (the
+    admin token for ProbeAdminService) unless `token` is given."""
+    return DevSecurity.ensure().channel(address, token)
 
 
 async def wait_for_probe(stub: pb_grpc.EngineServiceStub, probe: str, timeout: float = 30) -> None:

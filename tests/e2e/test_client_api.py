@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from common.activations import from_batch
 from tests.e2e import stack
 from tests.e2e.conftest import MAX_MODEL_LEN
+from tools.dev_security import DevSecurity
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 pytestmark = pytest.mark.vllm
@@ -121,7 +122,7 @@ async def test_reflection_and_health_list_every_service(engine_service, start_ro
                          "grpc.health.v1.Health"},
     }
     for address, services in expected.items():
-        with grpc.insecure_channel(address) as channel:
+        with grpc.secure_channel(address, DevSecurity.ensure().channel_credentials()) as channel:
             listed = set(ProtoReflectionDescriptorDatabase(channel).get_services())
         assert services <= listed, (address, listed)
     # The engine is SERVING while a router session is up (it reconnects with

@@ -20,6 +20,7 @@ from common.activations import Block, from_batch, to_batch
 from router_service.probe_files import write_probe
 from tests.e2e import probes, stack
 from tools import node_client
+from tools.dev_security import DevSecurity
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 from undercurrent_client import (
@@ -32,6 +33,7 @@ from undercurrent_client import (
     Probe,
     RpcError,
     Started,
+    Connection,
     Tokens,
     batch_arrays,
     capture_file,
@@ -43,6 +45,20 @@ pytestmark = pytest.mark.vllm
 PROMPTS = ["The quick brown fox", "Hello, world! How are", "A probe is a small"]
 MAX_TOKENS = 48
 CLI = [sys.executable, "-m", "undercurrent_client"]
+
+
+def engine_connection(address: str) -> Connection:
+    """TLS trusting the development CA, with the `demo` client token (the engine runs with TLS)."""
+    dev = DevSecurity.ensure()
+    return Connection(address, root_certificates=dev.ca, token=dev.client_token)
+
+
+def admin_connection(address: str) -> Connection:
+    """Mutual TLS with the development client certificate and the admin token (routers require both)."""
+    dev = DevSecurity.ensure()
+    cert, key = dev.pem("client")
+    return Connection(address, root_certificates=dev.ca, certificate_chain=cert, private_key=key,
+                      token=dev.admin_token)
 
 
 def greedy(prompt: str, rid: str, max_tokens: int = MAX_TOKENS, **fields) -> pb.GenerateRequest:
@@ -64,7 +80,7 @@ async def router(engine_service, router_ports, tmp_path_factory):
 @pytest.fixture(scope="module")
 async def baseline(engine_service) -> list[Generation]:
     """Greedy runs of each prompt with layer-3 residual rows, through the async client."""
-    async with AsyncEngineClient(engine_service.address, timeout=120) as engine:
+    async with AsyncEngineClient(engine_connection(engine_service.address), timeout=120) as engine:
         runs = await asyncio.gather(*[
             Generation.of_async(engine.generate(greedy(p, f"client-base-{i}",
                                                        points=[probes.trace_point()])))
@@ -88,7 +104,7 @@ async def firing_probe(baseline, router, engine_service, tmp_path_factory) -> pr
     local = tmp_path_factory.mktemp("local-probe") / probe.name
     write_probe(local, probe.manifest("abort"),
                 {"weight": probe.weight, "bias": np.array([probe.bias], np.float32)})
-    async with AsyncProbeAdminClient(router.address) as admin:
+    async with AsyncProbeAdminClient(admin_connection(router.address)) as admin:
         info = await admin.load(upload=local)
         assert (info.name, info.action) == (probe.name, pb.PROBE_ACTION_ABORT)
         assert probe.name in [p.name for p in await admin.list()]
@@ -102,7 +118,7 @@ async def firing_probe(baseline, router, engine_service, tmp_path_factory) -> pr
 
 async def test_async_client_streams_typed_events_and_stops_at_the_probe(engine_service, baseline,
                                                                        firing_probe, router):
-    async with AsyncEngineClient(engine_service.address, timeout=120) as engine:
+    async with AsyncEngineClient(engine_connection(engine_service.address), timeout=120) as engine:
         events = [e async for e in engine.generate(greedy(
             PROMPTS[0], "client-gated", gate_tokens=True,
             probes=[Probe(firing_probe.name, failure_policy="fail_closed")]))]
@@ -127,7 +143,7 @@ async def test_blocking_client_scores_and_activations_match_the_first_capture(en
     thread keeps the test's loop free anyway)."""
 
     def observe() -> tuple[pb.ModelInfo, Generation]:
-        with EngineClient(engine_service.address, timeout=120) as engine:
+        with EngineClient(engine_connection(engine_service.address), timeout=120) as engine:
             request = greedy(PROMPTS[0], "client-observed", points=[probes.trace_point()],
                              probes=[Probe(firing_probe.name, action="observe")])
             return engine.model_info(), Generation.of(engine.generate(request))
@@ -150,7 +166,7 @@ async def test_blocking_client_scores_and_activations_match_the_first_capture(en
 
 
 async def test_abort_by_id_and_errors_name_status_and_field(engine_service):
-    async with AsyncEngineClient(engine_service.address, timeout=120) as engine:
+    async with AsyncEngineClient(engine_connection(engine_service.address), timeout=120) as engine:
         seen_tokens = asyncio.Event()
 
         async def long_run() -> Generation:
@@ -174,7 +190,7 @@ async def test_abort_by_id_and_errors_name_status_and_field(engine_service):
 
     # Leaving a blocking stream early cancels it, which aborts the request in vLLM.
     def leave_early() -> bool:
-        with EngineClient(engine_service.address, timeout=120) as engine:
+        with EngineClient(engine_connection(engine_service.address), timeout=120) as engine:
             stream = engine.generate(greedy("d e f", "client-leave", max_tokens=600))
             for event in stream:
                 if isinstance(event, Tokens):
@@ -193,8 +209,11 @@ async def test_abort_by_id_and_errors_name_status_and_field(engine_service):
 
 
 async def cli(*args: str, timeout: float = 180) -> tuple[int, str, str]:
+    """The command with the development CA and the `demo` client token (the engine runs with TLS)."""
+    dev = DevSecurity.ensure()
     process = await asyncio.create_subprocess_exec(
-        *CLI, *args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        *CLI, *args, "--tls-root-cert", str(dev.ca), "--token", dev.client_token,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out, err = await asyncio.wait_for(process.communicate(), timeout)
     return process.returncode, out.decode(), err.decode()
 
@@ -298,7 +317,7 @@ async def test_node_client_against_the_live_services(engine_service, router, bas
         name="last_prompt", tensor_type=pb.TENSOR_TYPE_MLP_OUT, layers=[0, 2],
         tokens=pb.TokenSelector(scope=pb.TokenSelector.SCOPE_PROMPT, indexes=[-1]), stream_to_client=True)
     request = greedy(PROMPTS[1], "py-capture", max_tokens=6, points=[probes.trace_point(), prompt_point])
-    async with AsyncEngineClient(engine_service.address, timeout=120) as engine:
+    async with AsyncEngineClient(engine_connection(engine_service.address), timeout=120) as engine:
         events = [e async for e in engine.generate(request)]
     run = Generation.of(events)
     assert run.reason == "LENGTH"
@@ -331,7 +350,7 @@ async def test_node_client_against_the_live_services(engine_service, router, bas
     process = await asyncio.create_subprocess_exec(
         "node", "--test", "test/", cwd=node_client.NODE_CLIENT,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        env=dict(os.environ, UNDERCURRENT_ENGINE=engine_service.address,
+        env=dict(os.environ, **DevSecurity.ensure().client_env(), UNDERCURRENT_ENGINE=engine_service.address,
                  UNDERCURRENT_ROUTER=router.address, UNDERCURRENT_NODE_FIXTURE=str(fixture_path)))
     output = (await asyncio.wait_for(process.communicate(), 300))[0].decode()
     assert process.returncode == 0, output

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from common.grpc_server import MAX_MESSAGE_BYTES, channel_options
 from tests.e2e import stack
 from tests.message_strategies import messages, wire_bytes
+from tools.dev_security import DevSecurity
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 pytestmark = pytest.mark.vllm
@@ -36,7 +37,8 @@ SMALL = {
 
 @pytest.fixture(scope="module")
 def engine_channel(engine_service, engine_metrics_port):
-    channel = grpc.insecure_channel(engine_service.address, options=channel_options(2 * MAX_MESSAGE_BYTES))
+    channel = grpc.secure_channel(engine_service.address, DevSecurity.ensure().channel_credentials(),
+                                  options=channel_options(2 * MAX_MESSAGE_BYTES))
     assert stack.running_requests(engine_metrics_port) == 0
     yield channel
     channel.close()

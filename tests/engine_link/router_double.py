@@ -21,6 +21,7 @@ from undercurrent.v1 import undercurrent_pb2_grpc
 
 from common.activations import from_batch
 from common.grpc_server import SERVICE_FULL_NAMES, ServerHandle, start_server
+from common.security.config import ServerSecurity
 
 PROBE = pb.ProbeInfo(
     name="first_element", kind="threshold", tensor_type=pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=[0]
@@ -72,7 +73,8 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
         self.port = 0
         self.changed = asyncio.Event()
 
-    async def start(self, port: int = 0) -> RouterDouble:
+    async def start(self, port: int = 0, security: ServerSecurity | None = None) -> RouterDouble:
+        """Listens on port (0: any); security None is plaintext."""
         self.handle = await start_server(
             [
                 (
@@ -83,6 +85,7 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
             ],
             "127.0.0.1",
             port,
+            security=security,
         )
         self.port = self.handle.port
         return self

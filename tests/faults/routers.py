@@ -10,6 +10,7 @@ from collections import defaultdict
 
 from common.activations import from_batch
 from tests.engine_link.router_double import RouterDouble
+from tools.dev_security import DevSecurity
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 LAYERS = [0, 1, 2, 3]
@@ -24,7 +25,15 @@ def probe_info(name: str, layers=LAYERS) -> pb.ProbeInfo:
     )
 
 
-class KeyRecordingRouter(RouterDouble):
+class _TLSRouterDouble(RouterDouble):
+    """A RouterDouble served with the development router certificate, as the
+    engine of the fault tests (TLS by default) expects of every router."""
+
+    async def start(self, port: int = 0, security=None) -> RouterDouble:
+        return await super().start(port, security or DevSecurity.ensure().router_server_security())
+
+
+class KeyRecordingRouter(_TLSRouterDouble):
     """Scores nothing; records every row's key, batch by batch, and acks each step."""
 
     def __init__(self, probe: str = "keys") -> None:
@@ -42,7 +51,7 @@ class KeyRecordingRouter(RouterDouble):
         return [pb.SessionResponse(ack=pb.StepAck(step=batch.step))]
 
 
-class ErroringRouter(RouterDouble):
+class ErroringRouter(_TLSRouterDouble):
     """Answers hello, then every batch with an INTERNAL RequestError per request
     in it, followed by the step's ack: the router processed the step, and failed."""
 

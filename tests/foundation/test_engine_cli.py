@@ -41,7 +41,7 @@ def test_port_in_use():
         busy.listen()
         port = busy.getsockname()[1]
         result = run_engine("--model", str(EMBEDDED_MODELS["tiny-llama"]), "--host", "127.0.0.1",
-                            "--port", str(port))
+                            "--port", str(port), "--insecure")
     assert_one_line_error(result, "--port", f"127.0.0.1:{port}")
 
 

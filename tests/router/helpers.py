@@ -62,8 +62,9 @@ def block(rows, request_ids, positions, generated=None, layer=1, tensor_type=pb.
 class SessionClient:
     """One engine's side of a Session: send EngineMessages, read RouterMessages."""
 
-    def __init__(self, router: Router | int, engine_id: str = "engine-1"):
-        self.channel = channel(router)
+    def __init__(self, router: Router | int, engine_id: str = "engine-1",
+                 open_channel: grpc.aio.Channel | None = None):
+        self.channel = open_channel if open_channel is not None else channel(router)
         self.stub = undercurrent_pb2_grpc.ProbeRouterServiceStub(self.channel)
         self.outgoing: asyncio.Queue = asyncio.Queue()
         self.engine_id = engine_id

@@ -28,7 +28,7 @@ async def test_serves_health_and_metrics_drains_on_sigterm_and_exits_cleanly(tmp
     linear_probe(tmp_path, "p", np.ones(HIDDEN))
     metrics_port = free_port()
     proc = run_router("--port", "0", "--host", "127.0.0.1", "--probes", str(tmp_path),
-                      "--metrics-port", str(metrics_port), "--grace-period", "10")
+                      "--metrics-port", str(metrics_port), "--grace-period", "10", "--insecure")
     try:
         line = await asyncio.to_thread(proc.stdout.readline)
         assert line.startswith("router listening on 127.0.0.1:"), (line, proc.stderr.read())
@@ -59,6 +59,7 @@ async def test_serves_health_and_metrics_drains_on_sigterm_and_exits_cleanly(tmp
     logs = [json.loads(line) for line in proc.stderr.read().splitlines()]
     messages = [entry["msg"] for entry in logs]
     assert "router started" in messages and "draining" in messages and messages[-1] == "stopped"
+    assert any(e["level"] == "warning" and e["msg"].startswith("--insecure: serving PLAINTEXT") for e in logs)
     assert next(e for e in logs if e["msg"] == "probe loaded")["probe"] == "p"
     assert next(e for e in logs if e["msg"] == "stopped")["requests_cut_off"] == 0
 
@@ -105,11 +106,12 @@ def test_port_in_use_and_a_broken_probe_fail_with_one_line(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        err = one_line_failure("--port", str(port), "--host", "127.0.0.1", "--probes", str(tmp_path))
+        err = one_line_failure("--port", str(port), "--host", "127.0.0.1", "--probes", str(tmp_path),
+                               "--insecure")
     assert f"cannot listen on 127.0.0.1:{port}" in err
     linear_probe(tmp_path, "bad", np.ones(HIDDEN))
     (tmp_path / "bad" / "manifest.json").write_text(json.dumps(manifest("bad") | {"layers": "x"}))
-    err = one_line_failure("--port", "0", "--probes", str(tmp_path))
+    err = one_line_failure("--port", "0", "--probes", str(tmp_path), "--insecure")
     assert err == (f"router_service: error: {tmp_path / 'bad'}: manifest.layers: expected list, got str 'x'")
 
 

@@ -2,7 +2,7 @@
 const { EngineClient, decodeBatch } = require('../src');
 
 async function main([target = '127.0.0.1:50051', probe = 'residual_norm'] = process.argv.slice(2)) {
-  const engine = new EngineClient(target);  // options: { rootCert, token, maxMessageBytes, deadlineMs }
+  const engine = new EngineClient(target);  // options: { rootCert, clientCert, clientKey, token, maxMessageBytes, deadlineMs }
   const rows = [];
   for await (const event of engine.generate({
     text: 'The quick brown fox', sampling: { maxTokens: 12, temperature: 0 }, probes: [{ probe }],

@@ -24,6 +24,8 @@ const v1 = /** @type {any} */ (grpc.loadPackageDefinition(packageDefinition)).un
 /**
  * @typedef {object} ConnectionOptions
  * @property {Buffer|string} [rootCert] PEM (or a path to it) of the CA that signed the server: TLS
+ * @property {Buffer|string} [clientCert] PEM (or a path) of a client certificate for mutual TLS (routers require one)
+ * @property {Buffer|string} [clientKey] PEM (or a path) of clientCert's private key
  * @property {string} [token] sent as `authorization: Bearer <token>` on every call
  * @property {number} [maxMessageBytes] largest message sent or received (default 64 MiB)
  * @property {number} [deadlineMs] deadline of unary calls (default 30000)
@@ -50,10 +52,18 @@ class RpcError extends Error {
   }
 }
 
+/** PEM bytes from a Buffer or a file path; null when absent. @param {Buffer|string|undefined} value */
+function pem(value) {
+  if (!value) return null;
+  return Buffer.isBuffer(value) ? value : fs.readFileSync(value);
+}
+
 /** @param {ConnectionOptions} options */
 function channelArgs(options) {
+  if (Boolean(options.clientCert) !== Boolean(options.clientKey)) throw new TypeError('clientCert and clientKey go together');
+  if (options.clientCert && !options.rootCert) throw new TypeError('clientCert needs rootCert (mutual TLS)');
   const credentials = options.rootCert
-    ? grpc.credentials.createSsl(Buffer.isBuffer(options.rootCert) ? options.rootCert : fs.readFileSync(options.rootCert))
+    ? grpc.credentials.createSsl(pem(options.rootCert), pem(options.clientKey), pem(options.clientCert))
     : grpc.credentials.createInsecure();
   const limit = options.maxMessageBytes ?? MAX_MESSAGE_BYTES;
   return [credentials, { 'grpc.max_send_message_length': limit, 'grpc.max_receive_message_length': limit }];

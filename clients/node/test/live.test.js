@@ -4,6 +4,9 @@
 // the Python client, writes the fixture, and runs this file with:
 //   UNDERCURRENT_ENGINE, UNDERCURRENT_ROUTER  host:port of the services
 //   UNDERCURRENT_NODE_FIXTURE                 the fixture JSON
+//   UNDERCURRENT_TLS_CA                       CA of the services' certificates (TLS when set)
+//   UNDERCURRENT_TLS_CERT, UNDERCURRENT_TLS_KEY  client certificate (the router requires one)
+//   UNDERCURRENT_TOKEN, UNDERCURRENT_ADMIN_TOKEN  client token (engine), admin token (router)
 const test = require('node:test');
 const assert = require('node:assert/strict');
 const fs = require('node:fs');
@@ -12,6 +15,10 @@ const { EngineClient, ProbeAdminClient, RpcError, decodeBatch, packageDefinition
 const { UNDERCURRENT_ENGINE: ENGINE, UNDERCURRENT_ROUTER: ROUTER, UNDERCURRENT_NODE_FIXTURE: FIXTURE } = process.env;
 const skip = ENGINE && ROUTER && FIXTURE ? false : 'set UNDERCURRENT_ENGINE, UNDERCURRENT_ROUTER and UNDERCURRENT_NODE_FIXTURE';
 const fixture = skip ? null : JSON.parse(fs.readFileSync(FIXTURE, 'utf8'));
+const { UNDERCURRENT_TLS_CA: CA, UNDERCURRENT_TLS_CERT: CERT, UNDERCURRENT_TLS_KEY: KEY } = process.env;
+const tls = CA ? { rootCert: CA } : {};
+const engineOptions = { ...tls, token: process.env.UNDERCURRENT_TOKEN };
+const adminOptions = { ...tls, ...(CA && CERT ? { clientCert: CERT, clientKey: KEY } : {}), token: process.env.UNDERCURRENT_ADMIN_TOKEN };
 
 /** Every event of one Generate stream, gathered. */
 async function run(engine, request) {
@@ -35,7 +42,7 @@ function byPosition(rows) {
 }
 
 test('model info describes the embedded model', { skip }, async () => {
-  const engine = new EngineClient(ENGINE);
+  const engine = new EngineClient(ENGINE, engineOptions);
   const info = await engine.modelInfo();
   engine.close();
   assert.equal(info.architecture, 'LlamaForCausalLM');
@@ -44,7 +51,7 @@ test('model info describes the embedded model', { skip }, async () => {
 });
 
 test('a gated Generate with the probe aborts at its known token', { skip }, async () => {
-  const engine = new EngineClient(ENGINE);
+  const engine = new EngineClient(ENGINE, engineOptions);
   const { probe, prompt, maxTokens, baselineTokens } = fixture.abort;
   const out = await run(engine, {
     requestId: 'node-abort', text: prompt, gateTokens: true,
@@ -64,7 +71,7 @@ test('a gated Generate with the probe aborts at its known token', { skip }, asyn
 });
 
 test('live activations decode to the values the Python client decoded', { skip }, async () => {
-  const engine = new EngineClient(ENGINE);
+  const engine = new EngineClient(ENGINE, engineOptions);
   const out = await run(engine, { ...fixture.capture.request, requestId: 'node-capture' });
   engine.close();
   assert.equal(out.finished.reason, 'LENGTH');
@@ -99,7 +106,7 @@ test('float32, float16 and bfloat16 batches decode exactly as in Python', { skip
 });
 
 test('ProbeAdmin loads, lists and unloads a probe', { skip }, async () => {
-  const admin = new ProbeAdminClient(ROUTER);
+  const admin = new ProbeAdminClient(ROUTER, adminOptions);
   const { manifestJson, name } = fixture.admin;
   const loaded = await admin.load({ manifestJson });
   assert.deepEqual([loaded.name, loaded.kind, loaded.action], [name, 'norm', 'PROBE_ACTION_OBSERVE']);

@@ -1,0 +1,53 @@
+"""Client credentials for tools that call the services (the lifecycle commands,
+scripts): TLS and bearer tokens from the environment, plaintext without them.
+
+  UNDERCURRENT_TLS_CA                 CA the server's certificate must chain to (TLS when set)
+  UNDERCURRENT_TLS_CERT, _TLS_KEY     client certificate and key (routers require one)
+  UNDERCURRENT_TOKEN                  bearer token for EngineService (a client token)
+  UNDERCURRENT_ADMIN_TOKEN            bearer token for ProbeAdminService (an admin token)
+
+(The services read their token *sets* from UNDERCURRENT_CLIENT_TOKENS and
+UNDERCURRENT_ADMIN_TOKENS; these singular names are one caller's own tokens.)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import grpc
+
+ADMIN_SERVICE = "undercurrent.v1.ProbeAdminService"
+ENV_CA, ENV_CERT, ENV_KEY = "UNDERCURRENT_TLS_CA", "UNDERCURRENT_TLS_CERT", "UNDERCURRENT_TLS_KEY"
+ENV_TOKEN, ENV_ADMIN_TOKEN = "UNDERCURRENT_TOKEN", "UNDERCURRENT_ADMIN_TOKEN"
+
+
+class ServiceTokens(grpc.AuthMetadataPlugin):
+    """Sends `authorization: Bearer ...` on every call: the admin token to
+    ProbeAdminService, the client token to everything else (health ignores it)."""
+
+    def __init__(self, client: str | None, admin: str | None):
+        self.client, self.admin = client, admin
+
+    def __call__(self, context, callback):
+        token = self.admin if context.service_url.endswith(ADMIN_SERVICE) else self.client
+        callback((("authorization", f"Bearer {token}"),) if token else (), None)
+
+
+def tls_credentials(ca: Path, cert: Path | None, key: Path | None, client_token: str | None,
+                    admin_token: str | None) -> grpc.ChannelCredentials:
+    tls = grpc.ssl_channel_credentials(
+        ca.read_bytes(), key.read_bytes() if key else None, cert.read_bytes() if cert else None
+    )
+    tokens = grpc.metadata_call_credentials(ServiceTokens(client_token, admin_token), "undercurrent-tokens")
+    return grpc.composite_channel_credentials(tls, tokens)
+
+
+def channel_from_env(address: str, options: list, environ=os.environ) -> grpc.aio.Channel:
+    """A channel to address: TLS with tokens when UNDERCURRENT_TLS_CA is set, else plaintext."""
+    if not environ.get(ENV_CA):
+        return grpc.aio.insecure_channel(address, options=options)
+    path = (lambda name: Path(environ[name]) if environ.get(name) else None)
+    credentials = tls_credentials(path(ENV_CA), path(ENV_CERT), path(ENV_KEY),
+                                  environ.get(ENV_TOKEN), environ.get(ENV_ADMIN_TOKEN))
+    return grpc.aio.secure_channel(address, credentials, options=options)

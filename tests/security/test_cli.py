@@ -1,0 +1,111 @@
+"""The security flags of both services, and the development-certificate command."""
+
+from __future__ import annotations
+
+import ipaddress
+import subprocess
+import sys
+
+import pytest
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
+
+from common.grpc_server import start_server
+from common.security.config import ADMIN_TOKENS, SecurityConfigError, security_from_args
+from router_service.cli import parse_args
+from tests.conftest import REPO
+from tests.models import EMBEDDED_MODELS
+from tests.security.conftest import ADMIN_TOKEN
+
+
+def router_args(tmp_path, *flags):
+    return parse_args(["--port", "0", "--probes", str(tmp_path), *flags])
+
+
+def tls_flags(files):
+    return ["--tls-cert", str(files.cert), "--tls-key", str(files.key), "--tls-ca", str(files.ca)]
+
+
+@pytest.mark.parametrize("flags, message", [
+    ([], "--tls-cert, --tls-key, --tls-ca: required for TLS (or --insecure for plaintext development)"),
+    (["--insecure", "--tls-ca", "x"], "--insecure: conflicts with --tls-ca (choose one)"),
+    (["--tls-cert", "c"], "--tls-key, --tls-ca: required for TLS (or --insecure for plaintext development)"),
+])
+def test_tls_is_required_unless_insecure(tmp_path, flags, message):
+    with pytest.raises(SecurityConfigError) as err:
+        security_from_args(router_args(tmp_path, *flags), ADMIN_TOKENS, require_client_cert=True, environ={})
+    assert str(err.value) == message
+
+
+def test_tls_needs_a_token_source_and_reads_tokens_from_file_or_environment(tmp_path, pki):
+    flags = tls_flags(pki.files("router"))
+    with pytest.raises(SecurityConfigError, match=r"^--admin-tokens-file: ProbeAdminService needs admin tokens"):
+        security_from_args(router_args(tmp_path, *flags), ADMIN_TOKENS, require_client_cert=True, environ={})
+    security, client_tls = security_from_args(
+        router_args(tmp_path, *flags), ADMIN_TOKENS, require_client_cert=True,
+        environ={"UNDERCURRENT_ADMIN_TOKENS": f"ops:{ADMIN_TOKEN}"})
+    assert security.tls.require_client_cert and not security.reflection
+    assert security.tokens["undercurrent.v1.ProbeAdminService"].caller_of(ADMIN_TOKEN) == "ops"
+    (tmp_path / "admin").write_text(f"root:{ADMIN_TOKEN}\n")
+    security, _ = security_from_args(
+        router_args(tmp_path, *flags, "--admin-tokens-file", str(tmp_path / "admin"), "--reflection"),
+        ADMIN_TOKENS, require_client_cert=True, environ={})
+    assert security.tokens["undercurrent.v1.ProbeAdminService"].caller_of(ADMIN_TOKEN) == "root"
+    assert security.reflection
+
+
+async def test_insecure_is_plaintext_and_logged_as_a_warning_once_listening(tmp_path, caplog):
+    security, client_tls = security_from_args(router_args(tmp_path, "--insecure"), ADMIN_TOKENS,
+                                              require_client_cert=True, environ={})
+    assert security.tls is None and security.tokens == {} and client_tls is None
+    handle = await start_server([], "127.0.0.1", 0, security=security)
+    await handle.server.stop(None)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == ["--insecure: serving PLAINTEXT gRPC with no transport security and no admin "
+                        "tokens (ProbeAdminService accepts any caller); development only"]
+
+
+def run(module, *args):
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_both_services_refuse_to_start_without_tls_or_insecure_in_one_line(tmp_path):
+    router = run("router_service", "--port", "0", "--probes", str(tmp_path))
+    engine = run("engine_service", "--model", str(EMBEDDED_MODELS["tiny-llama"]), "--port", "0")
+    for result, prog in ((router, "router_service"), (engine, "engine_service")):
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+        errors = [line for line in result.stderr.splitlines() if "error:" in line]
+        assert errors == [f"{prog}: error: --tls-cert, --tls-key, --tls-ca: required for TLS "
+                          "(or --insecure for plaintext development)"]
+
+
+def test_a_mismatched_key_fails_start_up_naming_the_files(tmp_path, pki, rogue):
+    files = pki.files("router")
+    rogue.write("router")
+    (tmp_path / "admin").write_text(f"ops:{ADMIN_TOKEN}\n")
+    result = run("router_service", "--port", "0", "--probes", str(tmp_path), "--tls-cert", str(files.cert),
+                 "--tls-key", str(rogue.directory / "router.key"), "--tls-ca", str(files.ca),
+                 "--admin-tokens-file", str(tmp_path / "admin"))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"router_service: error: {rogue.directory / 'router.key'} is not the private key of {files.cert}")
+
+
+def test_devcerts_makes_a_ca_and_certificates_for_every_name(tmp_path):
+    result = run("common.devcerts", "--out", str(tmp_path), "--names", "engine,router",
+                 "--namespaces", "default,probes")
+    assert result.returncode == 0, result.stderr
+    ca = x509.load_pem_x509_certificate((tmp_path / "ca.pem").read_bytes())
+    router = x509.load_pem_x509_certificate((tmp_path / "router.pem").read_bytes())
+    router.verify_directly_issued_by(ca)
+    san = router.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    names = set(san.get_values_for_type(x509.DNSName))
+    assert {"router", "localhost", "router.default.svc", "router.probes.svc.cluster.local",
+            "*.router.default.svc.cluster.local"} <= names
+    assert ipaddress.ip_address("127.0.0.1") in san.get_values_for_type(x509.IPAddress)
+    usages = router.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH} <= set(usages)
+    assert (tmp_path / "router.key").stat().st_mode & 0o077 == 0
+    bad = run("common.devcerts", "--out", str(tmp_path), "--names", "a b")
+    assert bad.returncode == 2 and "--names: 'a b' is not a DNS name" in bad.stderr
