@@ -33,18 +33,14 @@ from google.protobuf import json_format
 from safetensors import safe_open
 from safetensors.numpy import save
 
-from common.capture_spec import TENSOR_TYPES, tensor_type_to_proto
+from common.capture_spec import TENSOR_TYPES, Scope, TokenSelector, tensor_type_to_proto
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 FORMAT = "undercurrent-dataset/1"
 MANIFEST = "dataset.json"
 PROGRESS = "progress.jsonl"
 LOCK = "capture.lock"
-SCOPES = {
-    "prompt": pb.TokenSelector.SCOPE_PROMPT,
-    "generated": pb.TokenSelector.SCOPE_GENERATED,
-    "all": pb.TokenSelector.SCOPE_ALL,
-}
+SCOPES = tuple(scope.value for scope in Scope)
 POOLINGS = ("last", "mean", "all")
 """last: the last selected token's row; mean: the mean of the selected rows; all: every row."""
 MODEL_IDENTITY = ("model", "architecture", "num_layers", "hidden_size", "dtype", "vocab_size")
@@ -109,7 +105,7 @@ class CaptureSpec:
 
     def points(self) -> list[pb.ExtractionPoint]:
         """One extraction point per tensor type, streamed back to the caller."""
-        selector = pb.TokenSelector(scope=SCOPES[self.scope])
+        selector = TokenSelector(scope=Scope(self.scope)).to_proto()
         if self.scope == "prompt" and self.pooling == "last":
             selector.indexes.append(-1)  # only the row that is kept crosses the wire
         return [

@@ -15,7 +15,7 @@ from typing import TextIO
 
 import grpc
 
-from common.capture_spec import tensor_type_from_proto
+from common.capture_spec import Scope, TokenSelector, tensor_type_from_proto
 from common.enum_names import short_name
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent_client import capture_file
@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--point", action="append", default=[], required=True,
                      metavar="TYPE:LAYER[,LAYER]",
                      help="e.g. residual_stream:12, mlp_out:0,2 or final_norm (repeatable)")
-    cap.add_argument("--tokens", choices=("all", "prompt", "generated"), default="all",
+    cap.add_argument("--tokens", choices=[scope.value for scope in Scope], default="all",
                      help="which token positions to capture (default: all)")
     cap.add_argument("--out", required=True, metavar="FILE", help="the .safetensors file to write")
     cap.set_defaults(run=run_capture)
@@ -310,10 +310,6 @@ def run_probes_unload(args, out: TextIO, err: TextIO) -> int:
 
 # -- capture -----------------------------------------------------------------
 
-_SCOPES = {"all": pb.TokenSelector.SCOPE_ALL, "prompt": pb.TokenSelector.SCOPE_PROMPT,
-           "generated": pb.TokenSelector.SCOPE_GENERATED}
-
-
 def _prompts(args) -> list[str]:
     prompts = list(args.prompts)
     if args.prompts_file:
@@ -330,7 +326,7 @@ def _prompts(args) -> list[str]:
 def run_capture(args, out: TextIO, err: TextIO) -> int:
     connection = _connection(args, "engine")
     prompts = _prompts(args)
-    selector = pb.TokenSelector(scope=_SCOPES[args.tokens])
+    selector = TokenSelector(scope=Scope(args.tokens)).to_proto()
     try:
         points = [point(spec, tokens=selector) for spec in args.point]
     except ValueError as problem:

@@ -7,13 +7,13 @@ import json
 import numpy as np
 import pytest
 
+from common.capture_spec import Scope
 from probe_lifecycle.deploy import DeployError, check_against_engine
 from probe_lifecycle.train import TrainOptions, check_same_model, train_probe
 from probe_lifecycle.training import TrainingError, threshold_for_fpr
 from router_service.manifest import parse_manifest
 from router_service.probe_files import load_probe_path
 from tests.lifecycle import synthetic
-from undercurrent.v1 import undercurrent_pb2 as pb
 
 
 def test_threshold_admits_exactly_the_target_share_of_negatives():
@@ -35,7 +35,7 @@ def test_each_kind_trains_a_probe_the_router_loads_unchanged(tmp_path, kind):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     probe = load_probe_path(out)  # the router's loader
     assert (probe.manifest.kind, probe.manifest.layers, probe.manifest.hidden_size) == (kind, (2,), 16)
-    assert probe.manifest.tokens.scope == pb.TokenSelector.SCOPE_GENERATED
+    assert probe.manifest.tokens.scope is Scope.GENERATED
     held = result.held_out
     assert probe.manifest.threshold == held.threshold
     assert held.auroc > 0.95 and held.fpr <= 0.1 and held.tpr > 0.8
@@ -56,7 +56,7 @@ def test_last_prompt_token_pooling_deploys_as_that_token(tmp_path):
     (dataset / "dataset.json").write_text(json.dumps(manifest))
     train_probe(dataset, tmp_path / "p", TrainOptions(name="last", layer=1))
     probe = parse_manifest((tmp_path / "p" / "manifest.json").read_text())
-    assert probe.tokens.scope == pb.TokenSelector.SCOPE_PROMPT and probe.tokens.indexes == (-1,)
+    assert probe.tokens.scope is Scope.PROMPT and probe.tokens.indexes == (-1,)
     assert CaptureSpec.from_dict(manifest["capture"]).points()[0].tokens.indexes == [-1]
 
 
