@@ -65,6 +65,68 @@ class TokenGate:
 
 
 @dataclass
+class HeldScores:
+    """Probe scores wait until the ledger counts their rows as scored.
+
+    A router sends a step's scores just before its StepAck. A router lost in
+    between leaves the ledger counting those rows unprobed; showing their scores
+    as well would count a position both scored and unprobed. So the client sees
+    a score only at a position the ledger settled, never at one it counts
+    unprobed, and the scores it sees plus `unprobed_tokens` add up to the rows
+    the request fed.
+    """
+
+    held: list[pb.ProbeScores] = field(default_factory=list)
+
+    def add(self, scores: pb.ProbeScores) -> None:
+        self.held.append(scores)
+
+    def release(self, ledger: RequestLedger, below: int | None = None) -> list[pb.ProbeScores]:
+        """Scores at settled positions, in arrival order; scores at failed positions
+        are withheld for good. `below` ends the request: every score still held,
+        and any at or past `below`, is withheld."""
+        shown: list[pb.ProbeScores] = []
+        still_held: list[pb.ProbeScores] = []
+        for message in self.held:
+            ready, waiting = _split(message, ledger, final=below is not None, below=below)
+            if ready is not None:
+                shown.append(ready)
+            if waiting is not None:
+                still_held.append(waiting)
+        self.held = still_held
+        return shown
+
+
+def _split(
+    message: pb.ProbeScores, ledger: RequestLedger, final: bool, below: int | None
+) -> tuple[pb.ProbeScores | None, pb.ProbeScores | None]:
+    """(the scores to show now, the scores still waiting) of one message."""
+    ready: list[tuple[int, float]] = []
+    waiting: list[tuple[int, float]] = []
+    for position, score in zip(message.token_positions, message.scores):
+        outcome = ledger.outcome_at(position)
+        if outcome and (below is None or position < below):
+            ready.append((position, score))
+        elif outcome is None and not final:
+            waiting.append((position, score))
+    return _with_scores(message, ready), _with_scores(message, waiting)
+
+
+def _with_scores(message: pb.ProbeScores, pairs: list[tuple[int, float]]) -> pb.ProbeScores | None:
+    if not pairs:
+        return None
+    if len(pairs) == len(message.token_positions):
+        return message
+    part = pb.ProbeScores()
+    part.CopyFrom(message)
+    part.ClearField("token_positions")
+    part.ClearField("scores")
+    part.token_positions.extend(p for p, _ in pairs)
+    part.scores.extend(s for _, s in pairs)
+    return part
+
+
+@dataclass
 class ActiveRequest:
     request_id: str
     # This run of request_id, unique in the engine process: router messages and
@@ -78,6 +140,8 @@ class ActiveRequest:
     ledger: RequestLedger | None = None
     # Set whenever the ledger moved (acks, failures); the end of the request waits on it.
     ledger_changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # Router scores waiting for the ledger to settle their positions.
+    scores: HeldScores = field(default_factory=HeldScores)
     captures: bool = False  # registered extraction points (client or probe)
     generated: int = 0
     finish_reason: int = pb.FINISH_REASON_UNSPECIFIED  # set when we end it

@@ -235,6 +235,18 @@ class RequestLedger:
             through = position
         return through
 
+    def outcome_at(self, position: int) -> bool | None:
+        """True once every row captured at `position` was acknowledged, False once
+        one of them failed, None while rows are in flight (or none was captured)."""
+        entry = self._positions.get(position)
+        if entry is None:
+            return None
+        if entry.failed:
+            return False
+        if entry.outstanding:
+            return None
+        return True
+
     def in_flight(self) -> int:
         """Rows queued or sent and not yet acknowledged or failed."""
         return sum(m.num_rows for m in self._live)

@@ -385,7 +385,10 @@ class EngineRuntime:
             request.end(reqs.VLLM_FINISH_REASONS.get(vllm_reason, pb.FINISH_REASON_ERROR))
         ledger = request.ledger
         # Positions of tokens the client got: generated token g sits at prompt_len + g.
-        unprobed = ledger.unprobed_tokens(below=request.prompt_len + request.generated) if ledger else 0
+        received_below = request.prompt_len + request.generated
+        unprobed = ledger.unprobed_tokens(below=received_below) if ledger else 0
+        if ledger is not None:
+            self._show_scores(request, below=received_below)
         dropped = (ledger.dropped_records if ledger else 0) + request.events.dropped_records
         if request.gate is not None:
             if request.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH):
@@ -526,7 +529,8 @@ class EngineRuntime:
             scores.CopyFrom(event.scores)
             scores.router = event.replica
             scores.ClearField("incarnation")
-            request.events.put_nowait(pb.GenerateResponse(probe_event=pb.ProbeEvent(scores=scores)))
+            request.scores.add(scores)
+            self._show_scores(request)
         elif isinstance(event, links.Abort):
             self.metrics.aborts.labels("PROBE_ABORT").inc()
             verdict = pb.Verdict()
@@ -536,13 +540,20 @@ class EngineRuntime:
             self._spawn(self._stop(request, pb.FINISH_REASON_PROBE_ABORT, verdict=verdict))
         elif isinstance(event, links.Processed):
             request.ledger_changed.set()
+            self._show_scores(request)
             if request.gate is not None and request.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
                 self._release_gated(request)
         elif isinstance(event, links.Unscored):
             request.ledger_changed.set()
+            self._show_scores(request)
             self._on_unscored(request, event.failure)
         elif isinstance(event, links.Unavailable):
             self._on_router_unavailable(request, event)
+
+    def _show_scores(self, request: ActiveRequest, below: int | None = None) -> None:
+        """Sends the client the held scores whose rows the ledger counts as scored."""
+        for scores in request.scores.release(request.ledger, below):
+            request.events.put_nowait(pb.GenerateResponse(probe_event=pb.ProbeEvent(scores=scores)))
 
     def _on_unscored(self, request: ActiveRequest, failure: Failure) -> None:
         if request.finish_reason != pb.FINISH_REASON_UNSPECIFIED:

@@ -2,6 +2,7 @@
 
 from undercurrent.v1 import undercurrent_pb2 as pb
 
+from engine_service.active_request import HeldScores
 from engine_service.request_ledger import MessageState, RequestLedger
 
 CLOSED, OPEN = pb.FAILURE_POLICY_FAIL_CLOSED, pb.FAILURE_POLICY_FAIL_OPEN
@@ -173,3 +174,54 @@ def test_nothing_captured():
     led = ledger()
     assert (led.first_unsettled(), led.releasable_through(), led.unprobed_tokens()) == (0, -1, 0)
     assert led.oldest_in_flight() is None and led.in_flight() == 0
+
+
+def test_a_position_is_scored_acknowledged_failed_or_still_in_flight():
+    led = ledger()
+    sent(led, "r", 1, {10: 2})
+    sent(led, "r", 2, {11: 1})
+    assert [led.outcome_at(p) for p in (9, 10, 11)] == [None, None, None]
+    led.acknowledged("r", 1)
+    led.replica_failed("r", "lost")
+    assert [led.outcome_at(p) for p in (10, 11)] == [True, False]
+
+
+def scores(positions: list[int]) -> pb.ProbeScores:
+    return pb.ProbeScores(request_id="q", probe="p", token_positions=positions,
+                          scores=[float(p) for p in positions])
+
+
+def test_scores_are_shown_only_where_the_ledger_counts_rows_scored():
+    """A router lost between a step's scores and its ack: those scores are
+    withheld, so shown scores plus unprobed positions equal the positions fed."""
+    led = ledger()
+    held = HeldScores()
+    sent(led, "r", 1, {10: 1, 11: 1})
+    sent(led, "r", 2, {12: 1})
+    held.add(scores([10, 11]))
+    assert held.release(led) == []  # not acknowledged yet: held
+    led.acknowledged("r", 1)
+    held.add(scores([12]))  # its ack never comes
+    assert [list(s.token_positions) for s in held.release(led)] == [[10, 11]]
+    assert [list(s.token_positions) for s in held.release(led)] == []
+    led.replica_failed("r", "router lost before acknowledging")
+    assert held.release(led) == [] and held.held == []
+    assert 2 + led.unprobed_tokens() == 3
+
+
+def test_a_message_is_split_at_the_settled_positions_and_the_end_withholds_the_rest():
+    led = ledger()
+    held = HeldScores()
+    sent(led, "r", 1, {10: 1})
+    sent(led, "s", 1, {11: 1})  # re-homed to another replica, whose ack never comes
+    sent(led, "r", 2, {12: 1})
+    held.add(scores([10, 11, 12]))
+    led.acknowledged("r", 1)
+    shown = held.release(led)
+    assert [(list(s.token_positions), list(s.scores)) for s in shown] == [([10], [10.0])]
+    assert shown[0].probe == "p" and shown[0].request_id == "q"
+    led.acknowledged("r", 2)
+    # The request ends: position 12 belongs to a token the client never received,
+    # position 11 is still in flight: both withheld.
+    shown = held.release(led, below=12)
+    assert shown == [] and held.held == []
