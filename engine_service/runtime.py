@@ -152,6 +152,7 @@ class EngineRuntime:
         return True
 
     async def generate(self, message: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        accepted_at = time.monotonic()
         if self.drain_stopped is not None:
             raise Unavailable(f"the engine cannot capture: {self.drain_stopped}")
         if not self.accepting:
@@ -180,6 +181,7 @@ class EngineRuntime:
             gate=TokenGate(len(ids)) if message.gate_tokens else None,
             events=ClientStream(limits.client_queue_bytes, message_bytes, self._count_client_drop),
             captures=bool(points),
+            accepted_at=accepted_at,
             ledger=(
                 RequestLedger(len(ids), {p.name: p.failure_policy for p in probes})
                 if probes
@@ -351,11 +353,7 @@ class EngineRuntime:
         request.generated += len(token_ids)
         self.metrics.tokens_generated.inc(len(token_ids))
         if request.gate is None:
-            request.events.put_nowait(
-                pb.GenerateResponse(
-                    tokens=pb.TokenChunk(token_ids=token_ids, text=text, first_index=first)
-                )
-            )
+            self._send_tokens(request, pb.TokenChunk(token_ids=token_ids, text=text, first_index=first))
             return
         request.gate.hold(token_ids)
         self._release_gated(request)
@@ -372,13 +370,16 @@ class EngineRuntime:
                 through = min(through, before - 1)
             first, released = gate.releasable(through)
         if released:
-            request.events.put_nowait(
-                pb.GenerateResponse(
-                    tokens=pb.TokenChunk(
-                        token_ids=released, text=self._tokenizer.decode(released), first_index=first
-                    )
-                )
+            self._send_tokens(
+                request,
+                pb.TokenChunk(token_ids=released, text=self._tokenizer.decode(released), first_index=first),
             )
+
+    def _send_tokens(self, request: ActiveRequest, chunk: pb.TokenChunk) -> None:
+        if not request.tokens_sent:
+            request.tokens_sent = True
+            self.metrics.time_to_first_token.observe(time.monotonic() - request.accepted_at)
+        request.events.put_nowait(pb.GenerateResponse(tokens=chunk))
 
     def _finish(self, request: ActiveRequest, vllm_reason: str | None) -> None:
         if request.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
@@ -395,7 +396,9 @@ class EngineRuntime:
                 self._release_gated(request, before=before)
         if ledger is not None and ledger.failures and not ledger.fail_closed_failure() and not request.message:
             request.message = f"{unprobed} tokens unprobed (fail_open): {ledger.failures[0].reason}"
-        self.metrics.requests_finished.labels(short_name(pb.FinishReason, request.finish_reason)).inc()
+        reason = short_name(pb.FinishReason, request.finish_reason)
+        self.metrics.requests_finished.labels(reason).inc()
+        self.metrics.request_duration.labels(reason).observe(time.monotonic() - request.accepted_at)
         request.events.put_nowait(
             pb.GenerateResponse(
                 finished=pb.GenerateFinished(
@@ -430,6 +433,7 @@ class EngineRuntime:
         while True:
             waiters, self._drain_waiters = self._drain_waiters, []
             blocks: list[activations.Block] = []
+            started = time.monotonic()
             try:
                 blocks = await self.capture.drain()
                 errors = self.capture.pop_request_errors()
@@ -439,6 +443,7 @@ class EngineRuntime:
                         await self._stop(request, pb.FINISH_REASON_ERROR, message=error)
                 if blocks:
                     self._deliver(blocks)
+                    self.metrics.drain_duration.observe(time.monotonic() - started)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
