@@ -28,14 +28,10 @@ def create_llm(args):
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from engine_service.capture.controller import capture_engine_kwargs
+    from engine_service.capture.controller import enable_capture
 
-    engine_args = AsyncEngineArgs.from_cli_args(args)
-    for key, value in capture_engine_kwargs(
-        allow_untested_vllm=args.allow_untested_vllm, **vars(engine_args)
-    ).items():
-        setattr(engine_args, key, value)
-    return AsyncLLM.from_engine_args(engine_args)
+    enable_capture(args)
+    return AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(args))
 
 
 def link_config(args, client_tls):
