@@ -18,6 +18,7 @@ from tests.capture.oracle import RELATIVE_TOLERANCE, TransformersOracle, compare
 from tests.capture.workloads import every_tensor_type, prompt
 from tests.e2e import stack
 from tests.processes.aborts import ABORT_LATENCY_BOUND, arm
+from engine_service.worker_node import NODE0_GONE_EXIT_CODE
 from tools import processes
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
@@ -103,3 +104,21 @@ async def test_probe_abort_across_nodes(two_nodes):
           f"{time.monotonic() - started:.2f} s for the pair")
     assert 0 <= after_trigger <= ABORT_LATENCY_BOUND
     assert other.reason == "LENGTH" and other.tokens == armed.baseline[1].tokens
+
+
+# Node 1 notices in NODE0_MISSES checks NODE0_CHECK_INTERVAL_S apart (15 s);
+# without the watch it waits for node 0 forever.
+NODE1_EXIT_BOUND_S = 60
+
+
+async def test_node_1_exits_when_node_0_goes_away(two_nodes):
+    """Runs last: it ends the engine. A supervisor then restarts node 1, which
+    joins the engine's next start instead of waiting on the old one."""
+    engine_service, worker, _, _ = two_nodes
+    engine_service.kill()
+    started = time.monotonic()
+    while worker.process.poll() is None and time.monotonic() - started < NODE1_EXIT_BOUND_S:
+        await asyncio.sleep(0.5)
+    print(f"node 1 exited {time.monotonic() - started:.1f} s after node 0 was killed")
+    assert worker.process.returncode == NODE0_GONE_EXIT_CODE, worker.log_tail()
+    assert "node 0 (127.0.0.1:" in worker.log_tail(80)
