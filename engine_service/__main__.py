@@ -101,6 +101,12 @@ def build_parser():
         help="what SIGTERM does to running requests",
     )
     ours.add_argument("--grace-period", type=float, default=30.0, help="seconds")
+    ours.add_argument(
+        "--node-timeout", type=float, default=30.0,
+        help="with --nnodes > 1: seconds every worker may take to answer the engine's liveness "
+        "check (every 5 s); past it the engine reports NOT_SERVING and exits 1 so a supervisor "
+        "restarts it and its worker nodes (0: no check)",
+    )
     limits = parser.add_argument_group("Undercurrent limits (RESOURCE_EXHAUSTED past them)")
     limits.add_argument(
         "--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES,
@@ -143,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{flag.replace('_', '-')} must be > 0")
     if args.max_prompt_bytes < 0:
         parser.error("--max-prompt-bytes must be >= 0")
+    if args.node_timeout < 0:
+        parser.error("--node-timeout must be >= 0")
     from engine_service.app import run
 
     try:

@@ -296,6 +296,13 @@ class CaptureController:
             raise CaptureUnavailable("capture failed on a worker: " + "; ".join(errors))
         return blocks
 
+    async def check_workers(self, timeout_s: float) -> None:
+        """Raises when some worker does not answer within timeout_s (a lost node).
+
+        vLLM watches only the worker processes of its own node; one on another
+        node that dies leaves every later step and call waiting for it."""
+        await self.engine.collective_rpc("undercurrent_alive", timeout=timeout_s)
+
     @property
     def recomputed_rows_dropped(self) -> int:
         """Rows dropped because an earlier drain delivered their key (preemption)."""

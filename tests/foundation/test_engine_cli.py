@@ -114,3 +114,8 @@ def test_node_flags_on_the_command_lines():
         [sys.executable, "-m", "engine_service.worker_node", "--model", model, "--nnodes", "2",
          "--node-rank", "1"], capture_output=True, text=True, timeout=120)
     assert_one_line_error(worker, "engine_service.worker_node: error: --master-addr: required")
+
+
+def test_node_timeout_must_not_be_negative():
+    result = run_engine("--model", str(EMBEDDED_MODELS["tiny-llama"]), "--node-timeout", "-1")
+    assert_one_line_error(result, "--node-timeout must be >= 0")

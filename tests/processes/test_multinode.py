@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import grpc
 import pytest
 
 from common.activations import from_batch
@@ -18,7 +19,6 @@ from tests.capture.oracle import RELATIVE_TOLERANCE, TransformersOracle, compare
 from tests.capture.workloads import every_tensor_type, prompt
 from tests.e2e import stack
 from tests.processes.aborts import ABORT_LATENCY_BOUND, arm
-from engine_service.worker_node import NODE0_GONE_EXIT_CODE
 from tools import processes
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
@@ -27,6 +27,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.multiworker]
 
 NUM_LAYERS = 4
 PARITY_TOKENS = 5
+NODE_TIMEOUT_S = 5  # the engine's --node-timeout
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ async def two_nodes(tiny_llama_path, tmp_path_factory):
     router = stack.router(stack.free_port(), tmp_path_factory.mktemp("probes")).start()
     # One worker per node, each bound to a core of its own.
     engine = stack.engine(tiny_llama_path, router.address, *node_flags, "--node-rank", "0",
-                          workers_bind="0").start()
+                          "--node-timeout", str(NODE_TIMEOUT_S), workers_bind="0").start()
     worker = processes.worker_node(tiny_llama_path, 1, node_flags, workers_bind="1").start()
     try:
         await router.wait_health(want_serving=None, timeout=60)
@@ -106,19 +107,33 @@ async def test_probe_abort_across_nodes(two_nodes):
     assert other.reason == "LENGTH" and other.tokens == armed.baseline[1].tokens
 
 
-# Node 1 notices in NODE0_MISSES checks NODE0_CHECK_INTERVAL_S apart (15 s);
-# without the watch it waits for node 0 forever.
-NODE1_EXIT_BOUND_S = 60
+# The engine checks its workers every NODE_CHECK_INTERVAL_S (5 s) and gives
+# each NODE_TIMEOUT_S to answer, then ends requests within NODE_LOSS_EXIT_S
+# (10 s); without the check it waits for node 1 forever.
+ENGINE_EXIT_BOUND_S = 60
 
 
-async def test_node_1_exits_when_node_0_goes_away(two_nodes):
-    """Runs last: it ends the engine. A supervisor then restarts node 1, which
-    joins the engine's next start instead of waiting on the old one."""
-    engine_service, worker, _, _ = two_nodes
-    engine_service.kill()
+async def test_the_engine_exits_when_node_1_goes_away(two_nodes):
+    """Runs last: it ends the stack. The engine reports NOT_SERVING and exits 1,
+    so a supervisor restarts it and node 1 rejoins its next start."""
+    engine_service, worker, _, engine = two_nodes
+    worker.kill()
     started = time.monotonic()
-    while worker.process.poll() is None and time.monotonic() - started < NODE1_EXIT_BOUND_S:
+    # A request sent at the loss ends with the reason (it does not hang with the engine):
+    # ended ERROR if it was running when the engine noticed, refused if it came after.
+    try:
+        outcome = await stack.generate(engine, pb.GenerateRequest(
+            text="anyone there", sampling=pb.SamplingParams(max_tokens=4, temperature=0)),
+            timeout=ENGINE_EXIT_BOUND_S)
+        assert outcome.reason == "ERROR", outcome.finished
+        assert outcome.finished.message.startswith("engine error: a node may be lost: "), outcome.finished
+    except grpc.aio.AioRpcError as refused:
+        assert refused.code() == grpc.StatusCode.UNAVAILABLE, refused
+        assert "the engine cannot serve: a node may be lost: " in refused.details()
+    while engine_service.process.poll() is None and time.monotonic() - started < ENGINE_EXIT_BOUND_S:
         await asyncio.sleep(0.5)
-    print(f"node 1 exited {time.monotonic() - started:.1f} s after node 0 was killed")
-    assert worker.process.returncode == NODE0_GONE_EXIT_CODE, worker.log_tail()
-    assert "node 0 (127.0.0.1:" in worker.log_tail(80)
+    print(f"engine exited {time.monotonic() - started:.1f} s after node 1 was killed")
+    assert engine_service.process.returncode == 1, engine_service.log_tail()
+    log = engine_service.log_tail(200)
+    assert "engine_service: NOT_SERVING (a node may be lost: " in log
+    assert "exiting: a node may be lost: " in log
