@@ -140,7 +140,9 @@ async def _exit_after_node_loss(server, runtime) -> int:
     log.error("exiting: %s", runtime.node_lost)
     try:
         await asyncio.wait_for(
-            runtime.shutdown(abort_running=True, grace_s=0, why=f"engine error: {runtime.node_lost}"),
+            runtime.shutdown(
+                abort_running=True, grace_s=0, why=f"engine error: {runtime.node_lost}"
+            ),
             NODE_LOSS_EXIT_S,
         )
     except TimeoutError:

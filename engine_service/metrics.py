@@ -15,7 +15,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 VLLM_PREFIX = "vllm:"
 # Seconds; from one token on a small model to a long generation on a loaded host.
-REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+REQUEST_BUCKETS = (
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0
+)
 # Seconds; one drain per engine step, so well under a step when healthy.
 DRAIN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 

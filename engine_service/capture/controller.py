@@ -123,7 +123,9 @@ def enable_capture(cli_args) -> None:
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     engine_args = AsyncEngineArgs.from_cli_args(cli_args)
-    kwargs = capture_engine_kwargs(allow_untested_vllm=cli_args.allow_untested_vllm, **vars(engine_args))
+    kwargs = capture_engine_kwargs(
+        allow_untested_vllm=cli_args.allow_untested_vllm, **vars(engine_args)
+    )
     for key, value in kwargs.items():
         setattr(cli_args, key, value)
 
@@ -200,11 +202,15 @@ class CaptureController:
         one run, and as the path for workers on another host."""
         sink = self._sink.address.as_dict() if enabled and self._sink is not None else None
         pushes = await self.engine.collective_rpc("undercurrent_push_to", args=(sink,))
-        by_rpc = [rank.rank for rank, push in zip(self.topology.ranks, pushes) if rank.ships and not push]
+        by_rpc = [
+            rank.rank for rank, push in zip(self.topology.ranks, pushes) if rank.ships and not push
+        ]
         self._rpc_drained = bool(by_rpc)
         self._barrier = {}
         if enabled and by_rpc:
-            log.info("capture: ranks %s run on another node and are drained by collective_rpc", by_rpc)
+            log.info(
+                "capture: ranks %s run on another node and are drained by collective_rpc", by_rpc
+            )
 
     @property
     def topology(self) -> Topology:

@@ -73,7 +73,7 @@ class CaptureWorkerExtension:
         return self._undercurrent.drain()
 
     def undercurrent_alive(self) -> bool:
-        """Answers the engine's liveness check (workers on other nodes have no other)."""
+        """Answers the engine's liveness check: vLLM watches no worker on another node."""
         return True
 
 
