@@ -57,10 +57,11 @@ bench: install models
 	$(PY) -m bench.capture_overhead --model $(MODELS)/tiny-llama
 	$(PY) -m bench.abort_latency --model $(MODELS)/tiny-llama
 
-# compose.yaml and compose.gpu.yaml against the Compose Specification's JSON
-# schema (no Docker needed; `make test` runs the same check).
+# compose.yaml and its GPU and two-node overlays against the Compose
+# Specification's JSON schema (no Docker needed; `make test` runs the same check).
 compose-check: install
-	$(VENV)/bin/check-jsonschema --builtin-schema vendor.compose-spec compose.yaml compose.gpu.yaml
+	$(VENV)/bin/check-jsonschema --builtin-schema vendor.compose-spec compose.yaml compose.gpu.yaml \
+		compose.multinode.yaml
 
 # The real thing on a Docker daemon (started if none runs): builds both images,
 # `docker compose up --wait`, a Generate with a probe, scaling, `down -v`.

@@ -2,6 +2,8 @@
 
 Every vLLM engine argument (--tensor-parallel-size, --pipeline-parallel-size,
 --distributed-executor-backend, --max-model-len, ...) passes through unchanged.
+Over several nodes the engine service is node 0 (--nnodes N --node-rank 0
+--master-addr ADDR); `python -m engine_service.worker_node` runs the others.
 """
 
 from __future__ import annotations
@@ -26,15 +28,45 @@ PROG = "engine_service"
 log = logging.getLogger(PROG)
 
 
-def build_parser():
+def engine_parser(prog: str, description: str):
+    """A parser with every vLLM engine argument and the capture override, which
+    reports bad flags in one line. The engine service and worker nodes share it,
+    so one engine's nodes read the same flags the same way."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     class Parser(FlexibleArgumentParser):
         def error(self, message):
-            self.exit(2, f"{PROG}: error: {message} (see --help)\n")
+            self.exit(2, f"{prog}: error: {message} (see --help)\n")
 
-    parser = Parser(prog=PROG, description=__doc__.splitlines()[0])
+    parser = Parser(prog=prog, description=description)
+    parser.add_argument(
+        "--allow-untested-vllm",
+        action="store_true",
+        help="start even on a vLLM version capture was not verified on",
+    )
+    AsyncEngineArgs.add_cli_args(parser)
+    # None tells check_node_flags that no address was given (vLLM's default is loopback).
+    parser.set_defaults(master_addr=None)
+    return parser
+
+
+def parse_engine_args(parser, argv: list[str] | None, worker_node: bool):
+    """Parses, checks the multi-node flags, sets up logging and checks the model path."""
+    from engine_service.nodes import NodeFlagsError, check_node_flags
+
+    args = parser.parse_args(argv)
+    try:
+        check_node_flags(args, worker_node)
+    except NodeFlagsError as err:
+        parser.error(str(err))
+    setup_logging(getattr(args, "log_level", None) or "info")  # vLLM's --log-level serves both
+    check_model_path(parser.prog, args.model)
+    return args
+
+
+def build_parser():
+    parser = engine_parser(PROG, __doc__.splitlines()[0])
     ours = parser.add_argument_group("Undercurrent")
     ours.add_argument("--host", default="0.0.0.0", help="gRPC listen address")
     ours.add_argument("--port", type=int, default=50051, help="gRPC port (0 picks a free one)")
@@ -69,6 +101,12 @@ def build_parser():
         help="what SIGTERM does to running requests",
     )
     ours.add_argument("--grace-period", type=float, default=30.0, help="seconds")
+    ours.add_argument(
+        "--node-timeout", type=float, default=30.0,
+        help="with --nnodes > 1: seconds every worker may take to answer the engine's liveness "
+        "check (every 5 s); past it the engine reports NOT_SERVING and exits 1 so a supervisor "
+        "restarts it and its worker nodes (0: no check)",
+    )
     limits = parser.add_argument_group("Undercurrent limits (RESOURCE_EXHAUSTED past them)")
     limits.add_argument(
         "--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES,
@@ -92,33 +130,27 @@ def build_parser():
         help="events queued per Generate stream; activations and scores past it are dropped and "
         f"counted (default {DEFAULT_CLIENT_QUEUE_BYTES}, 32 MiB)",
     )
-    ours.add_argument(
-        "--allow-untested-vllm",
-        action="store_true",
-        help="start even on a vLLM version capture was not verified on",
-    )
     add_security_flags(parser, CLIENT_TOKENS)
-    AsyncEngineArgs.add_cli_args(parser)
     return parser
 
 
-def check_model_path(model: str) -> None:
+def check_model_path(prog: str, model: str) -> None:
     if Path(model).exists():
         return
     if os.environ.get("HF_HUB_OFFLINE") == "1" or "/" in model and Path(model).parent.exists():
-        fail(PROG, f"--model: {model!r} does not exist (no model hub here; pass a local directory)")
+        fail(prog, f"--model: {model!r} does not exist (no model hub here; pass a local directory)")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_engine_args(parser, argv, worker_node=False)
     for flag in ("max_message_bytes", "max_streams", "max_extraction_points", "client_queue_bytes"):
         if getattr(args, flag) <= 0:
             parser.error(f"--{flag.replace('_', '-')} must be > 0")
     if args.max_prompt_bytes < 0:
         parser.error("--max-prompt-bytes must be >= 0")
-    setup_logging(getattr(args, "log_level", None) or "info")  # vLLM's --log-level serves both
-    check_model_path(args.model)
+    if args.node_timeout < 0:
+        parser.error("--node-timeout must be >= 0")
     from engine_service.app import run
 
     try:

@@ -5,6 +5,7 @@ request ended. Plain logic, no vLLM or gRPC, so the rules are testable alone.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -147,6 +148,10 @@ class ActiveRequest:
     finish_reason: int = pb.FINISH_REASON_UNSPECIFIED  # set when we end it
     verdict: pb.Verdict | None = None
     message: str = ""
+    # time.monotonic() when its Generate call arrived, and whether a token reached
+    # the client stream yet (the engine's latency histograms read both).
+    accepted_at: float = field(default_factory=time.monotonic)
+    tokens_sent: bool = False
 
     def fail_closed(self) -> bool:
         return any(p.failure_policy == pb.FAILURE_POLICY_FAIL_CLOSED for p in self.probes)

@@ -21,6 +21,8 @@ log = logging.getLogger("engine_service")
 
 FAILURE_POLICIES = {"fail_closed": pb.FAILURE_POLICY_FAIL_CLOSED, "fail_open": pb.FAILURE_POLICY_FAIL_OPEN}
 HEALTH_POLL_S = 0.5
+# After a lost node, running requests get this long to end before the process exits.
+NODE_LOSS_EXIT_S = 10.0
 
 
 def create_llm(args):
@@ -28,14 +30,10 @@ def create_llm(args):
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from engine_service.capture.controller import capture_engine_kwargs
+    from engine_service.capture.controller import enable_capture
 
-    engine_args = AsyncEngineArgs.from_cli_args(args)
-    for key, value in capture_engine_kwargs(
-        allow_untested_vllm=args.allow_untested_vllm, **vars(engine_args)
-    ).items():
-        setattr(engine_args, key, value)
-    return AsyncLLM.from_engine_args(engine_args)
+    enable_capture(args)
+    return AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(args))
 
 
 def link_config(args, client_tls):
@@ -110,30 +108,52 @@ async def run(args) -> int:
                 max_message_bytes=args.max_message_bytes,
                 client_queue_bytes=args.client_queue_bytes,
             ),
+            node_timeout_s=args.node_timeout if args.nnodes > 1 and args.node_timeout > 0 else None,
         ),
         metrics=metrics,
     )
     await runtime.start()
     holder["runtime"] = runtime
-    health = asyncio.create_task(_track_health(server, runtime, args.routers_optional or not links))
-
     stop = asyncio.Event()
+    health = asyncio.create_task(
+        _track_health(server, runtime, args.routers_optional or not links, stop)
+    )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("shutting down: %d running requests (%s them)", len(runtime.active), args.on_shutdown)
     health.cancel()
     await server.set_serving(False)
+    if runtime.node_lost is not None:
+        return await _exit_after_node_loss(server, runtime)
+    log.info("shutting down: %d running requests (%s them)", len(runtime.active), args.on_shutdown)
     await runtime.shutdown(abort_running=args.on_shutdown == "abort", grace_s=args.grace_period)
     await server.server.stop(grace=5)
     llm.shutdown()
     return 0
 
 
-async def _track_health(server, runtime, routers_optional: bool) -> None:
-    """SERVING while vLLM and the drain loop run and at least one router session
-    is up (unless optional)."""
+async def _exit_after_node_loss(server, runtime) -> int:
+    """A lost node leaves vLLM waiting for it for good: end what can be ended
+    within a bound and exit 1, so a supervisor restarts the engine and every
+    worker node rejoins it. vLLM's own shutdown would wait for the lost node."""
+    log.error("exiting: %s", runtime.node_lost)
+    try:
+        await asyncio.wait_for(
+            runtime.shutdown(
+                abort_running=True, grace_s=0, why=f"engine error: {runtime.node_lost}"
+            ),
+            NODE_LOSS_EXIT_S,
+        )
+    except TimeoutError:
+        log.error("requests did not end within %.0f s; exiting anyway", NODE_LOSS_EXIT_S)
+    await server.server.stop(grace=1)
+    return 1
+
+
+async def _track_health(server, runtime, routers_optional: bool, stop: asyncio.Event) -> None:
+    """SERVING while every worker answers, the drain loop runs and at least one
+    router session is up (unless optional); a lost node stops the process."""
     serving = None
     while True:
         now, why_not = runtime.health(routers_optional)
@@ -142,6 +162,9 @@ async def _track_health(server, runtime, routers_optional: bool) -> None:
             await server.set_serving(now)
             state = "SERVING" if now else f"NOT_SERVING ({why_not})"
             print(f"engine_service: {state}; {runtime.routers_up()} router(s) up", flush=True)
+        if runtime.node_lost is not None:
+            stop.set()
+            return
         await asyncio.sleep(HEALTH_POLL_S)
 
 

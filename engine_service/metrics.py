@@ -3,13 +3,23 @@
 With include_vllm, the registry also serves vLLM's own `vllm:*` series (time to
 first token, end-to-end latency, queue time, KV-cache use, ...), which vLLM's stat
 loggers keep in a registry of their own: one scrape endpoint has both.
+
+The engine's own latency histograms measure what vLLM's cannot see: a request
+as its client lives it (tokenizing, capture registration and token gating
+included) and the capture drain that runs beside vLLM's loop.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 VLLM_PREFIX = "vllm:"
+# Seconds; from one token on a small model to a long generation on a loaded host.
+REQUEST_BUCKETS = (
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0
+)
+# Seconds; one drain per engine step, so well under a step when healthy.
+DRAIN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 
 
 class VllmSeries:
@@ -62,5 +72,26 @@ class EngineMetrics:
             "undercurrent_engine_dropped_records",
             "Records (activation rows, probe scores) dropped on the way to clients, by queue",
             ["queue"],
+            registry=r,
+        )
+        self.time_to_first_token = Histogram(
+            "undercurrent_engine_time_to_first_token_seconds",
+            "From accepting a Generate request to its first token on the client stream "
+            "(tokenizing, capture registration and token gating included)",
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            "undercurrent_engine_request_duration_seconds",
+            "From accepting a Generate request to its finished message, by finish reason",
+            ["reason"],
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.drain_duration = Histogram(
+            "undercurrent_engine_drain_duration_seconds",
+            "Capture drain iterations that delivered rows: waiting for a step's rows, merging "
+            "them and handing them to clients and routers",
+            buckets=DRAIN_BUCKETS,
             registry=r,
         )

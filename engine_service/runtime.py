@@ -49,6 +49,8 @@ DRAIN_RETRY_S = 0.1
 # The end of a request waits for its last acks at most the router timeout plus
 # this, by which the link's watchdog has expired whatever is still in flight.
 SETTLE_MARGIN_S = 1.0
+# Pause between liveness checks of the workers (multi-node engines only).
+NODE_CHECK_INTERVAL_S = 5.0
 
 
 @dataclass
@@ -61,6 +63,9 @@ class EngineSettings:
     idle_drain_interval_s: float = 0.005
     # Streams, points, prompt bytes, message sizes and client queue bytes.
     limits: reqs.RequestLimits = field(default_factory=reqs.RequestLimits)
+    # With workers on other nodes: how long every worker may take to answer the
+    # liveness check before the engine counts a node as lost (None: no check).
+    node_timeout_s: float | None = None
 
 
 class EngineRuntime:
@@ -82,6 +87,8 @@ class EngineRuntime:
         self.accepting = True
         # Why the drain loop stopped (the engine then serves nothing), or None.
         self.drain_stopped: str | None = None
+        # Why a worker on another node counts as lost (vLLM can then serve nothing), or None.
+        self.node_lost: str | None = None
         self._closing = False
         self._incarnations = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
@@ -106,24 +113,58 @@ class EngineRuntime:
         drain = asyncio.create_task(self._drain_loop(), name="capture-drain")
         drain.add_done_callback(self._on_drain_loop_done)
         self._tasks.append(drain)
+        if self.settings.node_timeout_s:
+            self._tasks.append(asyncio.create_task(self._watch_nodes(), name="node-watch"))
+
+    async def _watch_nodes(self) -> None:
+        """Checks every NODE_CHECK_INTERVAL_S that vLLM's engine runs and every
+        worker answers; the first failure sets node_lost, which health reports
+        (the process then exits).
+
+        A step that meets a lost node's closed connection kills vLLM's engine
+        core, and calls to a dead core never return: hence `errored` first, and
+        a bound of our own on the call."""
+        timeout_s = self.settings.node_timeout_s
+        while True:
+            await asyncio.sleep(NODE_CHECK_INTERVAL_S)
+            if getattr(self.llm, "errored", False):
+                self.node_lost = "a node may be lost: vLLM's engine stopped after a worker failed"
+            else:
+                try:
+                    await asyncio.wait_for(self.capture.check_workers(timeout_s), timeout_s + 1)
+                    continue
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # the timeout, or vLLM's error for the call
+                    detail = f" ({type(exc).__name__}: {exc})" if str(exc) else ""
+                    self.node_lost = (
+                        f"a node may be lost: a worker did not answer within {timeout_s:g} s{detail}"
+                    )
+            log.error("%s", self.node_lost)
+            return
 
     def routers_up(self) -> int:
         return len(self.link.replicas_up()) if self.link else 0
 
     def health(self, routers_optional: bool) -> tuple[bool, str]:
-        """(serving, why not): the drain loop runs and, unless optional, a router is up."""
+        """(serving, why not): every worker answers, the drain loop runs and, unless
+        optional, a router is up."""
+        if self.node_lost is not None:
+            return False, self.node_lost
         if self.drain_stopped is not None:
             return False, f"the capture drain loop stopped: {self.drain_stopped}"
         if not routers_optional and self.routers_up() == 0:
             return False, "no router session"
         return True, ""
 
-    async def shutdown(self, abort_running: bool, grace_s: float) -> None:
-        """Stops accepting; lets running requests finish (or aborts them) within grace_s."""
+    async def shutdown(self, abort_running: bool, grace_s: float,
+                       why: str = "the engine is shutting down") -> None:
+        """Stops accepting; lets running requests finish (or aborts them, saying
+        why) within grace_s."""
         self.accepting = False
         if abort_running:
             for request in list(self.active.values()):
-                await self._stop(request, pb.FINISH_REASON_ERROR, message="the engine is shutting down")
+                await self._stop(request, pb.FINISH_REASON_ERROR, message=why)
         deadline = time.monotonic() + grace_s
         while self.active and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -152,6 +193,9 @@ class EngineRuntime:
         return True
 
     async def generate(self, message: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        accepted_at = time.monotonic()
+        if self.node_lost is not None:
+            raise Unavailable(f"the engine cannot serve: {self.node_lost}")
         if self.drain_stopped is not None:
             raise Unavailable(f"the engine cannot capture: {self.drain_stopped}")
         if not self.accepting:
@@ -180,6 +224,7 @@ class EngineRuntime:
             gate=TokenGate(len(ids)) if message.gate_tokens else None,
             events=ClientStream(limits.client_queue_bytes, message_bytes, self._count_client_drop),
             captures=bool(points),
+            accepted_at=accepted_at,
             ledger=(
                 RequestLedger(len(ids), {p.name: p.failure_policy for p in probes})
                 if probes
@@ -351,11 +396,7 @@ class EngineRuntime:
         request.generated += len(token_ids)
         self.metrics.tokens_generated.inc(len(token_ids))
         if request.gate is None:
-            request.events.put_nowait(
-                pb.GenerateResponse(
-                    tokens=pb.TokenChunk(token_ids=token_ids, text=text, first_index=first)
-                )
-            )
+            self._send_tokens(request, pb.TokenChunk(token_ids=token_ids, text=text, first_index=first))
             return
         request.gate.hold(token_ids)
         self._release_gated(request)
@@ -372,13 +413,16 @@ class EngineRuntime:
                 through = min(through, before - 1)
             first, released = gate.releasable(through)
         if released:
-            request.events.put_nowait(
-                pb.GenerateResponse(
-                    tokens=pb.TokenChunk(
-                        token_ids=released, text=self._tokenizer.decode(released), first_index=first
-                    )
-                )
+            self._send_tokens(
+                request,
+                pb.TokenChunk(token_ids=released, text=self._tokenizer.decode(released), first_index=first),
             )
+
+    def _send_tokens(self, request: ActiveRequest, chunk: pb.TokenChunk) -> None:
+        if not request.tokens_sent:
+            request.tokens_sent = True
+            self.metrics.time_to_first_token.observe(time.monotonic() - request.accepted_at)
+        request.events.put_nowait(pb.GenerateResponse(tokens=chunk))
 
     def _finish(self, request: ActiveRequest, vllm_reason: str | None) -> None:
         if request.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
@@ -398,7 +442,9 @@ class EngineRuntime:
                 self._release_gated(request, before=before)
         if ledger is not None and ledger.failures and not ledger.fail_closed_failure() and not request.message:
             request.message = f"{unprobed} tokens unprobed (fail_open): {ledger.failures[0].reason}"
-        self.metrics.requests_finished.labels(short_name(pb.FinishReason, request.finish_reason)).inc()
+        reason = short_name(pb.FinishReason, request.finish_reason)
+        self.metrics.requests_finished.labels(reason).inc()
+        self.metrics.request_duration.labels(reason).observe(time.monotonic() - request.accepted_at)
         request.events.put_nowait(
             pb.GenerateResponse(
                 finished=pb.GenerateFinished(
@@ -433,6 +479,7 @@ class EngineRuntime:
         while True:
             waiters, self._drain_waiters = self._drain_waiters, []
             blocks: list[activations.Block] = []
+            started = time.monotonic()
             try:
                 blocks = await self.capture.drain()
                 errors = self.capture.pop_request_errors()
@@ -442,6 +489,7 @@ class EngineRuntime:
                         await self._stop(request, pb.FINISH_REASON_ERROR, message=error)
                 if blocks:
                     self._deliver(blocks)
+                    self.metrics.drain_duration.observe(time.monotonic() - started)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

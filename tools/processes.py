@@ -148,3 +148,14 @@ def engine(model: str, router_addresses: str, *extra: str, workers_bind: str | N
         args += ["--router", router_addresses]
     env = {"VLLM_CPU_OMP_THREADS_BIND": workers_bind} if workers_bind else {}
     return Service("engine", args, port, env, log_to_file, security)
+
+
+def worker_node(model: str, node_rank: int, node_flags: list[str], *extra: str,
+                workers_bind: str | None = None, max_model_len: int = 512) -> Service:
+    """Node `node_rank` of a multi-node engine whose node 0 is an engine service
+    started with the same `node_flags` (--nnodes, --master-addr, --master-port,
+    parallelism). It serves no port of its own; its log is named by its rank."""
+    args = ["engine_service.worker_node", "--model", model, "--max-model-len", str(max_model_len),
+            "--dtype", "float32", "--disable-log-stats", *node_flags, "--node-rank", str(node_rank), *extra]
+    env = {"VLLM_CPU_OMP_THREADS_BIND": workers_bind} if workers_bind else {}
+    return Service(f"worker-node{node_rank}", args, free_port(), env)

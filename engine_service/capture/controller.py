@@ -113,6 +113,23 @@ def capture_engine_kwargs(allow_untested_vllm: bool = False, **user_kwargs: Any)
     return kwargs
 
 
+def enable_capture(cli_args) -> None:
+    """Switches capture on in parsed engine flags, in place.
+
+    The engine service and every worker node build vLLM's engine arguments from
+    their flags; each node's workers need the capture extension and eager mode,
+    so all of them pass through here.
+    """
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    engine_args = AsyncEngineArgs.from_cli_args(cli_args)
+    kwargs = capture_engine_kwargs(
+        allow_untested_vllm=cli_args.allow_untested_vllm, **vars(engine_args)
+    )
+    for key, value in kwargs.items():
+        setattr(cli_args, key, value)
+
+
 def require_prompt_computation(sampling_params, points: list[ExtractionPoint], prompt_len: int):
     """Makes vLLM compute every prompt position when a point captures prompt tokens.
 
@@ -185,10 +202,15 @@ class CaptureController:
         one run, and as the path for workers on another host."""
         sink = self._sink.address.as_dict() if enabled and self._sink is not None else None
         pushes = await self.engine.collective_rpc("undercurrent_push_to", args=(sink,))
-        self._rpc_drained = any(
-            rank.ships and not push for rank, push in zip(self.topology.ranks, pushes)
-        )
+        by_rpc = [
+            rank.rank for rank, push in zip(self.topology.ranks, pushes) if rank.ships and not push
+        ]
+        self._rpc_drained = bool(by_rpc)
         self._barrier = {}
+        if enabled and by_rpc:
+            log.info(
+                "capture: ranks %s run on another node and are drained by collective_rpc", by_rpc
+            )
 
     @property
     def topology(self) -> Topology:
@@ -279,6 +301,13 @@ class CaptureController:
         if errors:
             raise CaptureUnavailable("capture failed on a worker: " + "; ".join(errors))
         return blocks
+
+    async def check_workers(self, timeout_s: float) -> None:
+        """Raises when some worker does not answer within timeout_s (a lost node).
+
+        vLLM watches only the worker processes of its own node; one on another
+        node that dies leaves every later step and call waiting for it."""
+        await self.engine.collective_rpc("undercurrent_alive", timeout=timeout_s)
 
     @property
     def recomputed_rows_dropped(self) -> int:

@@ -14,11 +14,19 @@ shipments are msgpack (plain values and bytes; never pickle, so a stray
 writer cannot run code in the engine service). Only workers on the driver's
 host push; a worker on another node keeps its rows for the `collective_rpc`
 drain, which still works for every worker.
+
+"The driver's host" is the hostname, unless the process declares another
+identity in UNDERCURRENT_NODE_IDENTITY. Worker nodes (`engine_service.worker_node`)
+always declare one of their own: a Unix socket needs a shared filesystem as
+well as a shared hostname, and containers with host networking share the name
+but not /tmp. Their workers are therefore always drained by RPC, also when
+every node runs on one host (which is how that path is tested).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import socket
 import tempfile
@@ -36,6 +44,14 @@ log = logging.getLogger(__name__)
 # Payloads a worker queues in ZeroMQ while the driver is not reading; past it the
 # worker keeps rows in its own buffer and sends them with a later step.
 SEND_HIGH_WATER_MARK = 1024
+
+
+NODE_IDENTITY_ENV = "UNDERCURRENT_NODE_IDENTITY"
+
+
+def node_identity() -> str:
+    """Which node this process runs on, for "can it reach the sink"."""
+    return os.environ.get(NODE_IDENTITY_ENV) or socket.gethostname()
 
 
 @dataclass(frozen=True)
@@ -65,8 +81,8 @@ class Pusher:
 
     @staticmethod
     def reaches(address: dict) -> bool:
-        """True when this process runs on the sink's host (the endpoint is host-local)."""
-        return address.get("host") == socket.gethostname()
+        """True when this process runs on the sink's node (the endpoint is host-local)."""
+        return address.get("host") == node_identity()
 
     def push(self, shipment: dict) -> None:
         """Sends one shipment (never blocks: a full queue keeps it for the next push)."""
@@ -89,7 +105,7 @@ class Sink:
 
     def __init__(self) -> None:
         self._directory = Path(tempfile.mkdtemp(prefix="undercurrent-capture-"))  # mode 0700
-        self.address = SinkAddress(f"ipc://{self._directory / 'sink'}", socket.gethostname())
+        self.address = SinkAddress(f"ipc://{self._directory / 'sink'}", node_identity())
         self._socket = zmq.asyncio.Context.instance().socket(zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(self.address.endpoint)

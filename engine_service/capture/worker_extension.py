@@ -72,6 +72,10 @@ class CaptureWorkerExtension:
     def undercurrent_drain(self) -> dict:
         return self._undercurrent.drain()
 
+    def undercurrent_alive(self) -> bool:
+        """Answers the engine's liveness check: vLLM watches no worker on another node."""
+        return True
+
 
 class _CaptureState:
     """Everything one worker keeps: registrations, this step's plan, buffers, hooks."""

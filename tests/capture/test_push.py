@@ -60,3 +60,22 @@ def test_the_sink_is_private_to_this_user_and_this_host():
         assert not Pusher.reaches({**sink.address.as_dict(), "host": "another-node"})
     finally:
         sink.close()
+
+
+def test_a_declared_node_identity_keeps_a_process_off_another_nodes_sink(monkeypatch):
+    """Worker nodes declare an identity of their own: even on the engine's host,
+    their workers do not push (a shared hostname need not mean a shared /tmp)."""
+    from engine_service.capture.push import NODE_IDENTITY_ENV
+
+    sink = Sink()
+    try:
+        monkeypatch.setenv(NODE_IDENTITY_ENV, "host-a/node-1")
+        assert not Pusher.reaches(sink.address.as_dict())
+        other = Sink()
+        try:
+            assert other.address.host == "host-a/node-1"
+            assert Pusher.reaches(other.address.as_dict())
+        finally:
+            other.close()
+    finally:
+        sink.close()

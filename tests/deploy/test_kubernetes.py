@@ -15,7 +15,7 @@ from tools.deploy_probes import CONFIGMAP_NAME, PROBE_FILE
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
-OVERLAYS = ["cpu", "gpu"]
+OVERLAYS = ["cpu", "gpu", "gpu-multinode"]
 KUBERNETES_VERSION = "1.33.0"
 
 
@@ -33,7 +33,7 @@ def test_every_object_validates_against_the_kubernetes_schemas(overlay):
     assert {d["kind"] for d in rendered} == {
         "ConfigMap", "PersistentVolumeClaim", "Deployment", "Service",
         "PodDisruptionBudget", "HorizontalPodAutoscaler",
-    }
+    } | ({"StatefulSet"} if overlay == "gpu-multinode" else set())
     for document in rendered:
         kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True)
 
@@ -141,7 +141,7 @@ def test_referenced_configmap_and_pvc():
     assert {"name": "models", "mountPath": "/models"} in init["volumeMounts"]
 
 
-@pytest.mark.parametrize("overlay,shm", [("cpu", "2Gi"), ("gpu", "16Gi")])
+@pytest.mark.parametrize("overlay,shm", [("cpu", "2Gi"), ("gpu", "16Gi"), ("gpu-multinode", "16Gi")])
 def test_engine_has_resources_memory_backed_shm_and_separate_probes(overlay, shm):
     deployment = objects(overlay)[("Deployment", "undercurrent-engine")]
     spec = deployment["spec"]["template"]["spec"]
@@ -182,3 +182,46 @@ def test_metrics_ports_are_named_and_annotated_for_scraping(overlay):
         assert ports["metrics"] == port
         service_ports = {p["name"]: p["port"] for p in rendered[("Service", name)]["spec"]["ports"]}
         assert service_ports["metrics"] == port
+
+
+NODE_FLAGS = ("--model", "--pipeline-parallel-size", "--nnodes", "--master-port")
+
+
+def test_multinode_overlay_runs_node_1_as_a_gpu_worker_pod_that_joins_the_engine():
+    multi, gpu = objects("gpu-multinode"), objects("gpu")
+    engine_deployment = multi[("Deployment", "undercurrent-engine")]
+    engine = container(engine_deployment, "engine")
+    engine_flags = flags(engine["args"])
+    # Node 0 is the GPU overlay's engine with the node flags added, nothing dropped.
+    assert set(container(gpu[("Deployment", "undercurrent-engine")], "engine")["args"]) < set(engine["args"])
+    assert (engine_flags["--nnodes"], engine_flags["--node-rank"]) == ("2", "0")
+    assert engine_flags["--master-addr"] == "$(POD_IP)"
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in engine["env"]
+
+    workers = multi[("StatefulSet", "undercurrent-engine-worker")]
+    spec = workers["spec"]
+    worker = container(workers, "worker")
+    worker_flags = flags(worker["args"])
+    assert worker["command"] == ["python", "-m", "engine_service.worker_node"]
+    assert {k: worker_flags[k] for k in NODE_FLAGS} == {k: engine_flags[k] for k in NODE_FLAGS}
+    # One pod per further node; its index is its node rank.
+    assert spec["replicas"] == int(engine_flags["--nnodes"]) - 1
+    assert spec["ordinals"] == {"start": 1}
+    assert worker_flags["--node-rank"] == "$(NODE_RANK)"
+    assert {"name": "NODE_RANK", "valueFrom": {"fieldRef": {
+        "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}} in worker["env"]
+    # The master address is a headless Service of the engine pod, resolvable before it is Ready.
+    master = multi[("Service", worker_flags["--master-addr"])]["spec"]
+    assert master["clusterIP"] == "None" and master["publishNotReadyAddresses"] is True
+    assert master["selector"] == engine_deployment["spec"]["selector"]["matchLabels"]
+    assert master["selector"] != spec["selector"]["matchLabels"]
+    assert [p["port"] for p in master["ports"]] == [int(engine_flags["--master-port"])]
+    # A GPU per node, the same image and device, the model from a claim both pods mount.
+    for pod in (engine, worker):
+        assert pod["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert {"name": "VLLM_TARGET_DEVICE", "value": "cuda"} in pod["env"]
+    assert worker["image"] == engine["image"]
+    claims = {v["name"]: v.get("persistentVolumeClaim", {}).get("claimName") for v in spec["template"]["spec"]["volumes"]}
+    assert claims["models"] == "undercurrent-models"
+    assert multi[("PersistentVolumeClaim", "undercurrent-models")]["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert spec["template"]["spec"]["securityContext"]["runAsNonRoot"] is True

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from common.enum_names import short_name
 from tools import processes
@@ -93,19 +95,24 @@ async def wait_for_probe(stub: pb_grpc.EngineServiceStub, probe: str, timeout: f
         await asyncio.sleep(0.2)
 
 
-def running_requests(metrics_port: int) -> int:
-    """Requests an engine accepted and has not finished, from its metrics."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-    totals = {"undercurrent_engine_requests_started": 0.0, "undercurrent_engine_requests_finished": 0.0}
+def scrape(port: int) -> dict[str, float]:
+    """One Prometheus scrape: sample name (with labels, `name{k="v"}`) -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name.removesuffix("_total") in totals and sample.name.endswith("_total"):
-                totals[sample.name.removesuffix("_total")] += sample.value
-    return int(totals["undercurrent_engine_requests_started"] - totals["undercurrent_engine_requests_finished"])
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            values[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+    return values
+
+
+def running_requests(metrics_port: int) -> int:
+    """Requests an engine accepted and has not finished, from its metrics."""
+    values = scrape(metrics_port)
+    started = values.get("undercurrent_engine_requests_started_total", 0.0)
+    finished = sum(v for k, v in values.items() if k.startswith("undercurrent_engine_requests_finished_total"))
+    return int(started - finished)
 
 
 async def wait_model_info(stub: pb_grpc.EngineServiceStub, service: Service,

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-import urllib.request
 from pathlib import Path
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from router_service.probe_files import write_probe
 from tests.e2e import stack
@@ -89,20 +86,8 @@ def ended_by_policy(outcome: stack.Outcome) -> bool:
     return outcome.reason in ("ROUTER_UNAVAILABLE", "ERROR")
 
 
-def scrape(port: int) -> dict[str, float]:
-    """One Prometheus scrape: sample name (with labels, `name{k="v"}`) -> value."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-        text = reply.read().decode()
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
-            values[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
-    return values
-
-
 async def metrics(port: int) -> dict[str, float]:
-    return await asyncio.to_thread(scrape, port)
+    return await asyncio.to_thread(stack.scrape, port)
 
 
 async def wait_router_state(port: int, sessions: int, live_requests: int = 0,

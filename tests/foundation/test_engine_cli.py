@@ -62,3 +62,60 @@ def test_limit_flags_and_their_defaults():
                               "--client-queue-bytes", "65536"])
     assert (args.max_message_bytes, args.max_streams, args.max_extraction_points, args.max_prompt_bytes,
             args.client_queue_bytes) == (1048576, 2, 3, 4096, 65536)
+
+
+def node_args(*flags: str):
+    from argparse import Namespace
+
+    values = dict(nnodes=1, node_rank=0, master_addr=None)
+    for name, value in zip(flags[::2], flags[1::2]):
+        key = name.removeprefix("--").replace("-", "_")
+        values[key] = value if key == "master_addr" else int(value)
+    return Namespace(**values)
+
+
+@pytest.mark.parametrize("worker_node, flags, fragments", [
+    (True, ("--nnodes", "1"), ("--nnodes 1", "2 or more")),
+    (True, ("--nnodes", "2", "--node-rank", "0", "--master-addr", "10.0.0.1"),
+     ("--node-rank 0", "node 0 is the engine service", "--node-rank 1")),
+    (True, ("--nnodes", "3", "--node-rank", "3", "--master-addr", "10.0.0.1"), ("--node-rank 3", "below --nnodes 3")),
+    (True, ("--nnodes", "2", "--node-rank", "1"), ("--master-addr", "required with --nnodes 2")),
+    (False, ("--nnodes", "3", "--node-rank", "2", "--master-addr", "10.0.0.1"),
+     ("--node-rank 2", "engine service is node 0", "node 1 to 2", "engine_service.worker_node")),
+    (False, ("--nnodes", "2"), ("--master-addr", "required with --nnodes 2")),
+])
+def test_inconsistent_node_flags_are_refused(worker_node, flags, fragments):
+    from engine_service.nodes import NodeFlagsError, check_node_flags
+
+    with pytest.raises(NodeFlagsError) as refused:
+        check_node_flags(node_args(*flags), worker_node)
+    for fragment in fragments:
+        assert fragment in str(refused.value)
+
+
+def test_consistent_node_flags_pass_and_one_node_needs_no_master_address():
+    from engine_service.nodes import check_node_flags
+
+    single = node_args()
+    check_node_flags(single, worker_node=False)
+    assert single.master_addr == "127.0.0.1"
+    worker = node_args("--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1")
+    check_node_flags(worker, worker_node=True)
+    assert worker.master_addr == "10.0.0.1"
+    check_node_flags(node_args("--nnodes", "2", "--master-addr", "10.0.0.1"), worker_node=False)
+
+
+def test_node_flags_on_the_command_lines():
+    """Both commands parse the same flags and refuse what contradicts their node's role."""
+    model = str(EMBEDDED_MODELS["tiny-llama"])
+    result = run_engine("--model", model, "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1")
+    assert_one_line_error(result, "engine_service: error: --node-rank 1", "engine_service.worker_node")
+    worker = subprocess.run(
+        [sys.executable, "-m", "engine_service.worker_node", "--model", model, "--nnodes", "2",
+         "--node-rank", "1"], capture_output=True, text=True, timeout=120)
+    assert_one_line_error(worker, "engine_service.worker_node: error: --master-addr: required")
+
+
+def test_node_timeout_must_not_be_negative():
+    result = run_engine("--model", str(EMBEDDED_MODELS["tiny-llama"]), "--node-timeout", "-1")
+    assert_one_line_error(result, "--node-timeout must be >= 0")

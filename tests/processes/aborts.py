@@ -1,0 +1,76 @@
+"""An engine armed with a probe that fires at a known token, for the abort tests
+of every engine topology (real worker processes, real router)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from tests.e2e import probes, stack
+from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+
+PROMPTS = ["The quick brown fox", "Hello, world! How are"]
+MAX_TOKENS = 120
+TRIGGER_MIN_INDEX = 3
+# Tokens generated after the triggering one before the abort lands (median 1-2,
+# bench/abort_latency.py). An abort that never lands runs to MAX_TOKENS, over
+# 100 tokens past the trigger. A late PP=2 abort was once seen after the engine
+# idled; test_abort_lands_promptly_after_the_engine_idles bounds that case.
+ABORT_LATENCY_BOUND = 16
+
+
+def request(prompt: str, rid: str, **fields) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=rid, text=prompt,
+        sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True), **fields)
+
+
+@dataclass
+class Armed:
+    """A topology's engine with a probe loaded that fires first at a known token of PROMPTS[0]."""
+
+    name: str
+    engine: pb_grpc.EngineServiceStub
+    baseline: list[stack.Outcome]
+    probe: probes.FiringProbe
+
+    @property
+    def binding(self) -> pb.ProbeBinding:
+        return pb.ProbeBinding(probe=self.probe.name, failure_policy=pb.FAILURE_POLICY_FAIL_CLOSED)
+
+    def check_abort(self, aborted: stack.Outcome) -> int:
+        """Asserts the verdict and where generation stopped; returns the tokens after the trigger."""
+        assert aborted.reason == "PROBE_ABORT", aborted.finished
+        assert aborted.finished.verdict.token_position == self.probe.position
+        trigger = self.probe.position - aborted.finished.prompt_tokens
+        assert trigger == self.probe.position - self.baseline[0].finished.prompt_tokens
+        assert TRIGGER_MIN_INDEX <= trigger < MAX_TOKENS - 2 * ABORT_LATENCY_BOUND
+        assert aborted.tokens[: trigger + 1] == self.baseline[0].tokens[: trigger + 1]
+        after_trigger = len(aborted.tokens) - (trigger + 1)
+        assert aborted.finished.generated_tokens == len(aborted.tokens) < MAX_TOKENS
+        return after_trigger
+
+    async def probed_pair(self, tag: str) -> tuple[stack.Outcome, stack.Outcome]:
+        """PROMPTS run concurrently with the probe bound: (the aborted one, the other)."""
+        aborted, other = await asyncio.gather(*[
+            stack.generate(self.engine, request(p, f"{self.name}-{tag}-{i}", probes=[self.binding]))
+            for i, p in enumerate(PROMPTS)])
+        return aborted, other
+
+
+async def arm(name: str, engine: pb_grpc.EngineServiceStub, router_address: str) -> Armed:
+    """Runs PROMPTS once with the trace point, builds a probe that fires at a
+    token of the first, and loads it into the router."""
+    baseline = await asyncio.gather(*[
+        stack.generate(engine, request(p, f"{name}-base-{i}", extraction_points=[probes.trace_point()]))
+        for i, p in enumerate(PROMPTS)])
+    rows = [probes.rows_by_position(o.batches) for o in baseline]
+    for outcome, captured in zip(baseline, rows):
+        first = outcome.finished.prompt_tokens
+        assert sorted(captured) == list(range(first, first + MAX_TOKENS - 1))
+    probe = probes.probe_firing_at(f"fires_{name}", rows[0], rows[1:], min_index=TRIGGER_MIN_INDEX)
+    async with stack.channel(router_address) as admin_channel:
+        await pb_grpc.ProbeAdminServiceStub(admin_channel).LoadProbe(probe.load_request())
+    await stack.wait_for_probe(engine, probe.name)
+    return Armed(name, engine, list(baseline), probe)
