@@ -38,7 +38,7 @@ class RouterConfig:
     grace_period: float = 30.0  # seconds a drain waits for active requests to end
     scores_interval: float = 0.0  # minimum seconds between ProbeScores per binding; 0: every step
     router_id: str = ""  # default: hostname:pid
-    scoring_threads: int = 2
+    scoring_threads: int = 2  # for batches over INLINE_SCORING_BYTES; smaller ones score inline
     max_message_bytes: int = MAX_MESSAGE_BYTES  # gRPC send and receive limit
     max_sessions: int = DEFAULT_MAX_SESSIONS  # open engine sessions; more get RESOURCE_EXHAUSTED
     max_requests_per_session: int = DEFAULT_MAX_REQUESTS_PER_SESSION  # live requests per session

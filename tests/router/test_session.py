@@ -1,6 +1,7 @@
 """ProbeRouter.Session on a real router over loopback, driven by real grpc.aio clients."""
 
 import asyncio
+import threading
 
 import grpc
 import numpy as np
@@ -8,6 +9,7 @@ import pytest
 
 from common.activations import to_batch
 from router_service.probe_files import write_probe
+from router_service.servicers import INLINE_SCORING_BYTES, row_bytes
 from tests.router.helpers import (
     HIDDEN, SessionClient, block, errors, kinds, linear_probe, manifest, model_info,
 )
@@ -436,4 +438,32 @@ async def test_an_internal_failure_still_acks_the_step_and_keeps_the_session(mak
     replies = await client.until_ack(client.batch(block(hot, ["r"] * 2, [1, 2])))
     assert kinds(replies) == ["abort", "ack"] and replies[0].abort.token_position == 2
     assert replies[0].abort.incarnation == 7
+    await client.close()
+
+
+async def test_a_verdict_never_waits_for_a_scoring_thread(make_router, probes_dir):
+    """A step's rows are scored on the event loop, so a verdict does not wait for
+    a scoring thread to be free (or scheduled); a batch too big to score there
+    still goes to the scoring threads and is scored the same."""
+    router = await make_router(probes_dir, scoring_threads=1)
+    client = SessionClient(router)
+    await client.open()
+    client.start("r", "tox")
+    client.start("big", "watch")
+    release = threading.Event()
+    router.executor.submit(release.wait)  # the only scoring thread is taken
+    try:
+        hot = np.full((2, HIDDEN), 6.0)
+        replies = await client.until_ack(client.batch(block(hot, ["r"] * 2, [4, 5])))
+        assert kinds(replies) == ["abort", "ack"] and replies[0].abort.token_position == 5
+    finally:
+        release.set()
+    rows = INLINE_SCORING_BYTES // (4 * HIDDEN) + 1
+    values = np.arange(rows, dtype=np.float32)
+    big = block(np.outer(values, np.eye(HIDDEN)[1]), ["big"] * rows, np.arange(4, 4 + rows))
+    assert row_bytes(to_batch([big])) > INLINE_SCORING_BYTES
+    replies = await client.until_ack(client.batch(big))
+    assert kinds(replies) == ["scores", "ack"]
+    assert list(replies[0].scores.token_positions) == list(range(4, 4 + rows))
+    assert replies[0].scores.scores == pytest.approx(values)
     await client.close()
