@@ -10,6 +10,9 @@ built to fire first at a known token of prompt 0 (tests/e2e/probes.py), loaded
 into the router, and then `--requests` greedy requests of prompt 0 run one
 after another, then `--idle-requests` more, each after `--idle` seconds with
 no request (the engine waking from idle).
+Each sample also records the 1-minute load average and how long the router's
+threads waited, runnable, for a CPU during the request (Linux schedstat): on a
+shared host that wait, not the code, is what stretches the tail.
 Writes bench/results/abort_latency.json (with the command and the machine).
 """
 
@@ -48,8 +51,20 @@ def request(prompt: str, rid: str, max_tokens: int, **fields) -> pb.GenerateRequ
         sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), **fields)
 
 
-async def timed_generate(stub, message, trigger: int) -> dict:
-    """One request; the client-side time the triggering token and `finished` arrived."""
+def runqueue_wait_ms(pid: int) -> float | None:
+    """Milliseconds the threads of process `pid` have waited, runnable, for a CPU
+    (Linux schedstat); None where that is not available."""
+    try:
+        tasks = Path(f"/proc/{pid}/task")
+        return sum(int((t / "schedstat").read_text().split()[1]) for t in tasks.iterdir()) / 1e6
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+async def timed_generate(stub, message, trigger: int, router_pid: int) -> dict:
+    """One request; the client-side time the triggering token and `finished` arrived,
+    and how long the router's threads waited for a CPU meanwhile."""
+    waited_before = runqueue_wait_ms(router_pid)
     tokens, trigger_at, finished = 0, None, None
     async for response in stub.Generate(message, timeout=300):
         kind = response.WhichOneof("event")
@@ -62,6 +77,7 @@ async def timed_generate(stub, message, trigger: int) -> dict:
             finished = response.finished
             finished_at = now
     assert finished is not None
+    waited_after = runqueue_wait_ms(router_pid)
     # Negative tokens (and no ms) when the verdict overtook the triggering token on its
     # way to the client: rows and tokens leave the engine by different paths.
     return {
@@ -69,6 +85,8 @@ async def timed_generate(stub, message, trigger: int) -> dict:
         "after_trigger": finished.generated_tokens - (trigger + 1),
         "ms": None if trigger_at is None else (finished_at - trigger_at) * 1000,
         "load_average_1min": round(os.getloadavg()[0], 2),
+        "router_runqueue_ms": (None if waited_before is None or waited_after is None
+                               else round(waited_after - waited_before, 1)),
     }
 
 
@@ -105,7 +123,7 @@ async def measure(name: str, model: str, count: int, max_tokens: int, idle: floa
                     await asyncio.sleep(gap)
                     samples.append(await timed_generate(
                         stub, request(PROMPTS[0], f"{name}-{phase}-{i}", max_tokens, probes=[binding]),
-                        trigger))
+                        trigger, router.process.pid))
                 if samples:
                     phases[phase] = summarize(samples, gap)
     finally:
@@ -126,6 +144,8 @@ def summarize(samples: list[dict], idle: float) -> dict:
         "tokens_after_trigger": stats(tokens),
         "ms_trigger_to_finished": stats(ms),
         "load_average_1min": {"min": min(load), "max": max(load)},
+        "router_runqueue_ms": stats([s["router_runqueue_ms"] for s in samples
+                                     if s["router_runqueue_ms"] is not None]),
         "samples": samples,
     }
 
