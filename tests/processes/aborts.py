@@ -11,13 +11,19 @@ from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 
 PROMPTS = ["The quick brown fox", "Hello, world! How are"]
-MAX_TOKENS = 120
+MAX_TOKENS = 200
 TRIGGER_MIN_INDEX = 3
-# Tokens generated after the triggering one before the abort lands (median 1-2,
-# bench/abort_latency.py). An abort that never lands runs to MAX_TOKENS, over
-# 100 tokens past the trigger. A late PP=2 abort was once seen after the engine
-# idled; test_abort_lands_promptly_after_the_engine_idles bounds that case.
-ABORT_LATENCY_BOUND = 16
+# Tokens generated after the triggering one before the abort lands: median 1-2
+# (bench/abort_latency.py), but each ms the router process waits for a CPU
+# costs tokens (the benchmark records that wait per request), and on the shared
+# 2-core host PP=2 measured 47, 47, 51 and 63 (load average 5-14). An abort
+# that never lands runs to MAX_TOKENS, over 190 tokens past the trigger.
+ABORT_LATENCY_BOUND = 80
+# These tests time aborts, not router outages: with the e2e stack's 1.5 s router
+# timeout, the request that is not aborted ended ROUTER_UNAVAILABLE (fail_closed)
+# in half of the TP=2 runs at a load average of 16-22, the router process
+# waiting that long for a CPU. Engines for these tests pass this instead.
+ROUTER_TIMEOUT_S = 10.0
 
 
 def request(prompt: str, rid: str, **fields) -> pb.GenerateRequest:
@@ -46,7 +52,10 @@ class Armed:
         trigger = self.probe.position - aborted.finished.prompt_tokens
         assert trigger == self.probe.position - self.baseline[0].finished.prompt_tokens
         assert TRIGGER_MIN_INDEX <= trigger < MAX_TOKENS - 2 * ABORT_LATENCY_BOUND
-        assert aborted.tokens[: trigger + 1] == self.baseline[0].tokens[: trigger + 1]
+        shown = min(len(aborted.tokens), trigger + 1)
+        assert aborted.tokens[:shown] == self.baseline[0].tokens[:shown]
+        # Negative when the verdict overtook the triggering token on its way to
+        # the client (rows and tokens leave the engine by different paths).
         after_trigger = len(aborted.tokens) - (trigger + 1)
         assert aborted.finished.generated_tokens == len(aborted.tokens) < MAX_TOKENS
         return after_trigger
