@@ -95,7 +95,8 @@ def decode(tensor: pb.Tensor, as_float32: bool = True) -> np.ndarray:
 
 
 def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32)
+    # One widening shift into a fresh uint32 array (astype then << made two passes).
+    return np.left_shift(bits, 16, dtype=np.uint32).view(np.float32)
 
 
 def float32_to_bfloat16_bits(values: np.ndarray) -> np.ndarray:
