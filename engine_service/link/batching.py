@@ -10,6 +10,7 @@ import numpy as np
 
 from common import tensor_codec
 from common.activations import Block
+from undercurrent.v1 import undercurrent_pb2 as pb
 
 
 def partition_by_owner(
@@ -97,14 +98,39 @@ def split_by_size(blocks: list[Block], max_bytes: int) -> list[list[Block]]:
     return parts
 
 
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+_BATCH_TAG = _varint(pb.SessionRequest.DESCRIPTOR.fields_by_name["batch"].number << 3 | 2)  # length-delimited
+_STEP_TAG = _varint(pb.ActivationBatch.DESCRIPTOR.fields_by_name["step"].number << 3)  # varint
+
+
+def session_request_bytes(batch_bytes: bytes, step: int) -> bytes:
+    """SessionRequest{batch} on the wire, from an ActivationBatch serialised without
+    its step, with `step` set: the step field is prepended to the batch's bytes
+    (protobuf fields may come in any order), so nothing is parsed or re-encoded."""
+    step_field = _STEP_TAG + _varint(step)
+    return b"".join((_BATCH_TAG, _varint(len(step_field) + len(batch_bytes)), step_field, batch_bytes))
+
+
 def rows_per_request(blocks: list[Block]) -> Counter[str]:
     return Counter(r for b in blocks for r in b.request_ids)
 
 
-def rows_by_position(blocks: list[Block]) -> dict[str, Counter[int]]:
+def rows_by_position(blocks: list[Block]) -> dict[str, dict[int, int]]:
     """Per request, how many rows each token position has in these blocks."""
-    result: dict[str, Counter[int]] = {}
+    result: dict[str, dict[int, int]] = {}
     for block in blocks:
         for request_id, position in zip(block.request_ids, block.token_positions.tolist()):
-            result.setdefault(request_id, Counter())[position] += 1
+            counts = result.get(request_id)
+            if counts is None:
+                result[request_id] = {position: 1}
+            else:
+                counts[position] = counts.get(position, 0) + 1
     return result

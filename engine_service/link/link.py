@@ -284,13 +284,12 @@ class RouterLink:
             self._not_sent(blocks, now, "too_large", f"dropped before sending: {err}")
             return
         for part in parts:
-            message = pb.SessionRequest()
-            message.batch.CopyFrom(to_batch(part))
+            data = to_batch(part).SerializeToString()  # once; the step is added as it is written
             entries = []
             for request_id, positions in batching.rows_by_position(part).items():
                 request = self._requests[request_id]
                 entries.append((request, request.ledger.queued(replica.address, positions, now)))
-            batch = QueuedBatch(message, message.ByteSize(), sum(b.num_rows for b in part), entries)
+            batch = QueuedBatch(data, len(data), sum(b.num_rows for b in part), entries)
             for dropped in replica.send_batch(batch):
                 self._drop(dropped, self.config.overflow_policy.value)
 

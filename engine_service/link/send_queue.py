@@ -18,7 +18,10 @@ class OverflowPolicy(StrEnum):
 class QueuedBatch:
     """One ActivationBatch waiting for its replica, with the ledger entries of its rows."""
 
-    message: object  # pb.SessionRequest with .batch set; step filled in at send time
+    # The ActivationBatch serialised once, when queued, without its step: the
+    # session numbers it as it writes (batching.session_request_bytes), so the
+    # rows are neither copied into a wrapper message nor serialised again.
+    batch_bytes: bytes
     nbytes: int
     rows: int
     # (request, ledger message) per request with rows in this batch; opaque here.
