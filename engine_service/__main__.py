@@ -14,6 +14,7 @@ from pathlib import Path
 
 from common.cli import fail, setup_logging
 from common.grpc_server import MAX_MESSAGE_BYTES
+from engine_service.capture.push import DEFAULT_BACKLOG_BYTES
 from engine_service.requests import (
     DEFAULT_CLIENT_QUEUE_BYTES,
     DEFAULT_MAX_EXTRACTION_POINTS,
@@ -92,6 +93,12 @@ def build_parser():
         help="events queued per Generate stream; activations and scores past it are dropped and "
         f"counted (default {DEFAULT_CLIENT_QUEUE_BYTES}, 32 MiB)",
     )
+    limits.add_argument(
+        "--capture-backlog-bytes", type=int, default=DEFAULT_BACKLOG_BYTES,
+        help="captured rows each worker keeps while the engine service does not read them; past it "
+        "the oldest are dropped and their requests end with an error "
+        f"(default {DEFAULT_BACKLOG_BYTES}, {DEFAULT_BACKLOG_BYTES >> 20} MiB)",
+    )
     ours.add_argument(
         "--allow-untested-vllm",
         action="store_true",
@@ -112,7 +119,8 @@ def check_model_path(model: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for flag in ("max_message_bytes", "max_streams", "max_extraction_points", "client_queue_bytes"):
+    for flag in ("max_message_bytes", "max_streams", "max_extraction_points", "client_queue_bytes",
+                 "capture_backlog_bytes"):
         if getattr(args, flag) <= 0:
             parser.error(f"--{flag.replace('_', '-')} must be > 0")
     if args.max_prompt_bytes < 0:

@@ -185,7 +185,10 @@ class _CaptureState:
         return True
 
     def pushed_seq(self) -> int:
-        return self.pusher.seq if self.pusher is not None else 0
+        if self.pusher is None:
+            return 0
+        self.pusher.flush()  # kept shipments go now: the barrier must not wait for another step
+        return self.pusher.seq
 
     def _install_hooks(self, model, layers, norm, start_layer: int, end_layer: int) -> None:
         model.register_forward_pre_hook(self._plan_step, with_kwargs=True)
