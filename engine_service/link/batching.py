@@ -10,7 +10,6 @@ import numpy as np
 
 from common import tensor_codec
 from common.activations import Block
-from undercurrent.v1 import undercurrent_pb2 as pb
 
 
 def partition_by_owner(
@@ -96,27 +95,6 @@ def split_by_size(blocks: list[Block], max_bytes: int) -> list[list[Block]]:
     if current:
         parts.append(current)
     return parts
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-_BATCH_TAG = _varint(pb.SessionRequest.DESCRIPTOR.fields_by_name["batch"].number << 3 | 2)  # length-delimited
-_STEP_TAG = _varint(pb.ActivationBatch.DESCRIPTOR.fields_by_name["step"].number << 3)  # varint
-
-
-def session_request_bytes(batch_bytes: bytes, step: int) -> bytes:
-    """SessionRequest{batch} on the wire, from an ActivationBatch serialised without
-    its step, with `step` set: the step field is prepended to the batch's bytes
-    (protobuf fields may come in any order), so nothing is parsed or re-encoded."""
-    step_field = _STEP_TAG + _varint(step)
-    return b"".join((_BATCH_TAG, _varint(len(step_field) + len(batch_bytes)), step_field, batch_bytes))
 
 
 def rows_per_request(blocks: list[Block]) -> Counter[str]:

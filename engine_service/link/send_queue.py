@@ -18,10 +18,9 @@ class OverflowPolicy(StrEnum):
 class QueuedBatch:
     """One ActivationBatch waiting for its replica, with the ledger entries of its rows."""
 
-    # The ActivationBatch serialised once, when queued, without its step: the
-    # session numbers it as it writes (batching.session_request_bytes), so the
-    # rows are neither copied into a wrapper message nor serialised again.
-    batch_bytes: bytes
+    # The ActivationBatch serialised once, when queued, without its step
+    # (common.activations.BatchBytes): the session numbers it as it writes.
+    batch_bytes: object
     nbytes: int
     rows: int
     # (request, ledger message) per request with rows in this batch; opaque here.

@@ -21,9 +21,9 @@ from typing import Protocol
 from grpc import aio
 from undercurrent.v1 import undercurrent_pb2 as pb
 
+from common.activations import session_request_bytes
 from common.grpc_server import channel_options
 from engine_service.link.assignment import backoff_delay
-from engine_service.link.batching import session_request_bytes
 from engine_service.link.config import RouterLinkConfig
 from engine_service.link.metrics import LinkMetrics
 from engine_service.link.send_queue import QueuedBatch, SendQueue
