@@ -129,18 +129,12 @@ class RequestLedger:
         settled = 0
         kept = []
         positions = self._positions
-        live = self._live
-        for i, message in enumerate(live):
-            if message.replica != replica:
+        for message in self._live:
+            # Every live message is checked: one left SENT by an earlier session of
+            # the replica (its step numbers restarted) may sit before this one's.
+            if message.state is not _SENT or message.step > step or message.replica != replica:
                 kept.append(message)
                 continue
-            if message.state is not _SENT or message.step > step:
-                # One replica's messages are sent in the order they were queued
-                # (its queue is FIFO), so the rest of its messages here are later
-                # steps or still queued: none of them is acknowledged.
-                if settled:
-                    kept.extend(live[i:])
-                break
             message.state = _ACKED
             for position, count in message.rows.items():
                 entry = positions[position]

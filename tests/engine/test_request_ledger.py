@@ -67,6 +67,14 @@ def test_an_ack_settles_its_replicas_messages_behind_other_replicas_and_stops_at
     assert (led.releasable_through(), led.in_flight()) == (14, 0)
 
 
+def test_an_ack_reaches_past_a_message_left_sent_by_an_earlier_session_of_the_replica():
+    led = ledger()
+    sent(led, "r", 7, {10: 1})  # the replica's previous session; its steps restart at 1
+    sent(led, "r", 1, {11: 1})
+    assert led.acknowledged("r", 1) == 1
+    assert led.in_flight() == 1 and led.first_unsettled() == 10
+
+
 def test_a_router_error_about_a_step_leaves_its_rows_unscored_and_a_late_ack_changes_nothing():
     led = ledger()
     sent(led, "r", 1, {10: 1})
