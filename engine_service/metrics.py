@@ -70,8 +70,7 @@ class EngineMetrics:
         )
         self.dropped_records = Counter(
             "undercurrent_engine_dropped_records",
-            "Records (activation rows, probe scores) dropped on the way to clients, by queue "
-            "(capture_backlog: rows a worker dropped before the engine service read them)",
+            "Records (activation rows, probe scores) dropped on the way to clients, by queue",
             ["queue"],
             registry=r,
         )
