@@ -8,7 +8,7 @@ raises RpcError with the gRPC status and the server's message.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import AsyncIterator, Iterator, Sequence
+from typing import AsyncIterator, Iterator, Self, Sequence
 
 import grpc
 
@@ -46,7 +46,57 @@ class _Base:
         self._metadata = self.connection.metadata()
 
 
-class EngineClient(_Base):
+class _BlockingClient(_Base):
+    """One blocking channel and stub; unary calls raise RpcError."""
+
+    def __init__(self, stub_class, target: str | Connection, timeout: float | None, **options):
+        super().__init__(target, timeout, **options)
+        self._channel = self.connection.channel()
+        self._stub = stub_class(self._channel)
+
+    def _unary(self, method: str, request):
+        try:
+            return getattr(self._stub, method)(request, timeout=self.timeout,
+                                               metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise RpcError.from_grpc(method, err) from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _AsyncClient(_Base):
+    """One asyncio channel and stub; unary calls raise RpcError."""
+
+    def __init__(self, stub_class, target: str | Connection, timeout: float | None, **options):
+        super().__init__(target, timeout, **options)
+        self._channel = self.connection.aio_channel()
+        self._stub = stub_class(self._channel)
+
+    async def _unary(self, method: str, request):
+        try:
+            return await getattr(self._stub, method)(request, timeout=self.timeout,
+                                                     metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise RpcError.from_grpc(method, err) from None
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+class EngineClient(_BlockingClient):
     """Blocking client of EngineService.
 
         with EngineClient("127.0.0.1:50051") as engine:
@@ -58,9 +108,7 @@ class EngineClient(_Base):
     """
 
     def __init__(self, target: str | Connection, timeout: float | None = None, **options):
-        super().__init__(target, timeout, **options)
-        self._channel = self.connection.channel()
-        self._stub = pb_grpc.EngineServiceStub(self._channel)
+        super().__init__(pb_grpc.EngineServiceStub, target, timeout, **options)
 
     def generate(self, prompt: str | Sequence[int] | pb.GenerateRequest,
                  **options) -> Iterator[Event]:
@@ -84,24 +132,8 @@ class EngineClient(_Base):
     def model_info(self) -> pb.ModelInfo:
         return self._unary("GetModelInfo", pb.GetModelInfoRequest()).model
 
-    def _unary(self, method: str, request):
-        try:
-            return getattr(self._stub, method)(request, timeout=self.timeout,
-                                               metadata=self._metadata)
-        except grpc.RpcError as err:
-            raise RpcError.from_grpc(method, err) from None
 
-    def close(self) -> None:
-        self._channel.close()
-
-    def __enter__(self) -> "EngineClient":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-class AsyncEngineClient(_Base):
+class AsyncEngineClient(_AsyncClient):
     """asyncio client of EngineService; the same methods as EngineClient, awaited.
 
         async with AsyncEngineClient("127.0.0.1:50051") as engine:
@@ -110,9 +142,7 @@ class AsyncEngineClient(_Base):
     """
 
     def __init__(self, target: str | Connection, timeout: float | None = None, **options):
-        super().__init__(target, timeout, **options)
-        self._channel = self.connection.aio_channel()
-        self._stub = pb_grpc.EngineServiceStub(self._channel)
+        super().__init__(pb_grpc.EngineServiceStub, target, timeout, **options)
 
     async def generate(self, prompt: str | Sequence[int] | pb.GenerateRequest,
                        **options) -> AsyncIterator[Event]:
@@ -134,24 +164,8 @@ class AsyncEngineClient(_Base):
     async def model_info(self) -> pb.ModelInfo:
         return (await self._unary("GetModelInfo", pb.GetModelInfoRequest())).model
 
-    async def _unary(self, method: str, request):
-        try:
-            return await getattr(self._stub, method)(request, timeout=self.timeout,
-                                                     metadata=self._metadata)
-        except grpc.RpcError as err:
-            raise RpcError.from_grpc(method, err) from None
 
-    async def close(self) -> None:
-        await self._channel.close()
-
-    async def __aenter__(self) -> "AsyncEngineClient":
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
-
-
-class ProbeAdminClient(_Base):
+class ProbeAdminClient(_BlockingClient):
     """Blocking client of ProbeAdminService on one router replica.
 
     load(path=...) loads a probe from the router's file system; load(upload=...)
@@ -159,9 +173,7 @@ class ProbeAdminClient(_Base):
     """
 
     def __init__(self, target: str | Connection, timeout: float | None = 30.0, **options):
-        super().__init__(target, timeout, **options)
-        self._channel = self.connection.channel()
-        self._stub = pb_grpc.ProbeAdminServiceStub(self._channel)
+        super().__init__(pb_grpc.ProbeAdminServiceStub, target, timeout, **options)
 
     def load(self, path: str | Path | None = None, *, upload: str | Path | None = None,
              inline: pb.InlineProbe | None = None, replace: bool = False) -> pb.ProbeInfo:
@@ -174,30 +186,12 @@ class ProbeAdminClient(_Base):
         """True when the probe is gone; False when it waits for running requests."""
         return self._unary("UnloadProbe", pb.UnloadProbeRequest(name=name, force=force)).unloaded
 
-    def _unary(self, method: str, request):
-        try:
-            return getattr(self._stub, method)(request, timeout=self.timeout,
-                                               metadata=self._metadata)
-        except grpc.RpcError as err:
-            raise RpcError.from_grpc(method, err) from None
 
-    def close(self) -> None:
-        self._channel.close()
-
-    def __enter__(self) -> "ProbeAdminClient":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-class AsyncProbeAdminClient(_Base):
+class AsyncProbeAdminClient(_AsyncClient):
     """asyncio client of ProbeAdminService; the same methods as ProbeAdminClient, awaited."""
 
     def __init__(self, target: str | Connection, timeout: float | None = 30.0, **options):
-        super().__init__(target, timeout, **options)
-        self._channel = self.connection.aio_channel()
-        self._stub = pb_grpc.ProbeAdminServiceStub(self._channel)
+        super().__init__(pb_grpc.ProbeAdminServiceStub, target, timeout, **options)
 
     async def load(self, path: str | Path | None = None, *, upload: str | Path | None = None,
                    inline: pb.InlineProbe | None = None, replace: bool = False) -> pb.ProbeInfo:
@@ -209,19 +203,3 @@ class AsyncProbeAdminClient(_Base):
     async def unload(self, name: str, force: bool = False) -> bool:
         return (await self._unary("UnloadProbe",
                                   pb.UnloadProbeRequest(name=name, force=force))).unloaded
-
-    async def _unary(self, method: str, request):
-        try:
-            return await getattr(self._stub, method)(request, timeout=self.timeout,
-                                                     metadata=self._metadata)
-        except grpc.RpcError as err:
-            raise RpcError.from_grpc(method, err) from None
-
-    async def close(self) -> None:
-        await self._channel.close()
-
-    async def __aenter__(self) -> "AsyncProbeAdminClient":
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
