@@ -27,6 +27,7 @@ from undercurrent.v1 import undercurrent_pb2_grpc
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_SESSIONS = 256
+SESSION_CLOSE_TIMEOUT_S = 5.0  # after the server stopped: how long its Session handlers get to clean up
 
 
 @dataclass
@@ -60,11 +61,24 @@ class Router:
         self.handle: ServerHandle | None = None
         self._started = False
         self._stopped = asyncio.Event()
+        self._no_sessions = asyncio.Event()
+        self._no_sessions.set()
         self._health_tasks: set[asyncio.Task] = set()
 
     @property
     def port(self) -> int:
         return self.handle.port
+
+    def session_opened(self, session: LiveSession) -> None:
+        self.sessions.add(session)
+        self._no_sessions.clear()
+        self.metrics.sessions.inc()
+
+    def session_closed(self, session: LiveSession) -> None:
+        self.sessions.discard(session)
+        self.metrics.sessions.dec()
+        if not self.sessions:
+            self._no_sessions.set()
 
     def live_requests(self) -> int:
         return sum(len(s.state.requests) for s in self.sessions)
@@ -120,6 +134,12 @@ class Router:
             await asyncio.sleep(0.05)
         left = self.live_requests()
         await self.handle.server.stop(grace=1.0)
+        # stop() cancels the Session handlers; their clean-up (requests freed, "session
+        # closed") runs after it returns, and "stopped" must be the last word.
+        try:
+            await asyncio.wait_for(self._no_sessions.wait(), timeout=SESSION_CLOSE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            log.warning("sessions still closing at stop", extra={"sessions": len(self.sessions)})
         self.executor.shutdown(wait=True)
         log.info("stopped", extra={"requests_cut_off": left})
         self._stopped.set()

@@ -153,8 +153,7 @@ class SessionServicer(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
         session = LiveSession(self.router, first.hello)
         probes, errors = session.state.catalog()
         unsubscribe = self.router.registry.subscribe(session.send_catalog)
-        self.router.sessions.add(session)
-        self.router.metrics.sessions.inc()
+        self.router.session_opened(session)
         log.info("session opened", extra={"session": session.id, "engine_id": session.engine_id,
                                           "model": model.model, "probes": [p.name for p in probes]})
         session.spawn(session.read(request_iterator))
@@ -171,8 +170,7 @@ class SessionServicer(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
             unsubscribe()
             await session.stop()
             freed = session.state.close()
-            self.router.sessions.discard(session)
-            self.router.metrics.sessions.dec()
+            self.router.session_closed(session)
             log.info("session closed", extra={"session": session.id, "engine_id": session.engine_id,
                                               "requests_freed": freed})
 
