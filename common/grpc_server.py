@@ -66,8 +66,11 @@ async def start_server(
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     security: ServerSecurity | None = None,
     metrics_registry=None,
+    transport_options: list[tuple[str, int]] = (),
 ) -> ServerHandle:
     """registrations: (add_XServicer_to_server, servicer, full service name) triples.
+
+    transport_options: more gRPC channel arguments, after the defaults (which they override).
 
     Starts NOT_SERVING; the caller flips health when its dependencies are ready.
     security None: plaintext with reflection and no tokens (in-process test servers);
@@ -78,7 +81,7 @@ async def start_server(
     interceptors = [TokenAuthInterceptor(security.tokens, metrics_registry)] if security.tokens else []
     server = aio.server(
         interceptors=[*interceptors, ErrorMappingInterceptor()],
-        options=channel_options(max_message_bytes) + [("grpc.so_reuseport", 0)],
+        options=[*channel_options(max_message_bytes), ("grpc.so_reuseport", 0), *transport_options],
     )
     names = []
     for add, servicer, full_name in registrations:

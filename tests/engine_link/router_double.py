@@ -66,6 +66,8 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
         self.heartbeats = 0
         # Cleared: stops reading, so HTTP/2 flow control pushes back on the engine.
         self.reading = asyncio.Event()
+        # gRPC channel arguments for the server, set before start().
+        self.transport_options: list[tuple[str, int]] = []
         self.reading.set()
         self._outboxes: list[asyncio.Queue] = []
         self._aborted: set[str] = set()
@@ -86,6 +88,7 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
             "127.0.0.1",
             port,
             security=security,
+            transport_options=self.transport_options,
         )
         self.port = self.handle.port
         return self

@@ -174,6 +174,11 @@ async def test_send_queue_overflow(engine, proxy, engine_metrics_port, policy):
     """A router that keeps its session alive (heartbeats) but stops reading: the
     send queue ({SEND_QUEUE} batches) overflows and drops by policy, counted."""
     router = KeyRecordingRouter("slow")
+    # Without BDP probing the double's transport keeps HTTP/2's 64 KiB window: a
+    # router that stops reading pushes back after ~0.13 MB. With it, the window
+    # grows to whatever the link measured (~6 MB absorbed here), and whether the
+    # queue fills before the router timeout depends on the host's speed.
+    router.transport_options = [("grpc.http2.bdp_probe", 0)]
     router.probes = [probe_info("slow"), probe_info("slow_mlp")]
     router.probes[1].tensor_type = pb.TENSOR_TYPE_MLP_OUT
     for info in router.probes:
