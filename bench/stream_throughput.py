@@ -179,15 +179,25 @@ async def drive_link(name: str, ports: int | list[int], args, probe_names: list[
     """One round through the engine's RouterLink (to one replica or several):
     send_step of merged blocks, window by acks."""
     ports = [ports] if isinstance(ports, int) else ports
-    from engine_service.link import RouterLink, RouterLinkConfig
+    from engine_service.link import Processed, RouterLink, RouterLinkConfig
     from engine_service.request_ledger import RequestLedger
 
     model = pb.ModelInfo(model="bench", hidden_size=args.hidden, num_layers=32, dtype="bfloat16",
                          tensor_types=[pb.TENSOR_TYPE_RESIDUAL_STREAM])
     request_ids = [f"req-{i}" for i in range(args.rows)]
     bits = [tensor_codec.unpack(t.dtype, t.shape, t.data, as_float32=False) for t in tensors]
+    # Like the engine, react to the link's Processed events rather than poll every
+    # ledger: per request, the last position acknowledged.
+    through = {rid: -1 for rid in request_ids}
+    progressed = asyncio.Event()
+
+    def on_event(event) -> None:
+        if isinstance(event, Processed):
+            through[event.request_id] = ledgers[event.request_id].releasable_through()
+            progressed.set()
+
     link = RouterLink(RouterLinkConfig(targets=",".join(f"127.0.0.1:{p}" for p in ports), engine_id="bench",
-                                       queue_max_batches=4 * args.window), model, lambda event: None)
+                                       queue_max_batches=4 * args.window), model, on_event)
     await link.start()
     try:
         await link.wait_ready(replicas=len(ports), timeout=STALL_SECONDS)
@@ -200,22 +210,26 @@ async def drive_link(name: str, ports: int | list[int], args, probe_names: list[
         sent_at: dict[int, float] = {}
 
         def acked() -> int:
-            return min(ledger.releasable_through() for ledger in ledgers.values())
+            return min(through.values())
+
+        async def progress() -> None:
+            progressed.clear()
+            try:
+                await asyncio.wait_for(progressed.wait(), STALL_SECONDS)
+            except TimeoutError:
+                raise RuntimeError(f"{name}: no ack for {STALL_SECONDS} s") from None
 
         step, start, deadline, measured_from = 0, None, None, 0
         while deadline is None or time.perf_counter() < deadline:
-            stalled_by = time.perf_counter() + STALL_SECONDS
             while step - acked() >= args.window:
-                if time.perf_counter() > stalled_by:
-                    raise RuntimeError(f"{name}: no ack for {STALL_SECONDS} s")
-                await asyncio.sleep(0.0005)
+                await progress()
             done = acked()
             for s in [s for s in sent_at if s <= done and s not in acked_at]:
                 acked_at[s] = time.perf_counter()
             step += 1
             if step == args.warmup + 1:
                 while acked() < args.warmup:
-                    await asyncio.sleep(0.001)
+                    await progress()
                 start, measured_from = time.perf_counter(), acked()
                 sent_at.clear()
                 acked_at.clear()
@@ -225,9 +239,8 @@ async def drive_link(name: str, ports: int | list[int], args, probe_names: list[
             link.send_step([Block("resid", pb.TENSOR_TYPE_RESIDUAL_STREAM, LAYER, rows, request_ids,
                                   np.full(args.rows, step, dtype=np.int64), np.ones(args.rows, dtype=bool),
                                   "bfloat16")])
-        drained_by = time.perf_counter() + STALL_SECONDS
-        while acked() < step and time.perf_counter() < drained_by:
-            await asyncio.sleep(0.0005)
+        while acked() < step:
+            await progress()
         elapsed = time.perf_counter() - start
         done = acked()
         for s in [s for s in sent_at if s <= done and s not in acked_at]:

@@ -135,6 +135,78 @@ def to_batch(blocks: list[Block], step: int = 0) -> pb.ActivationBatch:
     return batch
 
 
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _tag(message, name: str, wire_type: int) -> bytes:
+    return _varint(message.DESCRIPTOR.fields_by_name[name].number << 3 | wire_type)
+
+
+_VARINT, _LENGTH_DELIMITED = 0, 2
+_STEP_TAG = _tag(pb.ActivationBatch, "step", _VARINT)
+_BLOCKS_TAG = _tag(pb.ActivationBatch, "blocks", _LENGTH_DELIMITED)
+_ROWS_TAG = _tag(pb.ActivationBlock, "rows", _LENGTH_DELIMITED)
+_DATA_TAG = _tag(pb.Tensor, "data", _LENGTH_DELIMITED)
+_SESSION_BATCH_TAG = _tag(pb.SessionRequest, "batch", _LENGTH_DELIMITED)
+
+
+@dataclass(eq=False)
+class BatchBytes:
+    """An ActivationBatch serialised without its step, as pieces whose concatenation
+    is the message: every block's keys and tensor header go through protobuf, its
+    rows go in as a view of their array. The one copy of the rows is the join in
+    session_request_bytes(); to_batch() and SerializeToString() would copy them
+    three times (into the message, out of it, into its wrapper)."""
+
+    pieces: list
+    nbytes: int
+
+
+def batch_bytes(blocks: list[Block]) -> BatchBytes:
+    """The bytes of to_batch(blocks) (step 0), rows not copied; protobuf fields may
+    come in any order, so each block's rows follow its other fields."""
+    table: dict[str, int] = {}
+    pieces: list = []
+    previous_ids: list[str] | None = None
+    indexes: list[int] = []
+    for block in blocks:
+        if block.request_ids != previous_ids:
+            indexes = [table.setdefault(r, len(table)) for r in block.request_ids]
+            previous_ids = block.request_ids
+        keys = pb.ActivationBlock(
+            point=block.point,
+            tensor_type=block.tensor_type,
+            layer=block.layer,
+            request_index=indexes,
+            token_positions=block.token_positions.tolist(),
+            is_generated=block.is_generated.tolist(),
+        ).SerializeToString()
+        dtype, shape, data = tensor_codec.pack_view(block.rows, block.wire_dtype)
+        tensor_head = pb.Tensor(dtype=dtype, shape=shape).SerializeToString()
+        if len(data):  # as protobuf does, an empty bytes field is left out
+            tensor_head += _DATA_TAG + _varint(len(data))
+        tensor_size = len(tensor_head) + len(data)
+        rows_head = _ROWS_TAG + _varint(tensor_size)
+        block_size = len(keys) + len(rows_head) + tensor_size
+        pieces += [_BLOCKS_TAG + _varint(block_size) + keys + rows_head + tensor_head, data]
+    pieces.insert(0, pb.ActivationBatch(request_ids=list(table)).SerializeToString())
+    return BatchBytes(pieces, sum(len(p) for p in pieces))
+
+
+def session_request_bytes(batch: BatchBytes, step: int) -> bytes:
+    """SessionRequest{batch} on the wire with the batch's step set: the step field
+    goes in front of the batch's pieces, and one join makes the message."""
+    step_field = _STEP_TAG + _varint(step)
+    head = _SESSION_BATCH_TAG + _varint(len(step_field) + batch.nbytes) + step_field
+    return b"".join([head, *batch.pieces])
+
+
 class BatchDecodeError(ValueError):
     """An ActivationBatch whose parts do not agree; names the block and field."""
 
@@ -159,18 +231,21 @@ def decode_block(batch: pb.ActivationBatch, i: int, as_float32: bool = True) -> 
     for name in ("request_index", "token_positions", "is_generated"):
         if len(getattr(msg, name)) != n:
             raise BatchDecodeError(f"{where}.{name}: {len(getattr(msg, name))} entries for {n} rows")
-    try:
-        request_ids = [batch.request_ids[j] for j in msg.request_index]
-    except IndexError:
+    # One numpy take instead of a Python look-up per row: a decode step carries
+    # hundreds of rows per block.
+    index = np.asarray(msg.request_index, dtype=np.int64)
+    if n and index.max() >= len(batch.request_ids):
         raise BatchDecodeError(
             f"{where}.request_index: index out of range of {len(batch.request_ids)} request ids"
-        ) from None
+        )
+    ids = np.empty(len(batch.request_ids), dtype=object)
+    ids[:] = list(batch.request_ids)
     return Block(
         msg.point,
         msg.tensor_type,
         msg.layer,
         rows,
-        request_ids,
+        ids[index].tolist(),
         np.asarray(msg.token_positions, dtype=np.int64),
         np.asarray(msg.is_generated, dtype=bool),
         msg.rows.dtype,

@@ -16,20 +16,46 @@ from common.errors import InvalidArgument
 def unknown_enum(message: Message, where: str = "") -> str | None:
     """The first enum field (depth first, in field order) holding a value its enum
     does not define, as "path: value is not a EnumName"; None when all are known."""
-    for field, value in message.ListFields():
+    for field in _enum_paths(message.DESCRIPTOR):
         path = f"{where}.{field.name}" if where else field.name
         repeated = field.is_repeated
         if field.type == FieldDescriptor.TYPE_ENUM:
+            value = getattr(message, field.name)
             for i, item in enumerate(value if repeated else [value]):
                 if field.enum_type.values_by_number.get(item) is None:
                     at = f"{path}[{i}]" if repeated else path
                     return f"{at}: {item} is not a {_enum_name(field)}"
-        elif field.type == FieldDescriptor.TYPE_MESSAGE and not field.message_type.GetOptions().map_entry:
+        elif repeated or message.HasField(field.name):
+            value = getattr(message, field.name)
             for i, item in enumerate(value if repeated else [value]):
                 found = unknown_enum(item, f"{path}[{i}]" if repeated else path)
                 if found:
                     return found
     return None
+
+
+# Message type -> its fields, in field order, that are enums or messages holding
+# enums somewhere below. Only those are read: reading every field would copy
+# each bytes field (an activation block's rows) just to skip it.
+_ENUM_PATHS: dict[str, list[FieldDescriptor]] = {}
+
+
+def _enum_paths(descriptor, visiting: frozenset[str] = frozenset()) -> list[FieldDescriptor]:
+    found = _ENUM_PATHS.get(descriptor.full_name)
+    if found is not None:
+        return found
+    if descriptor.full_name in visiting:
+        return [descriptor]  # a recursive type: assume it may hold enums (read it)
+    visiting = visiting | {descriptor.full_name}
+    found = []
+    for field in sorted(descriptor.fields, key=lambda f: f.number):
+        if field.type == FieldDescriptor.TYPE_ENUM:
+            found.append(field)
+        elif (field.type == FieldDescriptor.TYPE_MESSAGE and not field.message_type.GetOptions().map_entry
+              and _enum_paths(field.message_type, visiting)):
+            found.append(field)
+    _ENUM_PATHS[descriptor.full_name] = found
+    return found
 
 
 def check_enums(message: Message, where: str = "") -> None:

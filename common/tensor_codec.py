@@ -53,6 +53,17 @@ def pack(array: np.ndarray, dtype: str | None = None) -> tuple[str, list[int], b
     return name, [int(d) for d in array.shape], data
 
 
+def pack_view(array: np.ndarray, dtype: str | None = None) -> tuple[str, list[int], memoryview]:
+    """pack() with the bytes as a read-only view of the (little-endian, contiguous)
+    array: no copy when the array already is one, as captured rows are."""
+    name = wire_dtype_of(array, dtype)
+    storage = storage_dtype(name)
+    if name == "bfloat16" and array.dtype != np.uint16:
+        array = float32_to_bfloat16_bits(array)
+    flat = np.ascontiguousarray(array, dtype=storage).reshape(-1)  # a 1-D view: memoryview casts it
+    return name, [int(d) for d in array.shape], memoryview(flat.view(np.uint8)).toreadonly()
+
+
 def unpack(dtype: str, shape, data: bytes, as_float32: bool = True) -> np.ndarray:
     """The inverse of pack(); checks that dtype, shape and byte length agree.
 
@@ -95,7 +106,8 @@ def decode(tensor: pb.Tensor, as_float32: bool = True) -> np.ndarray:
 
 
 def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32)
+    # One widening shift into a fresh uint32 array (astype then << made two passes).
+    return np.left_shift(bits, 16, dtype=np.uint32).view(np.float32)
 
 
 def float32_to_bfloat16_bits(values: np.ndarray) -> np.ndarray:

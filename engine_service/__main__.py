@@ -16,6 +16,7 @@ from pathlib import Path
 
 from common.cli import fail, setup_logging
 from common.grpc_server import MAX_MESSAGE_BYTES
+from engine_service.capture.push import DEFAULT_BACKLOG_BYTES
 from engine_service.requests import (
     DEFAULT_CLIENT_QUEUE_BYTES,
     DEFAULT_MAX_EXTRACTION_POINTS,
@@ -130,6 +131,12 @@ def build_parser():
         help="events queued per Generate stream; activations and scores past it are dropped and "
         f"counted (default {DEFAULT_CLIENT_QUEUE_BYTES}, 32 MiB)",
     )
+    limits.add_argument(
+        "--capture-backlog-bytes", type=int, default=DEFAULT_BACKLOG_BYTES,
+        help="captured rows each worker keeps while the engine service does not read them; past it "
+        "the oldest are dropped and their requests end with an error "
+        f"(default {DEFAULT_BACKLOG_BYTES}, {DEFAULT_BACKLOG_BYTES >> 20} MiB)",
+    )
     add_security_flags(parser, CLIENT_TOKENS)
     return parser
 
@@ -144,7 +151,8 @@ def check_model_path(prog: str, model: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parse_engine_args(parser, argv, worker_node=False)
-    for flag in ("max_message_bytes", "max_streams", "max_extraction_points", "client_queue_bytes"):
+    for flag in ("max_message_bytes", "max_streams", "max_extraction_points", "client_queue_bytes",
+                 "capture_backlog_bytes"):
         if getattr(args, flag) <= 0:
             parser.error(f"--{flag.replace('_', '-')} must be > 0")
     if args.max_prompt_bytes < 0:

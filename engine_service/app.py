@@ -96,7 +96,7 @@ async def run(args) -> int:
         start_http_server(args.metrics_port, registry=metrics.registry)
     runtime = EngineRuntime(
         llm,
-        CaptureController(llm),
+        CaptureController(llm, backlog_bytes=args.capture_backlog_bytes),
         link_config=links,
         settings=EngineSettings(
             default_failure_policy=FAILURE_POLICIES[args.failure_policy],

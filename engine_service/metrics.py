@@ -70,7 +70,8 @@ class EngineMetrics:
         )
         self.dropped_records = Counter(
             "undercurrent_engine_dropped_records",
-            "Records (activation rows, probe scores) dropped on the way to clients, by queue",
+            "Records (activation rows, probe scores) dropped on the way to clients, by queue "
+            "(capture_backlog: rows a worker dropped before the engine service read them)",
             ["queue"],
             registry=r,
         )

@@ -45,22 +45,24 @@ class Failure:
     dropped: bool  # never reached a router (counted in dropped_records)
 
 
-@dataclass(eq=False)
+_QUEUED, _SENT, _ACKED = MessageState.QUEUED, MessageState.SENT, MessageState.ACKED
+
+
+# Slots: a decode step makes one Message per request and touches it three times
+# (queued, sent, acknowledged), so attribute access is on the hot path.
+@dataclass(eq=False, slots=True)
 class Message:
     """This request's rows in one message to one replica."""
 
     replica: str
     rows: dict[int, int]  # token position -> rows
     queued_at: float
+    num_rows: int = 0  # sum(rows.values()), filled in by RequestLedger.queued
     step: int = 0
     state: MessageState = MessageState.QUEUED
 
-    @property
-    def num_rows(self) -> int:
-        return sum(self.rows.values())
 
-
-@dataclass
+@dataclass(slots=True)
 class _Position:
     outstanding: int = 0  # rows queued or sent, not yet acknowledged or failed
     acknowledged: int = 0
@@ -80,9 +82,6 @@ class RequestLedger:
     _positions: dict[int, _Position] = field(default_factory=dict, init=False)
     _order: list[int] = field(default_factory=list, init=False)  # captured positions, ascending
     _live: list[Message] = field(default_factory=list, init=False)  # QUEUED or SENT, oldest first
-    # SENT messages by (replica, step), for errors naming a step. Routers send a
-    # step's errors before its ack, so an acknowledged message is forgotten.
-    _sent: dict[tuple[str, int], Message] = field(default_factory=dict, init=False)
     _refusal: str | None = field(default=None, init=False)
     _refusal_closes: bool = field(default=False, init=False)
     # _order[:_clean] are settled (all rows acknowledged, none failed): the
@@ -102,10 +101,14 @@ class RequestLedger:
 
     def queued(self, replica: str, rows: Mapping[int, int], now: float) -> Message:
         """Captured rows placed on `replica`'s send queue as one message."""
-        message = Message(replica, dict(rows), now)
+        message = Message(replica, dict(rows), now, sum(rows.values()))
+        positions = self._positions
         for position, count in message.rows.items():
             below_settled = position <= self._last_clean()
-            self._position(position).outstanding += count
+            entry = positions.get(position)
+            if entry is None:
+                entry = self._position(position)
+            entry.outstanding += count
             if below_settled:  # rows again at (or before) a settled position
                 self._clean = bisect.bisect_left(self._order, position)
         self._live.append(message)
@@ -116,26 +119,30 @@ class RequestLedger:
 
     def sent(self, message: Message, step: int) -> None:
         """The message went out as `step` of its replica's session."""
-        if message.state is not MessageState.QUEUED:
+        if message.state is not _QUEUED:
             return
-        message.step, message.state = step, MessageState.SENT
-        self._sent[(message.replica, step)] = message
+        message.step, message.state = step, _SENT
 
     def acknowledged(self, replica: str, step: int) -> int:
         """A cumulative StepAck from `replica`: every step <= `step` it was sent is
         scored. Returns the rows that became acknowledged."""
         settled = 0
-        for message in [m for m in self._live if m.state is MessageState.SENT]:
-            if message.replica != replica or message.step > step:
+        kept = []
+        positions = self._positions
+        for message in self._live:
+            # Every live message is checked: one left SENT by an earlier session of
+            # the replica (its step numbers restarted) may sit before this one's.
+            if message.state is not _SENT or message.step > step or message.replica != replica:
+                kept.append(message)
                 continue
-            message.state = MessageState.ACKED
-            self._live.remove(message)
-            del self._sent[(message.replica, message.step)]
+            message.state = _ACKED
             for position, count in message.rows.items():
-                entry = self._positions[position]
+                entry = positions[position]
                 entry.outstanding -= count
                 entry.acknowledged += count
             settled += message.num_rows
+        if settled:
+            self._live = kept
         return settled
 
     # -- rows failing ----------------------------------------------------------
@@ -153,10 +160,11 @@ class RequestLedger:
 
     def step_failed(self, replica: str, step: int, reason: str, probe: str | None) -> Failure | None:
         """The router reported an error about the rows it got in `step`."""
-        message = self._sent.get((replica, step))
-        if message is None:
+        # Routers send a step's errors before its ack: only a message still SENT counts.
+        found = [m for m in self._live if m.state is _SENT and m.step == step and m.replica == replica]
+        if not found:
             return None
-        return self._fail([message], reason, self.closes(probe), dropped=False)
+        return self._fail(found, reason, self.closes(probe), dropped=False)
 
     def replica_failed(self, replica: str, reason: str, probe: str | None = None) -> Failure | None:
         """Every row sent to `replica` and not yet acknowledged is unscored
@@ -195,7 +203,6 @@ class RequestLedger:
             if message.state not in (MessageState.QUEUED, MessageState.SENT):
                 continue
             self._live.remove(message)
-            self._sent.pop((message.replica, message.step), None)
             message.state = MessageState.FAILED
             for position, count in message.rows.items():
                 entry = self._positions[position]

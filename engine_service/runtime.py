@@ -79,6 +79,7 @@ class EngineRuntime:
     ):
         self.llm = llm
         self.capture = capture
+        self._backlog_drops_counted = 0
         self.link_config = link_config
         self.link: links.RouterLink | None = None
         self.settings = settings or EngineSettings()
@@ -482,6 +483,7 @@ class EngineRuntime:
             started = time.monotonic()
             try:
                 blocks = await self.capture.drain()
+                self._count_backlog_drops()
                 errors = self.capture.pop_request_errors()
                 for request_id, error in errors.items():
                     request = self.active.get(request_id)
@@ -556,6 +558,13 @@ class EngineRuntime:
             if request is None:
                 continue
             request.events.put_activations(parts)
+
+    def _count_backlog_drops(self) -> None:
+        """Rows workers dropped past their backlog bound (their requests fail with an error)."""
+        dropped = self.capture.backlog_rows_dropped
+        if dropped > self._backlog_drops_counted:
+            self.metrics.dropped_records.labels("capture_backlog").inc(dropped - self._backlog_drops_counted)
+            self._backlog_drops_counted = dropped
 
     def _count_client_drop(self, records: int) -> None:
         self.metrics.dropped_records.labels("client_queue").inc(records)

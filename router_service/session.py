@@ -21,6 +21,7 @@ from typing import Callable
 
 import numpy as np
 
+from common import tensor_codec
 from common.activations import BatchDecodeError, decode_block
 from common.enum_checks import unknown_enum
 from common.errors import UndercurrentError, status_code_value
@@ -86,19 +87,64 @@ class _BoundProbe:
         self.bindings -= 1
 
 
+class _SlotTable:
+    """A batch's request_ids resolved against this session: per slot its request,
+    prompt length and, per probe, its binding. Consecutive decode steps send the
+    same request_ids, so one table serves batch after batch until the ids or the
+    session's requests or bindings change; a step then costs no Python per row."""
+
+    def __init__(self, requests: list[RequestState | None]):
+        self.requests = requests
+        self.known = np.array([r is not None for r in requests], dtype=bool)
+        self.prompt_lengths = np.array([r.prompt_length if r else 0 for r in requests], dtype=np.int64)
+        self._probes: dict[int, tuple[np.ndarray, np.ndarray, list[Binding | None]]] = {}
+
+    def bindings_of(self, probe: Probe) -> tuple[np.ndarray, np.ndarray, list[Binding | None]]:
+        """Per slot: does its request bind `probe`, the binding's rule row (-1: none), the Binding."""
+        entry = self._probes.get(id(probe))
+        if entry is None:
+            bindings = [r.bindings.get(id(probe)) if r is not None else None for r in self.requests]
+            bound = np.array([b is not None for b in bindings], dtype=bool)
+            rows = np.array([b.row if b is not None else -1 for b in bindings], dtype=np.int64)
+            entry = self._probes[id(probe)] = (bound, rows, bindings)
+        return entry
+
+
 @dataclass
 class _Gathered:
     """Every row one probe reads in one batch, over all requests, in arrival order."""
 
     probe: Probe
+    # (block, mask) per part appended: probes with equal sources read the same rows,
+    # so they share one forward order (see _Order).
+    sources: list[tuple[int, int]] = field(default_factory=list)
     slots: list[np.ndarray] = field(default_factory=list)  # index into batch.request_ids
     positions: list[np.ndarray] = field(default_factory=list)
     layers: list[np.ndarray] = field(default_factory=list)
     values: list[np.ndarray] = field(default_factory=list)
 
-    def arrays(self) -> tuple[np.ndarray, ...]:
-        return tuple(np.concatenate(parts) for parts in
-                     (self.slots, self.positions, self.layers, self.values))
+
+@dataclass
+class _Order:
+    """The rows a token selector keeps from some gathered rows, in forward order per
+    request, cut into one segment per request; shared by the probes that read them."""
+
+    selected: np.ndarray  # indexes into the gathered rows
+    slots: np.ndarray
+    positions: np.ndarray
+    layers: np.ndarray
+    starts: np.ndarray  # first row of each segment
+    ends: np.ndarray
+
+    @classmethod
+    def of(cls, part: _Gathered, tokens, prompt_lengths: np.ndarray) -> "_Order":
+        slots, positions, layers = (np.concatenate(a) for a in (part.slots, part.positions, part.layers))
+        forward = np.lexsort((layers, positions, slots))  # per request: (token_position, layer)
+        selected = forward[tokens.mask(positions[forward], prompt_lengths[slots[forward]])]
+        slots, positions, layers = slots[selected], positions[selected], layers[selected]
+        starts = np.flatnonzero(np.r_[True, slots[1:] != slots[:-1]]) if slots.size else slots
+        ends = np.append(starts[1:], slots.size)
+        return cls(selected, slots, positions, layers, starts, ends)
 
 
 @dataclass
@@ -148,6 +194,9 @@ class SessionState:
         self._ended: OrderedDict[str, int] = OrderedDict()  # request id -> its last incarnation
         self._reported_incompatible: set[tuple[str, str]] = set()
         self._plans: OrderedDict[tuple[int, ...], ProjectionPlan] = OrderedDict()
+        # The last batch's request_ids and their _SlotTable; cleared whenever a
+        # request or binding comes or goes.
+        self._slot_table: tuple[tuple[str, ...], _SlotTable] | None = None
 
     # -- catalog ------------------------------------------------------------
 
@@ -213,6 +262,7 @@ class SessionState:
             row = self._bound.setdefault(id(probe), _BoundProbe(probe)).allocate(action == pb.PROBE_ACTION_ABORT)
             bindings[id(probe)] = Binding(probe, action, len(bindings), row, probe.new_state())
         self.requests[rid] = RequestState(rid, msg.prompt_length, bindings, incarnation)
+        self._slot_table = None
         self._ended.pop(rid, None)
         self.metrics.live_requests.inc()
         return out
@@ -224,6 +274,7 @@ class SessionState:
                                 f"request_end: request {msg.request_id!r} incarnation {msg.incarnation} "
                                 "is not running on this session", incarnation=msg.incarnation)]
         del self.requests[msg.request_id]
+        self._slot_table = None
         out = [m for b in request.bindings.values() if (m := self._flush_scores(request, b, force=True))]
         self._free(request)
         self._ended[msg.request_id] = request.incarnation
@@ -238,6 +289,7 @@ class SessionState:
         for request in self.requests.values():
             self._free(request)
         self.requests.clear()
+        self._slot_table = None
         return count
 
     def _free(self, request: RequestState) -> None:
@@ -247,6 +299,7 @@ class SessionState:
 
     def _unbind(self, request: RequestState, binding: Binding) -> None:
         del request.bindings[id(binding.probe)]
+        self._slot_table = None
         self.registry.release(binding.probe)
         bound = self._bound[id(binding.probe)]
         bound.release(binding.row)
@@ -259,21 +312,21 @@ class SessionState:
         started = time.perf_counter()
         out: list[pb.SessionResponse] = []
         reported: set[tuple[str, str]] = set()  # (request, problem): one error per batch each
-        requests = [self.requests.get(rid) for rid in batch.request_ids]
-        binds: dict[int, np.ndarray] = {}  # id(probe) -> which slots bind it
+        table = self._slots(batch)
+        requests = table.requests
         gathered: dict[int, _Gathered] = {}
         for i in range(len(batch.blocks)):
             try:
-                out += self._gather_block(batch, i, requests, binds, gathered, reported)
+                out += self._gather_block(batch, i, table, gathered, reported)
             except Exception as err:  # a bug on one block must not cost the others their scores
                 log.exception("block failed", extra={"step": batch.step, "block": i})
                 out += self._block_error(batch, _block_request_ids(batch, i), "INTERNAL",
                                          f"blocks[{i}]: internal error: {type(err).__name__}: {err}", reported)
         candidates: dict[int, list[_Candidate]] = {}
-        prompt_lengths = np.array([r.prompt_length if r else 0 for r in requests], dtype=np.int64)
+        orders: dict[tuple, _Order] = {}
         for part in gathered.values():
             probe_started = time.perf_counter()
-            out += self._score_probe(part, requests, prompt_lengths, candidates)
+            out += self._score_probe(part, table, orders, candidates)
             self.metrics.probe_seconds.labels(part.probe.name).observe(time.perf_counter() - probe_started)
         for slot, found in candidates.items():
             request = requests[slot]
@@ -286,26 +339,35 @@ class SessionState:
         self.metrics.batch_seconds.observe(time.perf_counter() - started)
         return out
 
+    def _slots(self, batch: pb.ActivationBatch) -> _SlotTable:
+        ids = tuple(batch.request_ids)
+        if self._slot_table is None or self._slot_table[0] != ids:
+            self._slot_table = (ids, _SlotTable([self.requests.get(rid) for rid in ids]))
+        return self._slot_table[1]
+
     def _gather_block(
         self,
         batch: pb.ActivationBatch,
         i: int,
-        requests: list[RequestState | None],
-        binds: dict[int, np.ndarray],
+        table: _SlotTable,
         gathered: dict[int, _Gathered],
         reported: set[tuple[str, str]],
     ) -> list[pb.SessionResponse]:
         """Checks block i and files its usable rows under each probe that reads them."""
         msg = batch.blocks[i]
         where = f"blocks[{i}] ({msg.point}@{msg.layer})"
-        self.metrics.bytes.inc(len(msg.rows.data))
+        requests = table.requests
         if bad := unknown_enum(msg, f"blocks[{i}]"):
+            self.metrics.bytes.inc(len(msg.rows.data))
             return self._block_error(batch, _block_request_ids(batch, i), "INVALID_ARGUMENT", bad, reported)
         try:
             block = decode_block(batch, i)
         except BatchDecodeError as err:
+            self.metrics.bytes.inc(len(msg.rows.data))
             return self._block_error(batch, _block_request_ids(batch, i), "INVALID_ARGUMENT", str(err),
                                      reported)
+        # Counted from the decoded rows: each read of msg.rows.data copies the bytes.
+        self.metrics.bytes.inc(block.rows.size * tensor_codec.storage_dtype(block.wire_dtype).itemsize)
         self.metrics.rows.inc(block.num_rows)
         if block.num_rows == 0:
             return []
@@ -317,7 +379,7 @@ class SessionState:
             )
         slots = np.asarray(msg.request_index, dtype=np.int64)
         out = []
-        known = np.array([r is not None for r in requests])[slots]
+        known = table.known[slots]
         for j in np.unique(slots[~known]):
             out += self._unknown_request(batch.request_ids[j], where, batch.step, reported)
         usable = known
@@ -333,9 +395,7 @@ class SessionState:
         for probe in [bound.probe for bound in self._bound.values()]:
             if not probe.manifest.reads(block.tensor_type, block.layer):
                 continue
-            if id(probe) not in binds:
-                binds[id(probe)] = np.array([r is not None and id(probe) in r.bindings for r in requests])
-            rows = usable & binds[id(probe)][slots]
+            rows = usable & table.bindings_of(probe)[0][slots]
             if rows.any():
                 readers.append((probe, rows))
         if not readers:
@@ -343,8 +403,10 @@ class SessionState:
         plan = self._plan(tuple(probe for probe, _ in readers))
         values = plan.apply(block.rows)
         layers = np.full(block.num_rows, block.layer, dtype=np.int64)
+        masks: dict[bytes, int] = {}  # readers with the same rows share one mask number
         for probe, rows in readers:
             part = gathered.setdefault(id(probe), _Gathered(probe))
+            part.sources.append((i, masks.setdefault(rows.tobytes(), len(masks))))
             part.slots.append(slots[rows])
             part.positions.append(block.token_positions[rows])
             part.layers.append(layers[rows])
@@ -352,43 +414,44 @@ class SessionState:
         return out
 
     def _score_probe(
-        self, part: _Gathered, requests: list[RequestState | None], prompt_lengths: np.ndarray,
+        self, part: _Gathered, table: _SlotTable, orders: dict[tuple, _Order],
         candidates: dict[int, list[_Candidate]],
     ) -> list[pb.SessionResponse]:
         """Scores one probe over all its requests' rows; files abort candidates; returns scores."""
         probe, m = part.probe, part.probe.manifest
-        slots, positions, layers, values = part.arrays()
-        forward = np.lexsort((layers, positions, slots))  # per request: (token_position, layer)
-        selected = forward[m.tokens.mask(positions[forward], prompt_lengths[slots[forward]])]
-        if selected.size == 0:
+        key = (tuple(part.sources), m.tokens)
+        order = orders.get(key)
+        if order is None:
+            order = orders[key] = _Order.of(part, m.tokens, table.prompt_lengths)
+        if order.selected.size == 0:
             return []
-        slots, positions, layers, values = slots[selected], positions[selected], layers[selected], values[selected]
-        starts = np.flatnonzero(np.r_[True, slots[1:] != slots[:-1]])
-        ends = np.r_[starts[1:], slots.size]
-        segment_slots = slots[starts].tolist()
-        bindings = [requests[s].bindings[id(probe)] for s in segment_slots]
+        positions, layers, starts, ends = order.positions, order.layers, order.starts, order.ends
+        values = np.concatenate(part.values)[order.selected]
+        segment_slots = order.slots[starts]
+        _, binding_rows, by_slot = table.bindings_of(probe)
         if probe.stateless:
             scores = probe.score(values, None)
         else:
-            scores = np.concatenate([probe.score(values[a:b], binding.state)
-                                     for a, b, binding in zip(starts, ends, bindings)])
+            scores = np.concatenate([probe.score(values[a:b], by_slot[s].state)
+                                     for a, b, s in zip(starts, ends, segment_slots.tolist())])
         self.metrics.probe_rows.labels(probe.name).inc(scores.size)
         bound = self._bound[id(probe)]
-        rows = np.fromiter((b.row for b in bindings), dtype=np.int64, count=len(bindings))
+        rows = binding_rows[segment_slots]
         seen, streak = bound.seen[rows], bound.streak[rows]
         hits = first_firing_segments(scores, starts, m.threshold, m.min_tokens, m.patience, seen, streak)
         bound.seen[rows], bound.streak[rows] = seen, streak
         abort = bound.abort[rows]
         for k in np.flatnonzero(abort & (hits >= 0)).tolist():
-            hit = hits[k]
-            candidates.setdefault(segment_slots[k], []).append(
-                _Candidate(int(positions[hit]), int(layers[hit]), bindings[k], float(scores[hit])))
+            hit, slot = hits[k], int(segment_slots[k])
+            candidates.setdefault(slot, []).append(
+                _Candidate(int(positions[hit]), int(layers[hit]), by_slot[slot], float(scores[hit])))
         out = []
         for k in np.flatnonzero(~abort).tolist():
-            binding = bindings[k]
+            slot = int(segment_slots[k])
+            binding = by_slot[slot]
             binding.pending_positions.append(positions[starts[k]:ends[k]])
             binding.pending_scores.append(scores[starts[k]:ends[k]])
-            if message := self._flush_scores(requests[segment_slots[k]], binding, force=False):
+            if message := self._flush_scores(table.requests[slot], binding, force=False):
                 out.append(message)
         return out
 
@@ -431,6 +494,8 @@ class SessionState:
 
         Call it before `batch`, on the thread that owns the registry."""
         out = []
+        if not any(bound.probe.retired for bound in self._bound.values()):
+            return out  # the usual case, checked per probe rather than per binding
         for request in self.requests.values():
             for binding in [b for b in request.bindings.values() if b.probe.retired]:
                 self._unbind(request, binding)

@@ -34,7 +34,7 @@ from engine_service.capture.merge import (
     ForwardOrderGate,
     merge_blocks,
 )
-from engine_service.capture.push import Sink
+from engine_service.capture.push import DEFAULT_BACKLOG_BYTES, Sink
 from engine_service.capture.topology import RankTopology, Topology
 from undercurrent.v1 import undercurrent_pb2 as pb
 
@@ -148,8 +148,9 @@ class CaptureController:
     pipeline buffers later PP stages need on CPU.
     """
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, backlog_bytes: int = DEFAULT_BACKLOG_BYTES) -> None:
         self.engine = engine
+        self.backlog_bytes = backlog_bytes
         self._topology: Topology | None = None
         self._vllm_version = ""
         self._registered: set[str] = set()
@@ -162,6 +163,7 @@ class CaptureController:
         self._rpc_drained = True  # some shipping rank does not push (another host)
         self._barrier: dict[int, int] = {}  # rank -> push sequence every ending row is within
         self._registrations = asyncio.Event()
+        self.backlog_rows_dropped = 0  # rows workers dropped past their backlog bound
 
     async def start(self) -> pb.ModelInfo:
         import vllm
@@ -184,7 +186,7 @@ class CaptureController:
             raise CaptureUnavailable(f"capture could not start on every worker: {exc}") from exc
         self._topology = Topology(tuple(RankTopology.from_dict(r) for r in reports))
         if self._sink is None:
-            self._sink = Sink()
+            self._sink = Sink(self.backlog_bytes)
             await self.use_push(True)
         info = self.model_info()
         log.info(
@@ -287,6 +289,14 @@ class CaptureController:
             shipments += await self.engine.collective_rpc("undercurrent_drain")
         errors = [f"rank {s['rank']}: {e}" for s in shipments for e in s["errors"]]
         for shipment in shipments:
+            for request_id, rows in shipment.get("dropped", ()):
+                self.backlog_rows_dropped += rows
+                self._request_errors.setdefault(
+                    request_id,
+                    f"capture: rank {shipment['rank']} dropped {rows} rows of this request: the engine "
+                    f"service did not take its shipments and they passed the worker's backlog bound "
+                    f"({self.backlog_bytes} bytes, --capture-backlog-bytes)",
+                )
             for request_id, point, start, stop in shipment["gaps"]:
                 self._request_errors.setdefault(
                     request_id,

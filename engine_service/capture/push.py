@@ -21,6 +21,13 @@ always declare one of their own: a Unix socket needs a shared filesystem as
 well as a shared hostname, and containers with host networking share the name
 but not /tmp. Their workers are therefore always drained by RPC, also when
 every node runs on one host (which is how that path is tested).
+
+A worker never blocks on a driver that stops reading: past ZeroMQ's queue it
+keeps shipments itself, up to a bound in bytes (`--capture-backlog-bytes`).
+Past that it drops its oldest shipments and reports, in the next shipment
+it sends, how many rows of which request it dropped; the driver fails those
+requests (their rows are gone; nothing is lost silently). Errors and prefix
+cache gaps of a dropped shipment move to the next one.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import socket
 import tempfile
 import time
 import weakref
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +52,8 @@ log = logging.getLogger(__name__)
 # Payloads a worker queues in ZeroMQ while the driver is not reading; past it the
 # worker keeps rows in its own buffer and sends them with a later step.
 SEND_HIGH_WATER_MARK = 1024
+# Bytes of rows a worker keeps beyond ZeroMQ's queue before it drops the oldest.
+DEFAULT_BACKLOG_BYTES = 256 * 1024 * 1024
 
 
 NODE_IDENTITY_ENV = "UNDERCURRENT_NODE_IDENTITY"
@@ -56,45 +66,105 @@ def node_identity() -> str:
 
 @dataclass(frozen=True)
 class SinkAddress:
-    """Where workers push: a ZeroMQ endpoint, valid on one host only."""
+    """Where workers push: a ZeroMQ endpoint, valid on one host only, and the
+    bytes each worker may keep while the driver does not read."""
 
     endpoint: str
     host: str
+    backlog_bytes: int = DEFAULT_BACKLOG_BYTES
 
     def as_dict(self) -> dict:
-        return {"endpoint": self.endpoint, "host": self.host}
+        return {"endpoint": self.endpoint, "host": self.host, "backlog_bytes": self.backlog_bytes}
+
+
+@dataclass(eq=False)
+class _Waiting:
+    """A shipment the socket did not take yet; encoded when first offered."""
+
+    shipment: dict
+    nbytes: int  # its rows' bytes: what the backlog bound counts
+    data: bytes | None = None
+
+
+def rows_per_request(shipment: dict) -> Counter[str]:
+    return Counter(r for part in shipment["parts"] for r in part["request_ids"])
 
 
 class Pusher:
-    """The worker side: one PUSH socket and a sequence number."""
+    """The worker side: one PUSH socket, a sequence number, and a backlog bounded in bytes."""
 
     def __init__(self, address: dict, rank: int) -> None:
         self.rank = rank
         self.seq = 0
+        self.backlog_bytes = int(address.get("backlog_bytes", DEFAULT_BACKLOG_BYTES))
         # The process-wide context: a context of its own would block in term()
         # when collected while a socket is open.
         self._socket = zmq.Context.instance().socket(zmq.PUSH)
         self._socket.setsockopt(zmq.SNDHWM, SEND_HIGH_WATER_MARK)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.connect(address["endpoint"])
-        self._unsent: list[bytes] = []
+        self._unsent: deque[_Waiting] = deque()
+        self._unsent_bytes = 0
+        self._dropped: Counter[str] = Counter()  # rows per request, not yet reported
+        self.dropped_rows = 0  # every row this worker ever dropped
 
     @staticmethod
     def reaches(address: dict) -> bool:
         """True when this process runs on the sink's node (the endpoint is host-local)."""
         return address.get("host") == node_identity()
 
+    @property
+    def unsent_bytes(self) -> int:
+        return self._unsent_bytes
+
     def push(self, shipment: dict) -> None:
-        """Sends one shipment (never blocks: a full queue keeps it for the next push)."""
+        """Sends one shipment (never blocks: a full queue keeps it for a later push,
+        within the backlog bound; past it the oldest kept shipments are dropped)."""
         self.seq += 1
-        self._unsent.append(msgspec.msgpack.encode({**shipment, "seq": self.seq}))
+        waiting = _Waiting({**shipment, "seq": self.seq}, sum(len(p["rows"]) for p in shipment["parts"]))
+        self._unsent.append(waiting)
+        self._unsent_bytes += waiting.nbytes
+        self._bound()
+        self.flush()
+
+    def flush(self) -> None:
+        """Offers the kept shipments to the socket, oldest first, until it is full."""
         while self._unsent:
+            head = self._unsent[0]
+            if self._dropped:  # the report rides the next shipment that goes out
+                carried = Counter(dict(head.shipment.get("dropped", ()))) + self._dropped
+                head.shipment["dropped"] = sorted(carried.items())
+                self._dropped = Counter()
+                head.data = None
+            if head.data is None:
+                head.data = msgspec.msgpack.encode(head.shipment)
             try:
-                self._socket.send(self._unsent[0], flags=zmq.NOBLOCK)
+                self._socket.send(head.data, flags=zmq.NOBLOCK)
             except zmq.Again:
-                log.warning("capture: the engine service is not reading; %d shipments wait", len(self._unsent))
+                log.warning("capture: the engine service is not reading; %d shipments (%d bytes) wait",
+                            len(self._unsent), self._unsent_bytes)
                 return
-            self._unsent.pop(0)
+            self._unsent.popleft()
+            self._unsent_bytes -= head.nbytes
+
+    def _bound(self) -> None:
+        """Drops the oldest kept shipments while over the bound; the newest stays
+        (its sequence number is what the driver's barrier waits for)."""
+        while self._unsent_bytes > self.backlog_bytes and len(self._unsent) > 1:
+            oldest = self._unsent.popleft()
+            self._unsent_bytes -= oldest.nbytes
+            rows = rows_per_request(oldest.shipment)
+            self.dropped_rows += sum(rows.values())
+            self._dropped += rows + Counter(dict(oldest.shipment.get("dropped", ())))
+            successor = self._unsent[0]
+            successor.shipment = {
+                **successor.shipment,
+                "gaps": [*oldest.shipment["gaps"], *successor.shipment["gaps"]],
+                "errors": [*oldest.shipment["errors"], *successor.shipment["errors"]],
+            }
+            successor.data = None
+            log.error("capture: rank %d dropped a shipment of %d rows: the engine service has not read "
+                      "%d bytes (the backlog bound)", self.rank, sum(rows.values()), self.backlog_bytes)
 
     def close(self) -> None:
         self._socket.close(linger=0)
@@ -103,9 +173,9 @@ class Pusher:
 class Sink:
     """The driver side: one PULL socket, and what each worker's sequence reached."""
 
-    def __init__(self) -> None:
+    def __init__(self, backlog_bytes: int = DEFAULT_BACKLOG_BYTES) -> None:
         self._directory = Path(tempfile.mkdtemp(prefix="undercurrent-capture-"))  # mode 0700
-        self.address = SinkAddress(f"ipc://{self._directory / 'sink'}", node_identity())
+        self.address = SinkAddress(f"ipc://{self._directory / 'sink'}", node_identity(), backlog_bytes)
         self._socket = zmq.asyncio.Context.instance().socket(zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(self.address.endpoint)

@@ -59,6 +59,44 @@ class PromptGap:
 StepPlan = dict[tuple[str, int], list[Selection]]
 
 
+@dataclass(frozen=True)
+class PointRows:
+    """Every row one point copies from one (tensor type, layer) in one step, over
+    all its requests in batch order: a hook copies them with one gather."""
+
+    point: str
+    tensor_type: str
+    layer: int
+    row_indices: np.ndarray  # int64 indexes into the step's flat batch
+    request_ids: list[str]  # one per row
+    positions: np.ndarray  # int64
+    is_generated: np.ndarray  # bool
+
+
+def rows_per_point(plan: StepPlan) -> dict[tuple[str, int], list[PointRows]]:
+    """The plan with each point's selections of a (tensor type, layer) joined: one
+    gather per point and hook instead of one per request (a decode step selects
+    one row per request, so the per-request gathers were mostly overhead)."""
+    joined: dict[tuple[str, int], list[PointRows]] = {}
+    for key, selections in plan.items():
+        by_point: dict[str, list[Selection]] = {}
+        for selection in selections:
+            by_point.setdefault(selection.point, []).append(selection)
+        joined[key] = [
+            PointRows(
+                point=point,
+                tensor_type=chosen[0].tensor_type,
+                layer=chosen[0].layer,
+                row_indices=np.concatenate([s.row_indices for s in chosen]),
+                request_ids=[s.request_id for s in chosen for _ in range(len(s.positions))],
+                positions=np.concatenate([s.positions for s in chosen]),
+                is_generated=np.concatenate([s.is_generated for s in chosen]),
+            )
+            for point, chosen in by_point.items()
+        ]
+    return joined
+
+
 def record_request_id(internal_id: str, registered: set[str] | dict) -> str | None:
     """The id records of this vLLM-internal request carry, or None if unregistered.
 

@@ -25,7 +25,7 @@ import torch
 from common.activations import Block, WirePart, encode_part
 from common.capture_spec import ExtractionPoint, tensor_type_to_proto
 from engine_service.capture.push import Pusher
-from engine_service.capture.row_mapping import Registration, RowMapper, Selection
+from engine_service.capture.row_mapping import PointRows, Registration, RowMapper, rows_per_point
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -121,8 +121,9 @@ class _CaptureState:
 
         self.ships = tp_group.rank_in_group == 0
         self.mapper = RowMapper(range(start_layer, end_layer), num_layers, has_final_norm)
-        self.plan: dict[tuple[str, int], list[Selection]] = {}
-        self.buffers: dict[tuple[str, int], list[tuple[Selection, np.ndarray, str]]] = (
+        # (tensor type, layer) -> per point: its rows this step and their batch indexes
+        self.plan: dict[tuple[str, int], list[tuple[PointRows, torch.Tensor]]] = {}
+        self.buffers: dict[tuple[str, int], list[tuple[PointRows, np.ndarray, str]]] = (
             defaultdict(list)
         )
         self.errors: list[str] = []
@@ -189,7 +190,10 @@ class _CaptureState:
         return True
 
     def pushed_seq(self) -> int:
-        return self.pusher.seq if self.pusher is not None else 0
+        if self.pusher is None:
+            return 0
+        self.pusher.flush()  # kept shipments go now: the barrier must not wait for another step
+        return self.pusher.seq
 
     def _install_hooks(self, model, layers, norm, start_layer: int, end_layer: int) -> None:
         model.register_forward_pre_hook(self._plan_step, with_kwargs=True)
@@ -211,11 +215,15 @@ class _CaptureState:
         query_start_loc = self.runner.query_start_loc.np[: num_reqs + 1]
         positions = kwargs["positions"] if "positions" in kwargs else args[1]
         num_rows = int(query_start_loc[-1]) if num_reqs else 0
-        self.plan = self.mapper.plan(
+        plan = self.mapper.plan(
             batch.req_ids[:num_reqs],
             query_start_loc,
             positions[:num_rows].cpu().numpy(),
         )
+        self.plan = {
+            key: [(rows, torch.from_numpy(rows.row_indices)) for rows in joined]
+            for key, joined in rows_per_point(plan).items()
+        }
 
     def _push_step(self, module, args, output) -> None:
         """After this stage's forward pass: everything it captured goes to the driver."""
@@ -226,8 +234,8 @@ class _CaptureState:
         key = ("residual_stream", layer)
 
         def hook(module, args, output) -> None:
-            selections = self.plan.get(key)
-            if not selections:
+            planned = self.plan.get(key)
+            if not planned:
                 return
             hidden, residual = output
             if residual is None or hidden.shape != residual.shape:
@@ -237,9 +245,8 @@ class _CaptureState:
                     f"{None if residual is None else tuple(residual.shape)}; refusing to sum them"
                 )
                 return
-            for selection in selections:
-                rows = torch.from_numpy(selection.row_indices)
-                self._keep(selection, hidden[rows] + residual[rows])
+            for point_rows, index in planned:
+                self._keep(point_rows, hidden[index] + residual[index])
 
         return hook
 
@@ -247,16 +254,16 @@ class _CaptureState:
         key = (tensor_type, layer)
 
         def hook(module, args, kwargs, output) -> None:
-            selections = self.plan.get(key)
-            if not selections:
+            planned = self.plan.get(key)
+            if not planned:
                 return
             tensor = output[0] if isinstance(output, tuple) else output
-            for selection in selections:
-                self._keep(selection, tensor[torch.from_numpy(selection.row_indices)])
+            for point_rows, index in planned:
+                self._keep(point_rows, tensor[index])
 
         return hook
 
-    def _keep(self, selection: Selection, rows: torch.Tensor) -> None:
+    def _keep(self, point_rows: PointRows, rows: torch.Tensor) -> None:
         """Buffers a fresh copy (indexing copies) as numpy; bfloat16 as its bits."""
         rows = rows.detach().cpu()
         if rows.dtype == torch.bfloat16:
@@ -264,7 +271,7 @@ class _CaptureState:
         else:
             array = rows.numpy()
             dtype = array.dtype.name
-        self.buffers[(selection.point, selection.layer)].append((selection, array, dtype))
+        self.buffers[(point_rows.point, point_rows.layer)].append((point_rows, array, dtype))
 
     def _fail(self, message: str) -> None:
         if message not in self.errors:
@@ -275,17 +282,17 @@ class _CaptureState:
         """Everything buffered since the last drain, as plain values and bytes."""
         parts: list[WirePart] = []
         for (point, layer), chunks in self.buffers.items():
-            selections = [c[0] for c in chunks]
+            planned = [c[0] for c in chunks]
             parts.append(
                 encode_part(
                     Block(
                         point=point,
-                        tensor_type=tensor_type_to_proto(selections[0].tensor_type),
+                        tensor_type=tensor_type_to_proto(planned[0].tensor_type),
                         layer=layer,
                         rows=np.concatenate([c[1] for c in chunks]),
-                        request_ids=[s.request_id for s in selections for _ in range(len(s.positions))],
-                        token_positions=np.concatenate([s.positions for s in selections]),
-                        is_generated=np.concatenate([s.is_generated for s in selections]),
+                        request_ids=[r for p in planned for r in p.request_ids],
+                        token_positions=np.concatenate([p.positions for p in planned]),
+                        is_generated=np.concatenate([p.is_generated for p in planned]),
                         wire_dtype=chunks[0][2],
                     )
                 )

@@ -101,10 +101,14 @@ def rows_per_request(blocks: list[Block]) -> Counter[str]:
     return Counter(r for b in blocks for r in b.request_ids)
 
 
-def rows_by_position(blocks: list[Block]) -> dict[str, Counter[int]]:
+def rows_by_position(blocks: list[Block]) -> dict[str, dict[int, int]]:
     """Per request, how many rows each token position has in these blocks."""
-    result: dict[str, Counter[int]] = {}
+    result: dict[str, dict[int, int]] = {}
     for block in blocks:
         for request_id, position in zip(block.request_ids, block.token_positions.tolist()):
-            result.setdefault(request_id, Counter())[position] += 1
+            counts = result.get(request_id)
+            if counts is None:
+                result[request_id] = {position: 1}
+            else:
+                counts[position] = counts.get(position, 0) + 1
     return result

@@ -18,7 +18,9 @@ class OverflowPolicy(StrEnum):
 class QueuedBatch:
     """One ActivationBatch waiting for its replica, with the ledger entries of its rows."""
 
-    message: object  # pb.SessionRequest with .batch set; step filled in at send time
+    # The ActivationBatch serialised once, when queued, without its step
+    # (common.activations.BatchBytes): the session numbers it as it writes.
+    batch_bytes: object
     nbytes: int
     rows: int
     # (request, ledger message) per request with rows in this batch; opaque here.

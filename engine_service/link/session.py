@@ -20,8 +20,8 @@ from typing import Protocol
 
 from grpc import aio
 from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc
 
+from common.activations import session_request_bytes
 from common.grpc_server import channel_options
 from engine_service.link.assignment import backoff_delay
 from engine_service.link.config import RouterLinkConfig
@@ -208,7 +208,13 @@ class ReplicaSession:
 
     async def _session(self) -> None:
         channel = self.config.open_channel(self.address, channel_options(self.config.max_message_bytes))
-        call = undercurrent_pb2_grpc.ProbeRouterServiceStub(channel).Session()
+        # The stub's own call, except that a batch arrives already serialised.
+        call = channel.stream_stream(
+            _SESSION_METHOD,
+            request_serializer=_serialize,
+            response_deserializer=pb.SessionResponse.FromString,
+            _registered_method=True,
+        )()
         tasks: list[asyncio.Task] = []
         try:
             async with asyncio.timeout(self.config.heartbeat_timeout_s):
@@ -259,10 +265,9 @@ class ReplicaSession:
                 await call.write(item)
                 continue
             step = self.steps.record(item, time.monotonic())
-            item.message.batch.step = step
             self._listener.batch_sent(self, item, step)
             try:
-                await call.write(item.message)
+                await call.write(session_request_bytes(item.batch_bytes, step))
             except BaseException:  # failed or cancelled with the session: never sent
                 self.steps.pending.pop(step, None)
                 self._listener.batch_unsent(self, item)
@@ -306,6 +311,13 @@ class ReplicaSession:
             self.drain_reason = message.drain.reason
             log.info("router replica %s draining (%s)", self.address, self.drain_reason)
             self._listener.draining(self)
+
+
+_SESSION_METHOD = "/{}/Session".format(pb.DESCRIPTOR.services_by_name["ProbeRouterService"].full_name)
+
+
+def _serialize(message: pb.SessionRequest | bytes) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()
 
 
 def describe(err: BaseException) -> str:

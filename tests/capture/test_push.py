@@ -79,3 +79,86 @@ def test_a_declared_node_identity_keeps_a_process_off_another_nodes_sink(monkeyp
             other.close()
     finally:
         sink.close()
+
+
+def row_shipment(rank: int, request_id: str, position: int, traced: bool = True) -> dict:
+    """One row of 4 float32 (16 bytes); traced: with an error and a prefix-cache gap,
+    so a dropped shipment's rows, errors and gaps can all be followed."""
+    block = Block("p", pb.TENSOR_TYPE_RESIDUAL_STREAM, 1, np.full((1, 4), position, np.float32), [request_id],
+                  np.array([position]), np.array([True]))
+    return {"rank": rank, "parts": [encode_part(block)],
+            "gaps": [(request_id, "p", position, position + 1)] if traced else [],
+            "errors": [f"error {position}"] if traced else []}
+
+
+async def read_until_reached(sink: Sink, pusher: Pusher, timeout_s: float = 20) -> list[dict]:
+    """The driver reading again: takes what arrived, lets the worker offer what it kept."""
+    got, deadline = [], time.monotonic() + timeout_s
+    while not sink.reached({pusher.rank: pusher.seq}) and time.monotonic() < deadline:
+        got += await sink.receive(0.05)
+        pusher.flush()
+    return got
+
+
+async def test_a_worker_whose_driver_does_not_read_keeps_its_backlog_bound_and_reports_every_dropped_row():
+    from collections import Counter
+
+    bound = 4 * 16  # four one-row shipments
+    sink = Sink(backlog_bytes=bound)
+    pusher = Pusher(sink.address.as_dict(), 0)
+    pushed = Counter()
+    try:
+        # ZeroMQ's own queues take about two thousand shipments; the rest stays with the worker.
+        for position in range(3000):
+            request_id = f"r{position % 3}"
+            pusher.push(row_shipment(0, request_id, position))
+            pushed[request_id] += 1
+            assert pusher.unsent_bytes <= bound  # the bound holds at every push
+        assert pusher.dropped_rows > 0, "the driver never stopped taking shipments; nothing was bounded"
+        got = await read_until_reached(sink, pusher)
+        assert sink.reached({0: pusher.seq})
+        received = Counter(r for s in got for p in s["parts"] for r in p["request_ids"])
+        reported = Counter()
+        for s in got:
+            for request_id, rows in s.get("dropped", ()):
+                reported[request_id] += rows
+        # Every row either arrived or was reported dropped, for its own request; none twice.
+        assert received + reported == pushed
+        assert sum(reported.values()) == pusher.dropped_rows
+        assert set(reported) == {"r0", "r1", "r2"}
+        # Errors and gaps of dropped shipments arrive with a later one: none is lost.
+        assert sorted(e for s in got for e in s["errors"]) == sorted(f"error {p}" for p in range(3000))
+        assert len([g for s in got for g in s["gaps"]]) == 3000
+    finally:
+        pusher.close()
+        sink.close()
+
+
+async def test_the_driver_fails_each_request_whose_rows_a_worker_dropped():
+    from engine_service.capture.controller import CaptureController
+
+    controller = CaptureController(engine=None, backlog_bytes=16)
+    controller._sink = sink = Sink(backlog_bytes=16)  # what start() makes, without an engine
+    controller._rpc_drained = False
+    controller._registered = {"kept", "lost"}
+    pusher = Pusher(sink.address.as_dict(), 0)
+    try:
+        position = 0
+        while pusher.dropped_rows == 0:
+            pusher.push(row_shipment(0, "lost", position, traced=False))
+            position += 1
+            assert position < 100_000, "the sink never stopped taking shipments"
+        pusher.push(row_shipment(0, "kept", position, traced=False))
+        blocks = []
+        while not sink.reached({0: pusher.seq}):
+            blocks += await controller.drain()
+            pusher.flush()
+        errors = controller.pop_request_errors()
+        assert set(errors) == {"lost"}
+        assert errors["lost"].startswith(f"capture: rank 0 dropped {pusher.dropped_rows} rows of this request")
+        assert "--capture-backlog-bytes" in errors["lost"]
+        assert controller.backlog_rows_dropped == pusher.dropped_rows
+        assert sum(b.num_rows for b in blocks) == position + 1 - pusher.dropped_rows
+    finally:
+        pusher.close()
+        sink.close()

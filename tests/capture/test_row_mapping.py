@@ -8,6 +8,7 @@ from engine_service.capture.row_mapping import (
     Registration,
     RowMapper,
     record_request_id,
+    rows_per_point,
 )
 
 
@@ -45,6 +46,22 @@ def test_plan_selects_rows_per_request_with_chunked_prefill_and_padding():
     (b,) = plan[("residual_stream", 1)]  # layer 3 belongs to another stage
     assert (b.request_id, b.point, b.row_indices.tolist(), b.positions.tolist()) == ("b", "gen", [4], [2])
     assert b.is_generated.tolist() == [True]
+
+
+def test_each_points_rows_of_a_step_are_joined_in_batch_order_for_one_gather():
+    mapper = RowMapper(range(0, 2), num_layers=2, has_final_norm=False)
+    for request_id, prompt_len in (("a", 3), ("b", 2)):
+        mapper.register(Registration(request_id, (point("all", layers=(0, 1)), point("gen", layers=(1,),
+                                                  selector=TokenSelector(Scope.GENERATED))), prompt_len))
+    # Slot 0: "a" prefills positions 0..2; slot 1: "b" decodes position 2 (generated).
+    plan = mapper.plan(["a-00000000", "b-11111111"], np.array([0, 3, 4]), np.array([0, 1, 2, 2]))
+    joined = rows_per_point(plan)
+    assert [(p.point, p.layer) for p in joined[("residual_stream", 0)]] == [("all", 0)]
+    everything, generated = joined[("residual_stream", 1)]
+    assert (everything.point, everything.row_indices.tolist(), everything.request_ids,
+            everything.positions.tolist(), everything.is_generated.tolist()) == (
+        "all", [0, 1, 2, 3], ["a", "a", "a", "b"], [0, 1, 2, 2], [False, False, False, True])
+    assert (generated.point, generated.row_indices.tolist(), generated.request_ids) == ("gen", [3], ["b"])
 
 
 def test_final_norm_only_on_the_last_stage():

@@ -48,6 +48,7 @@ class FakeCapture:
         self.registered: dict[str, tuple[list, int]] = {}
         self.captured: dict[str, set[int]] = defaultdict(set)  # positions, per request
         self.pending: list[Block] = []
+        self.backlog_rows_dropped = 0  # the workers here never drop
         self.drains = 0
         self.drain_error: BaseException | None = None  # raised by the next drain()
         self.unregister_error: Exception | None = None

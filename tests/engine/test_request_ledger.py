@@ -51,6 +51,31 @@ def test_acks_are_cumulative_and_only_count_from_the_replica_the_rows_went_to():
     assert led.releasable_through() == 11
 
 
+def test_an_ack_settles_its_replicas_messages_behind_other_replicas_and_stops_at_its_first_unacked():
+    led = ledger()
+    # Re-homed from "a" to "b" and back: the replicas' messages interleave in the ledger.
+    sent(led, "a", 1, {10: 1})
+    sent(led, "b", 1, {11: 1})
+    sent(led, "a", 2, {12: 1})
+    sent(led, "b", 2, {13: 1})
+    queued = led.queued("a", {14: 1}, 0.0)  # not sent yet
+    assert led.acknowledged("a", 1) == 1
+    assert led.acknowledged("b", 2) == 2  # both of b's, the second behind a's step 2
+    assert led.acknowledged("a", 7) == 1  # a's step 2; its queued message is not acknowledged
+    assert (led.releasable_through(), led.in_flight()) == (13, 1)
+    led.sent(queued, 3)
+    assert led.acknowledged("a", 3) == 1
+    assert (led.releasable_through(), led.in_flight()) == (14, 0)
+
+
+def test_an_ack_reaches_past_a_message_left_sent_by_an_earlier_session_of_the_replica():
+    led = ledger()
+    sent(led, "r", 7, {10: 1})  # the replica's previous session; its steps restart at 1
+    sent(led, "r", 1, {11: 1})
+    assert led.acknowledged("r", 1) == 1
+    assert led.in_flight() == 1 and led.first_unsettled() == 10
+
+
 def test_a_router_error_about_a_step_leaves_its_rows_unscored_and_a_late_ack_changes_nothing():
     led = ledger()
     sent(led, "r", 1, {10: 1})

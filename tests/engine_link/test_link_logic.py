@@ -171,7 +171,7 @@ def drain(queue: SendQueue) -> list:
     items = []
     while queue:
         item = queue.pop()
-        items.append(item.message if isinstance(item, QueuedBatch) else item)
+        items.append(item.batch_bytes if isinstance(item, QueuedBatch) else item)
     return items
 
 
@@ -180,7 +180,7 @@ def test_drop_oldest_evicts_the_oldest_batch_never_control():
     queue.put_control("start")
     assert queue.put_batch(batch("b1")) == []
     assert queue.put_batch(batch("b2")) == []
-    assert [d.message for d in queue.put_batch(batch("b3"))] == ["b1"]
+    assert [d.batch_bytes for d in queue.put_batch(batch("b3"))] == ["b1"]
     queue.put_control("end")
     assert drain(queue) == ["start", "b2", "b3", "end"]
 
@@ -189,7 +189,7 @@ def test_drop_newest_refuses_the_new_batch():
     queue = SendQueue(2, 1000, OverflowPolicy.DROP_NEWEST)
     queue.put_batch(batch("b1"))
     queue.put_batch(batch("b2"))
-    assert [d.message for d in queue.put_batch(batch("b3"))] == ["b3"]
+    assert [d.batch_bytes for d in queue.put_batch(batch("b3"))] == ["b3"]
     assert drain(queue) == ["b1", "b2"]
 
 
@@ -197,9 +197,9 @@ def test_byte_bound_and_clear():
     queue = SendQueue(100, 25, OverflowPolicy.DROP_OLDEST)
     queue.put_batch(batch("b1", nbytes=10))
     queue.put_batch(batch("b2", nbytes=10))
-    assert [d.message for d in queue.put_batch(batch("b3", nbytes=10))] == ["b1"]
+    assert [d.batch_bytes for d in queue.put_batch(batch("b3", nbytes=10))] == ["b1"]
     queue.put_control("hb")
-    assert [b.message for b in queue.clear()] == ["b2", "b3"]
+    assert [b.batch_bytes for b in queue.clear()] == ["b2", "b3"]
     assert (len(queue), queue.batches, queue.nbytes) == (0, 0, 0)
 
 

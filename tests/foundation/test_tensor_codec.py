@@ -60,6 +60,28 @@ def test_forward_order_interleaves_layers_by_token():
     assert order == [(7, 1), (7, 3), (8, 1), (8, 3)]
 
 
+@pytest.mark.parametrize("step", [1, 127, 128, 2**40])
+def test_batch_bytes_are_the_batch_protobuf_makes_with_the_step_set_at_write_time(step):
+    rng = np.random.default_rng(3)
+    bits = tensor_codec.float32_to_bfloat16_bits(rng.normal(size=(3, 8)).astype(np.float32))
+    blocks = [
+        activations.Block("p", pb.TENSOR_TYPE_RESIDUAL_STREAM, 1, bits, ["a", "b", "a"], np.array([4, 4, 5]),
+                          np.array([True, False, True]), "bfloat16"),
+        activations.Block("q", pb.TENSOR_TYPE_MLP_OUT, 2, rng.normal(size=(2, 8)).astype(np.float32), ["c", "a"],
+                          np.array([9, 5]), np.array([True, True]), "bfloat16"),  # rounded to bfloat16
+        activations.Block("r", pb.TENSOR_TYPE_ATTN_OUT, 3, rng.normal(size=(2, 300)), ["c", "a"],
+                          np.array([9, 5]), np.array([True, True])),  # float64, a 2-byte length
+        activations.Block("z", pb.TENSOR_TYPE_FINAL_NORM, 4, np.zeros((0, 8), np.float32), [], np.zeros(0, np.int64),
+                          np.zeros(0, bool)),
+    ]
+    packed = activations.batch_bytes(blocks)
+    wire = activations.session_request_bytes(packed, step)
+    message = pb.SessionRequest.FromString(wire)
+    assert message.WhichOneof("message") == "batch"
+    assert message.batch == activations.to_batch(blocks, step=step)
+    assert packed.nbytes == len(b"".join(packed.pieces)) == activations.to_batch(blocks).ByteSize()
+
+
 def test_batch_with_bad_request_index_is_refused_with_the_block_named():
     batch = activations.to_batch(
         [activations.Block("p", pb.TENSOR_TYPE_MLP_OUT, 2, np.zeros((1, 4), np.float32), ["a"], np.array([0]), np.array([False]))]

@@ -1,0 +1,133 @@
+"""CPU per step of the engine-to-router stream's Python, both ends, without a network.
+
+    python -m bench.stream_cpu [--steps 150] [--rows 256] [--hidden 4096] [--probes 10]
+
+engine link: `RouterLink.send_step` of one merged bf16 block (partition, split,
+    serialisation, ledger entries), the session's write path (step numbering,
+    `batch_sent`, the message's bytes) and, 8 steps later, its StepAck
+    (`steps_acked`: ledgers, Processed events), on one replica that is marked up
+    but never connected: the socket and gRPC are left out.
+router: `SessionState.batch` on a worker thread for a parsed batch of the same
+    rows, every request bound to `--probes` logistic probes on the streamed layer.
+
+Reports process CPU milliseconds per step (time.process_time), which shared
+cores inflate less than wall time; run it alternately against another tree for
+a same-run comparison. BLAS runs one thread, as in the router process.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from common import tensor_codec  # noqa: E402
+from common.activations import Block, session_request_bytes, to_batch  # noqa: E402
+from undercurrent.v1 import undercurrent_pb2 as pb  # noqa: E402
+
+LAYER = 16
+WINDOW = 8
+
+
+def rows(args) -> np.ndarray:
+    values = np.random.default_rng(0).normal(size=(args.rows, args.hidden)).astype(np.float32)
+    return tensor_codec.float32_to_bfloat16_bits(values)
+
+
+async def engine_link(args) -> float:
+    from engine_service.link import RouterLink, RouterLinkConfig
+    from engine_service.link.session import ReplicaSession
+    from engine_service.request_ledger import RequestLedger
+
+    model = pb.ModelInfo(model="bench", hidden_size=args.hidden, num_layers=32, dtype="bfloat16",
+                         tensor_types=[pb.TENSOR_TYPE_RESIDUAL_STREAM])
+    address = "127.0.0.1:1"
+    link = RouterLink(RouterLinkConfig(targets=address, engine_id="bench", queue_max_batches=64), model,
+                      lambda event: None)
+    replica = ReplicaSession(address, link.config, link._hello, link, link._metrics)
+    link._replicas[address] = replica
+    replica._mark_up(pb.RouterHello(router_id="bench"))
+    request_ids = [f"req-{i}" for i in range(args.rows)]
+    for request_id in request_ids:
+        link.start_request(request_id, 1, [pb.ProbeBinding(probe="p")], 1,
+                           RequestLedger(prompt_len=1, policies={"p": pb.FAILURE_POLICY_FAIL_OPEN}))
+    while replica.queue:
+        replica.queue.pop()
+    bits, in_flight = rows(args), []
+    started = time.process_time()
+    for step in range(1, args.steps + 1):
+        link.send_step([Block("resid", pb.TENSOR_TYPE_RESIDUAL_STREAM, LAYER, bits, request_ids,
+                              np.full(args.rows, step, np.int64), np.ones(args.rows, bool), "bfloat16")])
+        item = replica.queue.pop()
+        number = replica.steps.record(item, time.monotonic())
+        link.batch_sent(replica, item, number)
+        session_request_bytes(item.batch_bytes, number)
+        in_flight.append(number)
+        if len(in_flight) >= WINDOW:
+            replica._on_message(pb.SessionResponse(ack=pb.StepAck(step=in_flight.pop(0))))
+    return (time.process_time() - started) / args.steps
+
+
+def router(args) -> float:
+    from router_service.metrics import RouterMetrics
+    from router_service.probe_files import load_probe_path, write_probe
+    from router_service.registry import ProbeRegistry
+    from router_service.session import SessionState
+
+    registry, rng, names = ProbeRegistry(), np.random.default_rng(1), []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.probes):
+            name = f"linear_{i}"
+            manifest = dict(name=name, version="1", kind="logistic", tensor_type="residual_stream",
+                            layers=[LAYER], hidden_size=args.hidden, dtype="bfloat16", threshold=0.999999,
+                            action="abort", rule={"patience": 3})
+            write_probe(Path(tmp) / name, manifest,
+                        {"weight": rng.normal(size=args.hidden) / np.sqrt(args.hidden), "bias": np.array([-8.0])})
+            registry.load(load_probe_path(str(Path(tmp) / name)))
+            names.append(name)
+    model = pb.ModelInfo(model="bench", hidden_size=args.hidden, num_layers=32, dtype="bfloat16",
+                         tensor_types=[pb.TENSOR_TYPE_RESIDUAL_STREAM])
+    state = SessionState(registry, model, RouterMetrics(), max_requests=args.rows + 1)
+    request_ids = [f"req-{i}" for i in range(args.rows)]
+    for request_id in request_ids:
+        state.start(pb.RequestStart(request_id=request_id, probes=[pb.ProbeBinding(probe=p) for p in names],
+                                    prompt_length=1))
+    bits, batches = rows(args), []
+    for step in range(1, args.steps + 1):
+        block = Block("resid", pb.TENSOR_TYPE_RESIDUAL_STREAM, LAYER, bits, request_ids,
+                      np.full(args.rows, step, np.int64), np.ones(args.rows, bool), "bfloat16")
+        wire = pb.SessionRequest(batch=to_batch([block], step)).SerializeToString()
+        batches.append(pb.SessionRequest.FromString(wire).batch)
+    with ThreadPoolExecutor(1) as scoring:  # as the router scores: off its event loop
+        scoring.submit(state.batch, batches[0]).result()
+        started = time.process_time()
+        for batch in batches[1:]:
+            scoring.submit(state.batch, batch).result()
+        return (time.process_time() - started) / (len(batches) - 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--rows", type=int, default=256, help="requests (one bf16 row each) per step")
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--probes", type=int, default=10)
+    args = parser.parse_args()
+    link_s = asyncio.run(engine_link(args))
+    router_s = router(args)
+    print(f"engine link {link_s * 1e3:.2f} ms CPU per step; router {router_s * 1e3:.2f} ms CPU per step "
+          f"({args.rows} rows x {args.hidden} bf16, {args.probes} probes); load average "
+          f"{os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
