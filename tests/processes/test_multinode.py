@@ -109,7 +109,7 @@ async def test_probe_abort_across_nodes(two_nodes):
 
 
 # The engine checks its workers every NODE_CHECK_INTERVAL_S (5 s) and gives
-# each NODE_TIMEOUT_S to answer, then ends requests within NODE_LOSS_EXIT_S
+# each NODE_TIMEOUT_S to answer, then ends requests within ENGINE_LOSS_EXIT_S
 # (10 s); without the check it waits for node 1 forever.
 ENGINE_EXIT_BOUND_S = 60
 
