@@ -37,7 +37,7 @@ async def two_nodes(tiny_llama_path, tmp_path_factory):
     router = stack.router(stack.free_port(), tmp_path_factory.mktemp("probes")).start()
     # One worker per node, each bound to a core of its own.
     engine = stack.engine(tiny_llama_path, router.address, *node_flags, "--node-rank", "0",
-                          "--node-timeout", str(NODE_TIMEOUT_S), "--router-timeout", str(ROUTER_TIMEOUT_S),
+                          "--node-timeout", str(NODE_TIMEOUT_S), router_timeout_s=ROUTER_TIMEOUT_S,
                           workers_bind="0").start()
     worker = processes.worker_node(tiny_llama_path, 1, node_flags, workers_bind="1").start()
     try:

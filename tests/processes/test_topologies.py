@@ -26,7 +26,7 @@ TOPOLOGIES = {
 async def topology_stack(request, tiny_llama_path, tmp_path_factory):
     flags, bind = TOPOLOGIES[request.param]
     router = stack.router(stack.free_port(), tmp_path_factory.mktemp("probes")).start()
-    engine = stack.engine(tiny_llama_path, router.address, *flags, "--router-timeout", str(ROUTER_TIMEOUT_S),
+    engine = stack.engine(tiny_llama_path, router.address, *flags, router_timeout_s=ROUTER_TIMEOUT_S,
                           workers_bind=bind).start()
     try:
         await router.wait_health(want_serving=None, timeout=60)
