@@ -6,6 +6,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+# Bytes of batches one replica's queue holds by default (`--send-queue-bytes`).
+DEFAULT_SEND_QUEUE_BYTES = 256 * 1024 * 1024
+
 
 class OverflowPolicy(StrEnum):
     """What a full per-replica queue does with one more batch."""
