@@ -22,7 +22,8 @@ class QueuedBatch:
     """One ActivationBatch waiting for its replica, with the ledger entries of its rows."""
 
     # The ActivationBatch serialised once, when queued, without its step
-    # (common.activations.BatchBytes): the session numbers it as it writes.
+    # (common.activations.BatchBytes): the session numbers it as it writes,
+    # then lets it go (None) while the batch waits for its ack.
     batch_bytes: object
     nbytes: int
     rows: int

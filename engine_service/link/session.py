@@ -272,6 +272,10 @@ class ReplicaSession:
                 self.steps.pending.pop(step, None)
                 self._listener.batch_unsent(self, item)
                 raise
+            # Written: gRPC holds its own copy. The step ledger keeps the batch for
+            # its ack, not its rows, or a router that reads everything and acks
+            # nothing would make the engine hold every row it sent.
+            item.batch_bytes = None
             self._metrics.batches_sent.labels(self.address).inc()
             self._metrics.bytes_sent.labels(self.address).inc(item.nbytes)
 
