@@ -29,6 +29,7 @@ class TreeMemory:
     pids: tuple[int, ...]
     rss_bytes: int
     pss_bytes: int | None  # None when any process's smaps_rollup was unreadable
+    rss_by_pid: dict[int, int] = field(default_factory=dict)
 
 
 def _parent(pid: int) -> int | None:
@@ -73,16 +74,24 @@ def tree_memory(root: int) -> TreeMemory:
     """Sum of RSS (VmRSS) and of PSS over root and its descendants; a process
     that exits between listing and reading counts as nothing."""
     pids = tree_pids(root)
-    rss = pss = 0
+    rss_by_pid = {pid: _kib_field(PROC / str(pid) / "status", "VmRSS") or 0 for pid in pids}
+    pss = 0
     pss_known = True
     for pid in pids:
-        rss += _kib_field(PROC / str(pid) / "status", "VmRSS") or 0
         value = _kib_field(PROC / str(pid) / "smaps_rollup", "Pss")
         if value is None:
             pss_known = False
         else:
             pss += value
-    return TreeMemory(tuple(pids), rss, pss if pss_known else None)
+    return TreeMemory(tuple(pids), sum(rss_by_pid.values()), pss if pss_known else None, rss_by_pid)
+
+
+def process_name(pid: int) -> str:
+    """The kernel's name of a process (vLLM names its own: VLLM::EngineCor, VLLM::Worker)."""
+    try:
+        return (PROC / str(pid) / "comm").read_text().strip()
+    except OSError:
+        return "?"
 
 
 @dataclass
@@ -96,11 +105,14 @@ class Phase:
     last: TreeMemory | None = None
     samples: int = 0
     pids: set[int] = field(default_factory=set)
+    peak_rss_by_pid: dict[int, int] = field(default_factory=dict)
 
     def add(self, reading: TreeMemory) -> None:
         self.samples += 1
         self.last = reading
         self.pids.update(reading.pids)
+        for pid, rss in reading.rss_by_pid.items():
+            self.peak_rss_by_pid[pid] = max(self.peak_rss_by_pid.get(pid, 0), rss)
         self.peak_rss = max(self.peak_rss, reading.rss_bytes)
         if reading.pss_bytes is not None:
             self.peak_pss = max(self.peak_pss or 0, reading.pss_bytes)

@@ -78,4 +78,5 @@ def test_the_sampler_keeps_first_peak_and_last_per_phase(family):
     assert first.samples >= 3 and second.samples >= 2
     assert grandchild in first.pids and grandchild not in second.pids
     assert first.peak_rss >= 200 * MIB > second.peak_rss
+    assert first.peak_rss_by_pid[grandchild] >= 200 * MIB and grandchild not in second.peak_rss_by_pid
     assert first.first.rss_bytes >= 200 * MIB and second.last.rss_bytes < 200 * MIB
