@@ -59,7 +59,7 @@ from common import embedded_model  # noqa: E402
 from tests.e2e.stack import scrape, wait_for_probe  # noqa: E402
 from tests.engine_link.router_double import RouterDouble  # noqa: E402
 from tools import processes  # noqa: E402
-from tools.process_memory import MemorySampler, Phase, process_name  # noqa: E402
+from tools.process_memory import MemorySampler, Phase, process_name, tree_memory  # noqa: E402
 from undercurrent.v1 import undercurrent_pb2 as pb  # noqa: E402
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -286,18 +286,33 @@ async def engine_b(args, workload: Workload) -> list[dict]:
             "mib": args.client_queue_bytes * args.batch / MIB}, 1, read_after=args.stop_seconds)
         await settle(engine, "clients_read", args.idle_seconds, rows, idle)
 
+        stopped: dict[str, object] = {}
+
         async def stop_service() -> None:
             seen = engine.tokens_seen
             while engine.tokens_seen == seen:  # stop once the requests are decoding
                 await asyncio.sleep(0.05)
+            root = engine.service.process.pid
             engine.service.process.send_signal(signal.SIGSTOP)
+            stopped["at_stop"] = tree_memory(root)
             say(f"  engine service stopped for {args.stop_seconds:g} s")
             await asyncio.sleep(args.stop_seconds)
+            stopped["before_resume"] = tree_memory(root)
             engine.service.process.send_signal(signal.SIGCONT)
 
+        log_before = engine.service.log_path.read_text(errors="replace")
         await run("service_stalled", "uc_all_client", {
             "flag": "--capture-backlog-bytes (one worker)", "mib": args.capture_backlog_bytes / MIB},
             1, during=stop_service)
+        # While the service was stopped nothing left the workers: what each process
+        # gained then is what it kept. The workers log when their socket refuses a
+        # shipment (the backlog starts) and when the backlog bound drops one.
+        log = engine.service.log_path.read_text(errors="replace")[len(log_before):]
+        rows[-1]["while_stopped_rss_growth_by_process"] = {
+            engine.names.get(pid, str(pid)): round((rss - stopped["at_stop"].rss_by_pid.get(pid, 0)) / MIB, 1)
+            for pid, rss in stopped["before_resume"].rss_by_pid.items()}
+        rows[-1]["worker_log"] = {"socket_full": log.count("the engine service is not reading"),
+                                  "backlog_drops": log.count("dropped a shipment")}
     finally:
         engine.service.process.send_signal(signal.SIGCONT)
         await engine.close()
