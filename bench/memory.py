@@ -1,13 +1,15 @@
 """Engine memory per capture mode, and whether capture memory stays within the
-configured bounds when a router or the engine service stops reading.
+configured bounds when a router, a client or the engine service stops reading.
 
     python -m bench.memory                           # bench model, batch 8
     python -m bench.memory --model embedded --tokens 32
 
 Measures the engine's process tree (the engine service, vLLM's engine core and
 its workers: `tools.process_memory`, the sum of RSS and of PSS) every
---interval seconds, per phase: its first, peak and last value. Two engine
-processes run one after the other on the same flags, each started fresh:
+--interval seconds, per phase: its first, peak and last value, and each
+process's peak. The engine runs with MALLOC_MMAP_THRESHOLD_ (--malloc-mmap-threshold)
+so freed buffers leave RSS and each phase's peak is its own. Two engine
+processes run one after the other, each started fresh:
 
 Engine A, linked to a real router process (the probes of bench.overhead):
   idle          after start-up, before any request
@@ -28,7 +30,10 @@ probing), so a router that stops reading pushes back on the engine:
                      nothing until generation ends: --client-queue-bytes per stream
   service_stalled    the engine service is stopped (SIGSTOP) for --stop-seconds
                      while its workers capture every type at every layer, then
-                     resumed: --capture-backlog-bytes per worker
+                     resumed: --capture-backlog-bytes per worker (also reported:
+                     what each process gained while the service was stopped)
+  router_resumed, acks_released, clients_read: --idle-seconds after the phase
+                     before, nothing running: what was kept
 Each stalled phase reports the configured bound next to its growth over the
 phase before it, and the drops the engine counted (its metrics and the
 requests' finished.dropped_records). Requests bind their probes fail_open, so
