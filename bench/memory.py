@@ -39,7 +39,7 @@ phase before it, and the drops the engine counted (its metrics and the
 requests' finished.dropped_records). Requests bind their probes fail_open, so
 every request runs to its end whatever is dropped.
 
-Progress goes to stderr; the result to bench/results/memory.json.
+Progress goes to stderr; the result to bench/results/memory.json (--out).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ from undercurrent.v1 import undercurrent_pb2 as pb  # noqa: E402
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-RESULT = REPO / "bench" / "results" / "memory.json"
+RESULTS = REPO / "bench" / "results"
 MIB = 1024 * 1024
 # HTTP/2's initial window: what a peer that stops reading leaves the sender, per stream.
 NO_BDP = [("grpc.http2.bdp_probe", 0)]
@@ -370,6 +370,7 @@ def main() -> int:
                         help="the engine's MALLOC_MMAP_THRESHOLD_: buffers this large or larger are "
                         "returned to the system when freed, so RSS follows live memory from phase "
                         "to phase (0: glibc's default, which keeps freed buffers up to 32 MiB)")
+    parser.add_argument("--out", default="memory.json", help="result file name under bench/results")
     parser.add_argument("--engines", default="a,b", help="a (capture modes), b (bounds), or both")
     args = parser.parse_args()
     args.model_path = embedded_model.make(MODELS[args.model], REPO / ".cache" / "models" / MODELS[args.model])
@@ -404,9 +405,10 @@ def main() -> int:
                            "capture_backlog_bytes": args.capture_backlog_bytes},
         "rows": rows,
     }
-    RESULT.parent.mkdir(parents=True, exist_ok=True)
-    RESULT.write_text(json.dumps(report, indent=1))
-    say(f"wrote {RESULT.relative_to(REPO)}")
+    out = RESULTS / args.out
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    say(f"wrote {out.relative_to(REPO)}")
     print(f"{report['command']}  ({report['date']}, {report['wall_seconds']} s, {report['machine']})\n")
     print(table(rows))
     return 0
