@@ -50,6 +50,7 @@ def link_config(args, client_tls):
             engine_id=f"engine-{uuid.uuid4().hex[:8]}",
             router_timeout_s=args.router_timeout,
             queue_max_batches=args.send_queue,
+            queue_max_bytes=args.send_queue_bytes,
             overflow_policy=args.overflow_policy,
             max_message_bytes=args.max_message_bytes,
             # Replicas found through DNS are dialled by address but must prove the name.
