@@ -18,10 +18,12 @@ pytestmark = pytest.mark.vllm
 
 HUGE_PROMPT_BYTES = 8 * 1024 * 1024
 # Before prompts were size-checked and tokenized off the event loop, 8 MB of text
-# held the loop 10-21 s. Over plaintext a shared 2-core machine showed gaps of
-# 0.35-0.5 s; over TLS, with the machine loaded, up to 2.3 s (receiving and parsing
-# 24 MB of requests), so the bound sits well below the broken behaviour, not at it.
-MAX_GAP_S = 5.0
+# held the loop 10-21 s on a quiet host (longer on a loaded one: tokenizing is CPU
+# work). Over plaintext a shared 2-core machine showed gaps of 0.35-0.5 s; over
+# TLS, with the machine loaded, up to 2.3 s, and 5.35 s once with benchmarks
+# running beside the suite (receiving and parsing 24 MB of requests on both
+# ends), so the bound sits below the broken behaviour, not at it.
+MAX_GAP_S = 8.0
 
 
 async def test_a_huge_prompt_is_refused_by_size_while_another_stream_keeps_flowing(engine):
