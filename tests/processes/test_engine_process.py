@@ -103,12 +103,22 @@ def engine_core_of(service) -> psutil.Process:
     return cores[0]
 
 
+async def refusal_after_engine_loss(service, engine) -> grpc.aio.AioRpcError:
+    """The answer to a new Generate once the engine reports NOT_SERVING (or exited)."""
+    try:
+        await service.wait_health(want_serving=False, timeout=ENGINE_EXIT_BOUND_S)
+    except RuntimeError:  # wait_health: the process already exited
+        pass
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stack.generate(engine, request("after", 3), timeout=30)
+    return refused.value
+
+
 async def test_the_engine_exits_when_vllms_engine_core_dies(tiny_llama_path):
     """vLLM never recovers from a dead engine core: the engine ends the running
-    request with the reason, reports NOT_SERVING and exits 1, so a supervisor
-    restarts it, instead of answering every request with an error behind a
-    SERVING health. (The refusal of new requests meanwhile is the lost-node
-    path's, tested in test_multinode.py; here the exit comes within a second.)"""
+    request with the reason, reports NOT_SERVING, refuses new requests with
+    UNAVAILABLE and exits 1, so a supervisor restarts it, instead of answering
+    every request with an error behind a SERVING health."""
     service = stack.engine(tiny_llama_path, "", max_model_len=1024).start()
     try:
         await service.wait_health(want_serving=True, timeout=240)
@@ -122,11 +132,17 @@ async def test_the_engine_exits_when_vllms_engine_core_dies(tiny_llama_path):
             engine_core_of(service).kill()
             killed_at = time.monotonic()
             outcome = await asyncio.wait_for(running, ENGINE_EXIT_BOUND_S)
+            refusal = await refusal_after_engine_loss(service, engine)
         code = await asyncio.to_thread(service.process.wait, ENGINE_EXIT_BOUND_S)
         print(f"engine exited {time.monotonic() - killed_at:.1f} s after its engine core was killed; "
               f"the running request ended with: {outcome.finished.message}")
         assert outcome.reason == "ERROR" and 5 <= len(outcome.tokens) < 1000, outcome.finished
         assert outcome.finished.message.startswith("engine error: "), outcome.finished
+        # Refused, not served into a dead vLLM (which ends a request ERROR): by
+        # the engine while it is still up, or by a closed port once it exited.
+        assert refusal.code() == grpc.StatusCode.UNAVAILABLE, refusal
+        assert service.process.poll() is not None or (
+            "the engine cannot serve: vLLM's engine core stopped" in refusal.details()), refusal.details()
         assert code == 1, service.log_tail()
         log = service.log_tail(200)
         assert "engine_service: NOT_SERVING (vLLM's engine core stopped)" in log, log
