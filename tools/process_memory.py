@@ -157,8 +157,12 @@ class MemorySampler:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
+            with self._lock:
+                phase_count = len(self.phases)
             reading = tree_memory(self.root)
             with self._lock:
-                if self.phases:
+                # A reading begun before phase() started a new phase belongs to
+                # the old one, whose last reading phase() already took: drop it.
+                if self.phases and len(self.phases) == phase_count:
                     self.phases[-1].add(reading)
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
-from tools.process_memory import MemorySampler, tree_memory, tree_pids
+import tools.process_memory as process_memory
+from tools.process_memory import MemorySampler, TreeMemory, tree_memory, tree_pids
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -80,3 +82,32 @@ def test_the_sampler_keeps_first_peak_and_last_per_phase(family):
     assert first.peak_rss >= 200 * MIB > second.peak_rss
     assert first.peak_rss_by_pid[grandchild] >= 200 * MIB and grandchild not in second.peak_rss_by_pid
     assert first.first.rss_bytes >= 200 * MIB and second.last.rss_bytes < 200 * MIB
+
+
+def test_a_reading_begun_before_a_phase_change_does_not_land_in_the_new_phase(monkeypatch):
+    """The sampler thread reads /proc outside its lock; a reading it began in one
+    phase and finished after phase() started the next must not count there."""
+    stale = TreeMemory((1,), 999 * MIB, None, {1: 999 * MIB})
+    fresh = TreeMemory((1,), 1 * MIB, None, {1: 1 * MIB})
+    sampler_started_reading, next_phase_started = threading.Event(), threading.Event()
+
+    def reading(root: int) -> TreeMemory:
+        if threading.current_thread().name != "memory-sampler":
+            return fresh
+        if not sampler_started_reading.is_set():
+            sampler_started_reading.set()
+            next_phase_started.wait(10)  # phase() runs while this reading is in flight
+            return stale
+        return fresh
+
+    monkeypatch.setattr(process_memory, "tree_memory", reading)
+    with MemorySampler(1, interval=0.01) as sampler:
+        sampler.phase("before")
+        assert sampler_started_reading.wait(10)
+        sampler.phase("after")
+        next_phase_started.set()
+        time.sleep(0.1)
+        sampler.finish()
+    before, after = sampler.phases
+    assert after.peak_rss == 1 * MIB and after.samples >= 2
+    assert before.peak_rss == 1 * MIB  # the stale reading is dropped, not moved back
