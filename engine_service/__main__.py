@@ -139,7 +139,8 @@ def build_parser():
     )
     limits.add_argument(
         "--capture-backlog-bytes", type=int, default=DEFAULT_BACKLOG_BYTES,
-        help="captured rows each worker keeps while the engine service does not read them; past it "
+        help="bytes of captured rows each worker holds (in the socket's queues or its own) while the "
+        "engine service does not read them; past it "
         "the oldest are dropped and their requests end with an error "
         f"(default {DEFAULT_BACKLOG_BYTES}, {DEFAULT_BACKLOG_BYTES >> 20} MiB)",
     )

@@ -22,17 +22,25 @@ well as a shared hostname, and containers with host networking share the name
 but not /tmp. Their workers are therefore always drained by RPC, also when
 every node runs on one host (which is how that path is tested).
 
-A worker never blocks on a driver that stops reading: past ZeroMQ's queue it
-keeps shipments itself, up to a bound in bytes (`--capture-backlog-bytes`).
-Past that it drops its oldest shipments and reports, in the next shipment
-it sends, how many rows of which request it dropped; the driver fails those
-requests (their rows are gone; nothing is lost silently). Errors and prefix
-cache gaps of a dropped shipment move to the next one.
+A worker never blocks on a driver that stops reading, and what it holds for
+the driver is bounded in bytes (`--capture-backlog-bytes`): the shipments it
+handed to ZeroMQ that the driver has not taken yet (in ZeroMQ's queues on
+either side, or the kernel's) and those it keeps itself. ZeroMQ bounds its
+queues in messages only, and a message is a step's rows (a few KiB to tens of
+MB), so the driver tells each worker how far it has read: it writes the last
+sequence number it took from a rank into a small file in the sink's private
+directory, which the worker maps. A worker hands ZeroMQ no more than the
+bound; past it, it keeps shipments, and past the bound in all it drops its
+oldest kept ones and reports, in the next shipment it sends, how many rows of
+which request it dropped; the driver fails those requests (their rows are
+gone; nothing is lost silently). Errors and prefix cache gaps of a dropped
+shipment move to the next one.
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import shutil
 import socket
@@ -50,9 +58,11 @@ import zmq.asyncio
 log = logging.getLogger(__name__)
 
 # Payloads a worker queues in ZeroMQ while the driver is not reading; past it the
-# worker keeps rows in its own buffer and sends them with a later step.
+# worker keeps rows in its own buffer and sends them with a later step. The byte
+# bound below usually applies first.
 SEND_HIGH_WATER_MARK = 1024
-# Bytes of rows a worker keeps beyond ZeroMQ's queue before it drops the oldest.
+# Bytes of rows a worker holds for a driver that has not taken them (handed to
+# ZeroMQ or kept) before it drops the oldest kept ones.
 DEFAULT_BACKLOG_BYTES = 256 * 1024 * 1024
 
 
@@ -71,10 +81,40 @@ class SinkAddress:
 
     endpoint: str
     host: str
+    directory: str  # private to this user; holds the socket and the read-progress files
     backlog_bytes: int = DEFAULT_BACKLOG_BYTES
 
     def as_dict(self) -> dict:
-        return {"endpoint": self.endpoint, "host": self.host, "backlog_bytes": self.backlog_bytes}
+        return {"endpoint": self.endpoint, "host": self.host, "directory": self.directory,
+                "backlog_bytes": self.backlog_bytes}
+
+
+class ReadProgress:
+    """The last sequence number the driver took from one rank, in an 8-byte file
+    both map: the driver writes it as it reads, the worker reads it to know which
+    of the shipments it handed to ZeroMQ are still in ZeroMQ's queues."""
+
+    def __init__(self, directory: str, rank: int) -> None:
+        descriptor = os.open(Path(directory) / f"read-{rank}", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(descriptor).st_size < 8:
+                os.ftruncate(descriptor, 8)
+            self._map = mmap.mmap(descriptor, 8)
+        finally:
+            os.close(descriptor)
+        self._value = memoryview(self._map).cast("q")
+
+    @property
+    def seq(self) -> int:
+        return self._value[0]
+
+    @seq.setter
+    def seq(self, value: int) -> None:
+        self._value[0] = value
+
+    def close(self) -> None:
+        self._value.release()
+        self._map.close()
 
 
 @dataclass(eq=False)
@@ -91,7 +131,8 @@ def rows_per_request(shipment: dict) -> Counter[str]:
 
 
 class Pusher:
-    """The worker side: one PUSH socket, a sequence number, and a backlog bounded in bytes."""
+    """The worker side: one PUSH socket, a sequence number, and what it holds for
+    the driver (handed to ZeroMQ and not yet read, or kept) bounded in bytes."""
 
     def __init__(self, address: dict, rank: int) -> None:
         self.rank = rank
@@ -103,6 +144,9 @@ class Pusher:
         self._socket.setsockopt(zmq.SNDHWM, SEND_HIGH_WATER_MARK)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.connect(address["endpoint"])
+        self._read = ReadProgress(address["directory"], rank)
+        self._in_flight: deque[tuple[int, int]] = deque()  # (seq, bytes) handed to ZeroMQ, not yet read
+        self._in_flight_bytes = 0
         self._unsent: deque[_Waiting] = deque()
         self._unsent_bytes = 0
         self._dropped: Counter[str] = Counter()  # rows per request, not yet reported
@@ -115,22 +159,39 @@ class Pusher:
 
     @property
     def unsent_bytes(self) -> int:
+        """Bytes of rows kept by the worker, not yet handed to ZeroMQ."""
         return self._unsent_bytes
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of rows the driver has not taken: in ZeroMQ's queues or kept."""
+        self._settle()
+        return self._in_flight_bytes + self._unsent_bytes
+
     def push(self, shipment: dict) -> None:
-        """Sends one shipment (never blocks: a full queue keeps it for a later push,
-        within the backlog bound; past it the oldest kept shipments are dropped)."""
+        """Sends one shipment (never blocks: past the bound on what ZeroMQ holds it
+        is kept for a later push; past the bound in all the oldest kept shipments
+        are dropped)."""
         self.seq += 1
         waiting = _Waiting({**shipment, "seq": self.seq}, sum(len(p["rows"]) for p in shipment["parts"]))
         self._unsent.append(waiting)
         self._unsent_bytes += waiting.nbytes
+        self._settle()
         self._bound()
         self.flush()
 
-    def flush(self) -> None:
-        """Offers the kept shipments to the socket, oldest first, until it is full."""
+    def flush(self, for_barrier: bool = False) -> None:
+        """Offers the kept shipments to the socket, oldest first, while the socket
+        takes them and ZeroMQ holds less than the bound. `for_barrier` offers them
+        whatever ZeroMQ holds: the driver's barrier waits for the last one. The
+        total held stays bounded: those bytes count until the driver reads them,
+        so the pushes that follow keep and drop instead."""
+        self._settle()
         while self._unsent:
             head = self._unsent[0]
+            if (not for_barrier and self._in_flight
+                    and self._in_flight_bytes + head.nbytes > self.backlog_bytes):
+                return
             if self._dropped:  # the report rides the next shipment that goes out
                 carried = Counter(dict(head.shipment.get("dropped", ()))) + self._dropped
                 head.shipment["dropped"] = sorted(carried.items())
@@ -146,11 +207,19 @@ class Pusher:
                 return
             self._unsent.popleft()
             self._unsent_bytes -= head.nbytes
+            self._in_flight.append((head.shipment["seq"], head.nbytes))
+            self._in_flight_bytes += head.nbytes
+
+    def _settle(self) -> None:
+        """Forgets the shipments handed to ZeroMQ that the driver has read."""
+        read = self._read.seq
+        while self._in_flight and self._in_flight[0][0] <= read:
+            self._in_flight_bytes -= self._in_flight.popleft()[1]
 
     def _bound(self) -> None:
-        """Drops the oldest kept shipments while over the bound; the newest stays
-        (its sequence number is what the driver's barrier waits for)."""
-        while self._unsent_bytes > self.backlog_bytes and len(self._unsent) > 1:
+        """Drops the oldest kept shipments while the bytes held are over the bound;
+        the newest stays (its sequence number is what the driver's barrier waits for)."""
+        while self._in_flight_bytes + self._unsent_bytes > self.backlog_bytes and len(self._unsent) > 1:
             oldest = self._unsent.popleft()
             self._unsent_bytes -= oldest.nbytes
             rows = rows_per_request(oldest.shipment)
@@ -168,6 +237,7 @@ class Pusher:
 
     def close(self) -> None:
         self._socket.close(linger=0)
+        self._read.close()
 
 
 class Sink:
@@ -175,11 +245,13 @@ class Sink:
 
     def __init__(self, backlog_bytes: int = DEFAULT_BACKLOG_BYTES) -> None:
         self._directory = Path(tempfile.mkdtemp(prefix="undercurrent-capture-"))  # mode 0700
-        self.address = SinkAddress(f"ipc://{self._directory / 'sink'}", node_identity(), backlog_bytes)
+        self.address = SinkAddress(f"ipc://{self._directory / 'sink'}", node_identity(),
+                                   str(self._directory), backlog_bytes)
         self._socket = zmq.asyncio.Context.instance().socket(zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(self.address.endpoint)
         self.received: dict[int, int] = {}
+        self._progress: dict[int, ReadProgress] = {}
         weakref.finalize(self, shutil.rmtree, self._directory, True)
 
     async def receive(self, timeout_s: float) -> list[dict]:
@@ -218,8 +290,13 @@ class Sink:
             shipment = msgspec.msgpack.decode(data)
             rank = shipment["rank"]
             self.received[rank] = max(self.received.get(rank, 0), shipment["seq"])
+            if rank not in self._progress:
+                self._progress[rank] = ReadProgress(self.address.directory, rank)
+            self._progress[rank].seq = self.received[rank]
             shipments.append(shipment)
 
     def close(self) -> None:
         self._socket.close(linger=0)
+        for progress in self._progress.values():
+            progress.close()
         shutil.rmtree(self._directory, ignore_errors=True)

@@ -192,7 +192,7 @@ class _CaptureState:
     def pushed_seq(self) -> int:
         if self.pusher is None:
             return 0
-        self.pusher.flush()  # kept shipments go now: the barrier must not wait for another step
+        self.pusher.flush(for_barrier=True)  # kept shipments go now: the barrier must not wait for another step
         return self.pusher.seq
 
     def _install_hooks(self, model, layers, norm, start_layer: int, end_layer: int) -> None:

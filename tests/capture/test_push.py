@@ -108,13 +108,16 @@ async def test_a_worker_whose_driver_does_not_read_keeps_its_backlog_bound_and_r
     pusher = Pusher(sink.address.as_dict(), 0)
     pushed = Counter()
     try:
-        # ZeroMQ's own queues take about two thousand shipments; the rest stays with the worker.
+        # What ZeroMQ holds counts: its own queues would take about two thousand
+        # shipments, so the first drop would come only after those.
         for position in range(3000):
             request_id = f"r{position % 3}"
             pusher.push(row_shipment(0, request_id, position))
             pushed[request_id] += 1
-            assert pusher.unsent_bytes <= bound  # the bound holds at every push
-        assert pusher.dropped_rows > 0, "the driver never stopped taking shipments; nothing was bounded"
+            # The bound holds at every push (plus the newest shipment, which is never dropped).
+            assert pusher.held_bytes <= bound + 16
+            if position == 5:
+                assert pusher.dropped_rows == 1, "ZeroMQ's queue was not counted against the bound"
         got = await read_until_reached(sink, pusher)
         assert sink.reached({0: pusher.seq})
         received = Counter(r for s in got for p in s["parts"] for r in p["request_ids"])
@@ -159,6 +162,33 @@ async def test_the_driver_fails_each_request_whose_rows_a_worker_dropped():
         assert "--capture-backlog-bytes" in errors["lost"]
         assert controller.backlog_rows_dropped == pusher.dropped_rows
         assert sum(b.num_rows for b in blocks) == position + 1 - pusher.dropped_rows
+    finally:
+        pusher.close()
+        sink.close()
+
+
+async def test_a_barrier_gets_every_kept_shipment_though_zeromq_holds_the_bound():
+    """unregister's barrier waits for a worker's last shipment: pushed_seq's flush
+    hands ZeroMQ what the worker kept even when ZeroMQ already holds the bound,
+    and those bytes still count, so the next pushes keep and drop instead."""
+    bound = 2 * 16
+    sink = Sink(backlog_bytes=bound)
+    pusher = Pusher(sink.address.as_dict(), 0)
+    try:
+        for position in range(3):
+            pusher.push(row_shipment(0, "r", position, traced=False))
+        assert (pusher.held_bytes, pusher.unsent_bytes) == (48, 16)  # two in ZeroMQ, one kept
+        pusher.flush()
+        assert pusher.unsent_bytes == 16  # a plain flush respects the bound
+        pusher.flush(for_barrier=True)
+        assert (pusher.held_bytes, pusher.unsent_bytes) == (48, 0)
+        got = await sink.receive_until({0: pusher.seq}, timeout_s=10)
+        assert [s["seq"] for s in got] == [1, 2, 3] and pusher.dropped_rows == 0
+        assert pusher.held_bytes == 0  # the driver's reads reached the worker
+        for position in range(3, 6):  # the driver reads again: nothing is kept or dropped
+            pusher.push(row_shipment(0, "r", position, traced=False))
+            await sink.receive_until({0: pusher.seq}, timeout_s=10)
+        assert pusher.held_bytes == 0 and pusher.dropped_rows == 0
     finally:
         pusher.close()
         sink.close()
