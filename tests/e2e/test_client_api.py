@@ -75,8 +75,14 @@ async def test_bad_requests_get_precise_errors_and_the_engine_keeps_serving(engi
 
 
 async def test_duplicate_running_request_id_is_refused(engine):
-    first = asyncio.create_task(stack.generate(engine, simple("twice", max_tokens=300, text="a b c")))
-    await asyncio.sleep(0.3)
+    running = stack.Outcome()
+    first = asyncio.create_task(stack.generate(engine, simple("twice", max_tokens=300, text="a b c"),
+                                               outcome=running))
+    for _ in range(600):  # until its first token: it is running (a fixed sleep raced a loaded host)
+        if running.tokens or first.done():
+            break
+        await asyncio.sleep(0.1)
+    assert running.tokens and not first.done()
     await expect_error(engine, simple("twice"), grpc.StatusCode.ALREADY_EXISTS, "'twice' is already running")
     assert (await engine.Abort(pb.AbortRequest(request_id="twice"))).found
     outcome = await first
