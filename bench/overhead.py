@@ -30,8 +30,9 @@ Each request is greedy with ignore_eos, a distinct random prompt of
 --prompt-tokens tokens (no prefix-cache hits between modes), --tokens new tokens.
 With --cpu, each mode's run also reports CPU milliseconds (user + system, from
 /proc) per engine step in each process: this process (vLLM's front end, and in
-the uc_* modes the engine service), the mode's engine core (with TP=1 the worker
-runs in it) and, in the uc_* modes, the router. On shared cores CPU time is the
+the uc_* modes the engine service; the idle engines' loops run here too), the
+mode's engine core (which spins while it waits for its workers), its workers
+and, in the uc_* modes, the router. On shared cores CPU time is the
 steadier figure: wall time includes waiting for a core.
 Writes bench/results/overhead[-PARALLEL].json and prints a Markdown table.
 """
@@ -130,18 +131,23 @@ class Engines:
         self.runtime = None
         self.uc_llm = None
         self.router = None
-        # Per engine ("vllm_default", "vllm_eager", "uc"): the processes it started.
-        self.processes: dict[str, list[psutil.Process]] = {}
+        # Per engine ("vllm_default", "vllm_eager", "uc"): the processes it started,
+        # as {"engine_core": its own children, "workers": theirs}.
+        self.processes: dict[str, dict[str, list[psutil.Process]]] = {}
 
     def _started(self, engine: str, before: set[int]) -> None:
         """Records the processes started since `before` (a set of child pids) as engine's."""
-        self.processes[engine] = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        self.processes[engine] = {
+            "engine_core": [p for p in new if p.ppid() == os.getpid()],
+            "workers": [p for p in new if p.ppid() != os.getpid()],
+        }
 
     def cpu_processes(self, mode: str) -> dict[str, list[psutil.Process]]:
         """The processes whose CPU a mode's run is charged with, by role."""
         roles = {"front": [psutil.Process()]}
         engine = "uc" if mode.startswith("uc_") else mode.partition("/")[0]
-        roles["engine_core"] = self.processes.get(engine, [])
+        roles.update(self.processes.get(engine, {}))
         if engine == "uc" and self.router is not None:
             router = psutil.Process(self.router.process.pid)
             roles["router"] = [router, *router.children(recursive=True)]
@@ -345,7 +351,7 @@ def main() -> int:
     parser.add_argument("--parallel", choices=sorted(PARALLEL), default="none")
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--cpu", action="store_true",
-                        help="also report CPU ms per step per process (front end, engine core, router)")
+                        help="also report CPU ms per step per process (front end, engine core, workers, router)")
     parser.add_argument("--out", default="", help="result file name (default: overhead[-PARALLEL].json)")
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
