@@ -10,9 +10,14 @@ built to fire first at a known token of prompt 0 (tests/e2e/probes.py), loaded
 into the router, and then `--requests` greedy requests of prompt 0 run one
 after another, then `--idle-requests` more, each after `--idle` seconds with
 no request (the engine waking from idle).
-Each sample also records the 1-minute load average and how long the router's
-threads waited, runnable, for a CPU during the request (Linux schedstat): on a
-shared host that wait, not the code, is what stretches the tail.
+Each sample also records the whole request's duration and its longest silence
+(no message to the client), the 1-minute load average, how long the router's
+threads waited, runnable, for a CPU during the request, and the longest such
+wait of any one thread of each engine process (service, engine core, each
+worker; Linux schedstat): on a shared host that wait, not the code, is what
+stretches the tail. `--stall-dump S` records, for a request still running
+after S seconds, how each engine thread spent the next second and a `py-spy
+dump` of every engine process.
 Writes bench/results/abort_latency.json (with the command and the machine).
 """
 
@@ -61,14 +66,47 @@ def runqueue_wait_ms(pid: int) -> float | None:
         return None
 
 
-async def timed_generate(stub, message, trigger: int, router_pid: int) -> dict:
+def thread_waits_ms(pid: int) -> dict[int, float]:
+    """Per thread of process `pid`: milliseconds it waited, runnable, for a CPU."""
+    waits = {}
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                waits[int(task.name)] = int((task / "schedstat").read_text().split()[1]) / 1e6
+            except (OSError, IndexError, ValueError):
+                continue
+    except OSError:
+        pass
+    return waits
+
+
+def engine_processes(engine_pid: int) -> dict[str, int]:
+    """The engine's processes by role: service, engine core, each worker."""
+    import psutil
+
+    root = psutil.Process(engine_pid)
+    roles = {"service": engine_pid}
+    for child in root.children(recursive=True):
+        name = child.name()
+        if name.startswith("VLLM::"):
+            roles[name.removeprefix("VLLM::")] = child.pid
+    return roles
+
+
+async def timed_generate(stub, message, trigger: int, router_pid: int,
+                         engine: dict[str, int] | None = None) -> dict:
     """One request; the client-side time the triggering token and `finished` arrived,
-    and how long the router's threads waited for a CPU meanwhile."""
+    how long the router's threads waited for a CPU meanwhile, and the longest any
+    one thread of each engine process waited for a CPU."""
     waited_before = runqueue_wait_ms(router_pid)
+    engine_before = {role: thread_waits_ms(pid) for role, pid in (engine or {}).items()}
     tokens, trigger_at, finished = 0, None, None
+    started_wall, started = time.time(), time.monotonic()
+    last, longest_gap = started, 0.0
     async for response in stub.Generate(message, timeout=300):
         kind = response.WhichOneof("event")
         now = time.monotonic()
+        longest_gap, last = max(longest_gap, now - last), now
         if kind == "tokens":
             tokens += len(response.tokens.token_ids)
             if trigger_at is None and tokens > trigger:
@@ -78,16 +116,71 @@ async def timed_generate(stub, message, trigger: int, router_pid: int) -> dict:
             finished_at = now
     assert finished is not None
     waited_after = runqueue_wait_ms(router_pid)
+    engine_waits = {}
+    for role, pid in (engine or {}).items():
+        after, before = thread_waits_ms(pid), engine_before[role]
+        engine_waits[role] = round(max((w - before.get(t, 0.0) for t, w in after.items()), default=0.0), 1)
     # Negative tokens (and no ms) when the verdict overtook the triggering token on its
     # way to the client: rows and tokens leave the engine by different paths.
     return {
         "reason": finished.finish_reason,
         "after_trigger": finished.generated_tokens - (trigger + 1),
         "ms": None if trigger_at is None else (finished_at - trigger_at) * 1000,
+        # The whole request, and its longest silence: a stall anywhere (generation or
+        # the capture path) shows here even when it falls before the trigger.
+        "started": time.strftime("%H:%M:%S", time.gmtime(started_wall)) + f".{int(started_wall % 1 * 1000):03d}",
+        "duration_ms": round((finished_at - started) * 1000, 1),
+        "longest_gap_ms": round(longest_gap * 1000, 1),
         "load_average_1min": round(os.getloadavg()[0], 2),
         "router_runqueue_ms": (None if waited_before is None or waited_after is None
                                else round(waited_after - waited_before, 1)),
+        "engine_thread_runqueue_ms": engine_waits,
     }
+
+
+def thread_states(pid: int) -> dict[int, tuple[str, str, float, float]]:
+    """Per thread of process `pid`: name, scheduler state (R runnable, S sleeping),
+    and milliseconds run and waited for a CPU so far."""
+    states = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+            run, wait = (int(v) / 1e6 for v in (task / "schedstat").read_text().split()[:2])
+        except (OSError, ValueError):
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        states[int(task.name)] = (name, stat[stat.rindex(")") + 2], run, wait)
+    return states
+
+
+async def dump_if_stalled(engine_pid: int, rid: str, after: float, directory: Path) -> None:
+    """When a request is still running `after` seconds in: how each engine process's
+    threads spent the next second (run, waited for a CPU, state), then `py-spy dump`
+    of them all at once; again 2 s later. Where each one waits while a request stalls."""
+    import psutil
+
+    py_spy = str(Path(sys.executable).parent / "py-spy")
+    for round_ in range(2):
+        await asyncio.sleep(after if round_ == 0 else 2.0)
+        root = psutil.Process(engine_pid)
+        processes_ = [root, *root.children(recursive=True)]
+        before = {p.pid: thread_states(p.pid) for p in processes_}
+        await asyncio.sleep(1.0)
+        with (directory / f"stall-{rid}-{round_}-sched.txt").open("w") as out:
+            for process in processes_:
+                for tid, (name, state, run, wait) in thread_states(process.pid).items():
+                    _, _, run0, wait0 = before[process.pid].get(tid, (name, state, run, wait))
+                    if run - run0 > 1 or wait - wait0 > 1 or state == "R":
+                        out.write(f"{process.pid} {process.name()} {tid} {name} state={state} "
+                                  f"ran={run - run0:.0f}ms waited={wait - wait0:.0f}ms in 1 s\n")
+        dumps = []
+        for process in processes_:
+            path = directory / f"stall-{rid}-{round_}-{process.pid}.txt"
+            dumps.append(await asyncio.create_subprocess_exec(
+                py_spy, "dump", "--pid", str(process.pid),
+                stdout=path.open("wb"), stderr=asyncio.subprocess.STDOUT))
+        await asyncio.gather(*(d.wait() for d in dumps))
+        print(f"{rid}: still running {after}s in; stacks in {directory}/stall-{rid}-*", flush=True)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -96,7 +189,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def measure(name: str, model: str, count: int, max_tokens: int, idle: float, idle_count: int,
-                  probes_dir: Path) -> dict:
+                  probes_dir: Path, stall_dump: float | None = None) -> dict:
     flags, bind = TOPOLOGIES[name]
     router = processes.router(processes.free_port(), probes_dir, "--heartbeat-interval", "1").start()
     engine = processes.engine(model, router.address, *flags, workers_bind=bind).start()
@@ -117,13 +210,25 @@ async def measure(name: str, model: str, count: int, max_tokens: int, idle: floa
             trigger = probe.position - baseline[0].finished.prompt_tokens
             binding = pb.ProbeBinding(probe=probe.name, failure_policy=pb.FAILURE_POLICY_FAIL_CLOSED)
             phases = {}
+            roles = engine_processes(engine.process.pid)
             for phase, runs, gap in (("back_to_back", count, 0.0), ("after_idle", idle_count, idle)):
                 samples = []
                 for i in range(runs):
                     await asyncio.sleep(gap)
-                    samples.append(await timed_generate(
-                        stub, request(PROMPTS[0], f"{name}-{phase}-{i}", max_tokens, probes=[binding]),
-                        trigger, router.process.pid))
+                    rid = f"{name}-{phase}-{i}"
+                    watchdog = (asyncio.create_task(dump_if_stalled(
+                        engine.process.pid, rid, stall_dump, processes.LOGS)) if stall_dump else None)
+                    try:
+                        samples.append(await timed_generate(
+                            stub, request(PROMPTS[0], rid, max_tokens, probes=[binding]),
+                            trigger, router.process.pid, roles))
+                    finally:
+                        if watchdog:
+                            watchdog.cancel()
+                    print(rid, {k: samples[-1][k] for k in ("started", "duration_ms", "longest_gap_ms",
+                                                            "after_trigger", "load_average_1min",
+                                                            "engine_thread_runqueue_ms")},
+                          flush=True)
                 if samples:
                     phases[phase] = summarize(samples, gap)
     finally:
@@ -143,6 +248,8 @@ def summarize(samples: list[dict], idle: float) -> dict:
         "requests": len(samples), "aborted": len(aborted), "idle_before_each_s": idle,
         "tokens_after_trigger": stats(tokens),
         "ms_trigger_to_finished": stats(ms),
+        "request_ms": stats([s["duration_ms"] for s in samples]),
+        "longest_gap_ms": stats([s["longest_gap_ms"] for s in samples]),
         "load_average_1min": {"min": min(load), "max": max(load)},
         "router_runqueue_ms": stats([s["router_runqueue_ms"] for s in samples
                                      if s["router_runqueue_ms"] is not None]),
@@ -157,7 +264,7 @@ async def main_async(args) -> dict:
     for name in args.topologies.split(","):
         with tempfile.TemporaryDirectory() as probes_dir:
             result = await measure(name, args.model, args.requests, args.max_tokens, args.idle,
-                                   args.idle_requests, Path(probes_dir))
+                                   args.idle_requests, Path(probes_dir), args.stall_dump)
         results.append(result)
         write(args.out, results)  # after every topology: a long run keeps what it measured
     return results
@@ -185,6 +292,8 @@ def main() -> int:
     parser.add_argument("--idle", type=float, default=8.0,
                         help="seconds idle before each of --idle-requests")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--stall-dump", type=float, metavar="SECONDS",
+                        help="py-spy dump the engine's processes when a request runs this long")
     args = parser.parse_args()
     asyncio.run(main_async(args))
     return 0

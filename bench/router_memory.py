@@ -3,7 +3,7 @@ one Session opens requests bound to probes, none of them ended.
 
     python -m bench.router_memory [--requests 1000,5000,10000] [--probes 4]
 
-Reads VmRSS from /proc (Linux) after each level, once the router has
+Reads the router's RSS (tools.process_memory: its process tree, the router alone) after each level, once the router has
 acknowledged an empty batch sent after the last request_start (so every start
 was processed). Writes bench/results/router_memory.json.
 """
@@ -23,16 +23,14 @@ import numpy as np
 from router_service.probe_files import write_probe
 from tests.router.helpers import SessionClient, model_info
 from tools import processes
+from tools.process_memory import tree_memory
 
 HIDDEN = 1024
 RESULTS = Path(__file__).resolve().parent / "results" / "router_memory.json"
 
 
 def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise RuntimeError("no VmRSS")
+    return tree_memory(pid).rss_bytes // 1024
 
 
 async def run(args) -> dict:

@@ -108,10 +108,9 @@ def decode_part(part: WirePart) -> Block:
     )
 
 
-def to_batch(blocks: list[Block], step: int = 0) -> pb.ActivationBatch:
-    """Packs blocks into one message; request ids are interned in a table."""
-    table: dict[str, int] = {}
-    batch = pb.ActivationBatch(step=step)
+def _interned(blocks: list[Block], table: dict[str, int]) -> Iterator[tuple[Block, list[int]]]:
+    """Each block with its rows' indexes into the batch's request id table, which
+    this fills in first-seen order."""
     previous_ids: list[str] | None = None
     indexes: list[int] = []
     for block in blocks:
@@ -119,6 +118,14 @@ def to_batch(blocks: list[Block], step: int = 0) -> pb.ActivationBatch:
         if block.request_ids != previous_ids:
             indexes = [table.setdefault(r, len(table)) for r in block.request_ids]
             previous_ids = block.request_ids
+        yield block, indexes
+
+
+def to_batch(blocks: list[Block], step: int = 0) -> pb.ActivationBatch:
+    """Packs blocks into one message; request ids are interned in a table."""
+    table: dict[str, int] = {}
+    batch = pb.ActivationBatch(step=step)
+    for block, indexes in _interned(blocks, table):
         message = batch.blocks.add(  # add() builds in place; append() would copy the rows
             point=block.point,
             tensor_type=block.tensor_type,
@@ -173,12 +180,7 @@ def batch_bytes(blocks: list[Block]) -> BatchBytes:
     come in any order, so each block's rows follow its other fields."""
     table: dict[str, int] = {}
     pieces: list = []
-    previous_ids: list[str] | None = None
-    indexes: list[int] = []
-    for block in blocks:
-        if block.request_ids != previous_ids:
-            indexes = [table.setdefault(r, len(table)) for r in block.request_ids]
-            previous_ids = block.request_ids
+    for block, indexes in _interned(blocks, table):
         keys = pb.ActivationBlock(
             point=block.point,
             tensor_type=block.tensor_type,

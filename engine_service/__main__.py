@@ -17,6 +17,7 @@ from pathlib import Path
 from common.cli import fail, setup_logging
 from common.grpc_server import MAX_MESSAGE_BYTES
 from engine_service.capture.push import DEFAULT_BACKLOG_BYTES
+from engine_service.link.send_queue import DEFAULT_SEND_QUEUE_BYTES
 from engine_service.requests import (
     DEFAULT_CLIENT_QUEUE_BYTES,
     DEFAULT_MAX_EXTRACTION_POINTS,
@@ -94,6 +95,11 @@ def build_parser():
         default="drop_oldest",
     )
     ours.add_argument("--send-queue", type=int, default=256, help="batches per router replica")
+    ours.add_argument(
+        "--send-queue-bytes", type=int, default=DEFAULT_SEND_QUEUE_BYTES,
+        help="bytes of batches per router replica; past either bound the overflow policy drops "
+        f"(default {DEFAULT_SEND_QUEUE_BYTES}, {DEFAULT_SEND_QUEUE_BYTES >> 20} MiB)",
+    )
     ours.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
     ours.add_argument(
         "--on-shutdown",
@@ -152,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parse_engine_args(parser, argv, worker_node=False)
     for flag in ("max_message_bytes", "max_streams", "max_extraction_points", "client_queue_bytes",
-                 "capture_backlog_bytes"):
+                 "capture_backlog_bytes", "send_queue", "send_queue_bytes"):
         if getattr(args, flag) <= 0:
             parser.error(f"--{flag.replace('_', '-')} must be > 0")
     if args.max_prompt_bytes < 0:

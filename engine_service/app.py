@@ -21,8 +21,9 @@ log = logging.getLogger("engine_service")
 
 FAILURE_POLICIES = {"fail_closed": pb.FAILURE_POLICY_FAIL_CLOSED, "fail_open": pb.FAILURE_POLICY_FAIL_OPEN}
 HEALTH_POLL_S = 0.5
-# After a lost node, running requests get this long to end before the process exits.
-NODE_LOSS_EXIT_S = 10.0
+# After vLLM's engine core stopped or a node was lost, running requests get this
+# long to end before the process exits.
+ENGINE_LOSS_EXIT_S = 10.0
 
 
 def create_llm(args):
@@ -49,6 +50,7 @@ def link_config(args, client_tls):
             engine_id=f"engine-{uuid.uuid4().hex[:8]}",
             router_timeout_s=args.router_timeout,
             queue_max_batches=args.send_queue,
+            queue_max_bytes=args.send_queue_bytes,
             overflow_policy=args.overflow_policy,
             max_message_bytes=args.max_message_bytes,
             # Replicas found through DNS are dialled by address but must prove the name.
@@ -124,8 +126,8 @@ async def run(args) -> int:
     await stop.wait()
     health.cancel()
     await server.set_serving(False)
-    if runtime.node_lost is not None:
-        return await _exit_after_node_loss(server, runtime)
+    if runtime.engine_lost is not None:
+        return await _exit_after_engine_loss(server, runtime)
     log.info("shutting down: %d running requests (%s them)", len(runtime.active), args.on_shutdown)
     await runtime.shutdown(abort_running=args.on_shutdown == "abort", grace_s=args.grace_period)
     await server.server.stop(grace=5)
@@ -133,27 +135,29 @@ async def run(args) -> int:
     return 0
 
 
-async def _exit_after_node_loss(server, runtime) -> int:
-    """A lost node leaves vLLM waiting for it for good: end what can be ended
-    within a bound and exit 1, so a supervisor restarts the engine and every
-    worker node rejoins it. vLLM's own shutdown would wait for the lost node."""
-    log.error("exiting: %s", runtime.node_lost)
+async def _exit_after_engine_loss(server, runtime) -> int:
+    """vLLM never recovers from a stopped engine core, and a lost node leaves it
+    waiting for good: end what can be ended within a bound and exit 1, so a
+    supervisor restarts the engine (and every worker node rejoins it). vLLM's own
+    shutdown would wait for a lost node."""
+    log.error("exiting: %s", runtime.engine_lost)
     try:
         await asyncio.wait_for(
             runtime.shutdown(
-                abort_running=True, grace_s=0, why=f"engine error: {runtime.node_lost}"
+                abort_running=True, grace_s=0, why=f"engine error: {runtime.engine_lost}"
             ),
-            NODE_LOSS_EXIT_S,
+            ENGINE_LOSS_EXIT_S,
         )
     except TimeoutError:
-        log.error("requests did not end within %.0f s; exiting anyway", NODE_LOSS_EXIT_S)
+        log.error("requests did not end within %.0f s; exiting anyway", ENGINE_LOSS_EXIT_S)
     await server.server.stop(grace=1)
     return 1
 
 
 async def _track_health(server, runtime, routers_optional: bool, stop: asyncio.Event) -> None:
     """SERVING while every worker answers, the drain loop runs and at least one
-    router session is up (unless optional); a lost node stops the process."""
+    router session is up (unless optional); a stopped engine core or a lost
+    node stops the process."""
     serving = None
     while True:
         now, why_not = runtime.health(routers_optional)
@@ -162,7 +166,7 @@ async def _track_health(server, runtime, routers_optional: bool, stop: asyncio.E
             await server.set_serving(now)
             state = "SERVING" if now else f"NOT_SERVING ({why_not})"
             print(f"engine_service: {state}; {runtime.routers_up()} router(s) up", flush=True)
-        if runtime.node_lost is not None:
+        if runtime.engine_lost is not None:
             stop.set()
             return
         await asyncio.sleep(HEALTH_POLL_S)

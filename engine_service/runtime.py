@@ -49,7 +49,9 @@ DRAIN_RETRY_S = 0.1
 # The end of a request waits for its last acks at most the router timeout plus
 # this, by which the link's watchdog has expired whatever is still in flight.
 SETTLE_MARGIN_S = 1.0
-# Pause between liveness checks of the workers (multi-node engines only).
+# Pause between checks that vLLM's engine core still runs (a cheap flag read).
+ENGINE_CHECK_INTERVAL_S = 1.0
+# Pause between liveness checks of the workers (multi-node engines only: an RPC).
 NODE_CHECK_INTERVAL_S = 5.0
 
 
@@ -88,8 +90,9 @@ class EngineRuntime:
         self.accepting = True
         # Why the drain loop stopped (the engine then serves nothing), or None.
         self.drain_stopped: str | None = None
-        # Why a worker on another node counts as lost (vLLM can then serve nothing), or None.
-        self.node_lost: str | None = None
+        # Why vLLM can serve nothing any more (its engine core stopped, a node was
+        # lost), or None. Set once; the process then exits for a supervisor to restart it.
+        self.engine_lost: str | None = None
         self._closing = False
         self._incarnations = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
@@ -114,35 +117,43 @@ class EngineRuntime:
         drain = asyncio.create_task(self._drain_loop(), name="capture-drain")
         drain.add_done_callback(self._on_drain_loop_done)
         self._tasks.append(drain)
-        if self.settings.node_timeout_s:
-            self._tasks.append(asyncio.create_task(self._watch_nodes(), name="node-watch"))
+        self._tasks.append(asyncio.create_task(self._watch_engine(), name="engine-watch"))
 
-    async def _watch_nodes(self) -> None:
-        """Checks every NODE_CHECK_INTERVAL_S that vLLM's engine runs and every
-        worker answers; the first failure sets node_lost, which health reports
-        (the process then exits).
+    async def _watch_engine(self) -> None:
+        """Checks every ENGINE_CHECK_INTERVAL_S that vLLM's engine core runs and,
+        on a multi-node engine, every NODE_CHECK_INTERVAL_S that every worker
+        answers; the first failure sets engine_lost, which health reports (the
+        process then exits).
 
-        A step that meets a lost node's closed connection kills vLLM's engine
-        core, and calls to a dead core never return: hence `errored` first, and
-        a bound of our own on the call."""
-        timeout_s = self.settings.node_timeout_s
+        vLLM marks itself `errored` when its engine core process dies (killed,
+        out of memory, a crashed step), and fails every running request; it never
+        recovers. A step that meets a lost node's closed connection kills the
+        core the same way, but a node that is merely silent leaves calls to it
+        waiting for good: hence a bound of our own on the worker check."""
+        node_timeout_s = self.settings.node_timeout_s
+        loop = asyncio.get_running_loop()
+        next_node_check = loop.time() + NODE_CHECK_INTERVAL_S
         while True:
-            await asyncio.sleep(NODE_CHECK_INTERVAL_S)
+            await asyncio.sleep(ENGINE_CHECK_INTERVAL_S)
             if getattr(self.llm, "errored", False):
-                self.node_lost = "a node may be lost: vLLM's engine stopped after a worker failed"
-            else:
+                self.engine_lost = (
+                    "a node may be lost: vLLM's engine core stopped after a worker failed" if node_timeout_s
+                    else "vLLM's engine core stopped"
+                )
+            elif node_timeout_s and loop.time() >= next_node_check:
                 try:
-                    await asyncio.wait_for(self.capture.check_workers(timeout_s), timeout_s + 1)
-                    continue
+                    await asyncio.wait_for(self.capture.check_workers(node_timeout_s), node_timeout_s + 1)
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # the timeout, or vLLM's error for the call
                     detail = f" ({type(exc).__name__}: {exc})" if str(exc) else ""
-                    self.node_lost = (
-                        f"a node may be lost: a worker did not answer within {timeout_s:g} s{detail}"
+                    self.engine_lost = (
+                        f"a node may be lost: a worker did not answer within {node_timeout_s:g} s{detail}"
                     )
-            log.error("%s", self.node_lost)
-            return
+                next_node_check = loop.time() + NODE_CHECK_INTERVAL_S
+            if self.engine_lost is not None:
+                log.error("%s", self.engine_lost)
+                return
 
     def routers_up(self) -> int:
         return len(self.link.replicas_up()) if self.link else 0
@@ -150,8 +161,8 @@ class EngineRuntime:
     def health(self, routers_optional: bool) -> tuple[bool, str]:
         """(serving, why not): every worker answers, the drain loop runs and, unless
         optional, a router is up."""
-        if self.node_lost is not None:
-            return False, self.node_lost
+        if self.engine_lost is not None:
+            return False, self.engine_lost
         if self.drain_stopped is not None:
             return False, f"the capture drain loop stopped: {self.drain_stopped}"
         if not routers_optional and self.routers_up() == 0:
@@ -195,8 +206,8 @@ class EngineRuntime:
 
     async def generate(self, message: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         accepted_at = time.monotonic()
-        if self.node_lost is not None:
-            raise Unavailable(f"the engine cannot serve: {self.node_lost}")
+        if self.engine_lost is not None:
+            raise Unavailable(f"the engine cannot serve: {self.engine_lost}")
         if self.drain_stopped is not None:
             raise Unavailable(f"the engine cannot capture: {self.drain_stopped}")
         if not self.accepting:

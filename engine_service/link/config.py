@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from common.grpc_server import MAX_MESSAGE_BYTES
 from common.security.tls import ChannelFactory
-from engine_service.link.send_queue import OverflowPolicy
+from engine_service.link.send_queue import DEFAULT_SEND_QUEUE_BYTES, OverflowPolicy
 from engine_service.link.targets import parse_targets
 
 
@@ -25,7 +25,7 @@ class RouterLinkConfig:
     # request without a reachable replica this long gets an Unavailable event.
     router_timeout_s: float = 5.0
     queue_max_batches: int = 64
-    queue_max_bytes: int = 256 * 1024 * 1024
+    queue_max_bytes: int = DEFAULT_SEND_QUEUE_BYTES
     overflow_policy: OverflowPolicy = OverflowPolicy.DROP_OLDEST
     max_message_bytes: int = MAX_MESSAGE_BYTES
     # close(): how long to wait for queues to flush and routers to end their streams.

@@ -6,6 +6,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+# Bytes of batches one replica's queue holds by default (`--send-queue-bytes`).
+DEFAULT_SEND_QUEUE_BYTES = 256 * 1024 * 1024
+
 
 class OverflowPolicy(StrEnum):
     """What a full per-replica queue does with one more batch."""
@@ -19,7 +22,8 @@ class QueuedBatch:
     """One ActivationBatch waiting for its replica, with the ledger entries of its rows."""
 
     # The ActivationBatch serialised once, when queued, without its step
-    # (common.activations.BatchBytes): the session numbers it as it writes.
+    # (common.activations.BatchBytes): the session numbers it as it writes,
+    # then lets it go (None) while the batch waits for its ack.
     batch_bytes: object
     nbytes: int
     rows: int

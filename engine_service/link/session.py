@@ -266,12 +266,19 @@ class ReplicaSession:
                 continue
             step = self.steps.record(item, time.monotonic())
             self._listener.batch_sent(self, item, step)
+            message = session_request_bytes(item.batch_bytes, step)
+            # The message is the one copy of the rows from here on. The step ledger
+            # keeps the batch for its ack, not its rows: a router that reads
+            # everything and acks nothing must not make the engine hold every row
+            # it sent, and a blocked write holds its rows once, not twice.
+            item.batch_bytes = None
             try:
-                await call.write(session_request_bytes(item.batch_bytes, step))
+                await call.write(message)
             except BaseException:  # failed or cancelled with the session: never sent
                 self.steps.pending.pop(step, None)
                 self._listener.batch_unsent(self, item)
                 raise
+            del message  # nor held while the writer waits for the next item
             self._metrics.batches_sent.labels(self.address).inc()
             self._metrics.bytes_sent.labels(self.address).inc(item.nbytes)
 

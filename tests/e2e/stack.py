@@ -25,9 +25,9 @@ def router(port: int, probes_dir: Path, *extra: str) -> Service:
 
 
 def engine(model: str, router_addresses: str, *extra: str, workers_bind: str | None = None,
-           max_model_len: int = 512) -> Service:
-    """An engine whose requests give up on an unreachable router after 1.5 s, with reflection."""
-    return processes.engine(model, router_addresses, "--router-timeout", "1.5", "--reflection", *extra,
+           max_model_len: int = 512, router_timeout_s: float = 1.5) -> Service:
+    """An engine whose requests give up on an unreachable router after router_timeout_s, with reflection."""
+    return processes.engine(model, router_addresses, "--router-timeout", str(router_timeout_s), "--reflection", *extra,
                             workers_bind=workers_bind, max_model_len=max_model_len)
 
 

@@ -3,7 +3,9 @@ rows it concerns unscored in the request's ledger, and nothing else."""
 
 from __future__ import annotations
 
+import gc
 import time
+import weakref
 
 from undercurrent.v1 import undercurrent_pb2 as pb
 
@@ -119,3 +121,31 @@ async def test_a_router_that_echoes_incarnations_is_not_trusted_without_one(rout
     router.push(pb.SessionResponse(abort=pb.Verdict(request_id="r")))  # incarnation 0
     await until(lambda: metric(link, "ignored_messages_total", reason="stale_incarnation") == 1)
     assert events.of(Abort) == []
+
+
+async def test_a_router_that_reads_every_batch_but_acks_none_does_not_keep_their_rows_in_the_engine(
+    routers, links
+):
+    """Written batches wait in the step ledger for their acks, and their rows must
+    not wait with them: a router that reads everything and acknowledges nothing
+    would otherwise make the engine hold every row it ever sent, past the send
+    queue's bounds (HTTP/2 flow control never pushes back, as the router reads)."""
+    router = await routers()
+    router.withhold_ack = lambda step: True
+    link, events = links(router.address, router_timeout_s=30.0)
+    await link.start()
+    await link.wait_ready(timeout=10)
+    ledger = start(link, "r", FAIL_CLOSED, prompt_length=4)
+    blocks = [step({"r": list(range(4))}, layer=layer, hidden=4096) for layer in (0, 1)]
+    sent_rows = [weakref.ref(block.rows) for block in blocks]
+    link.send_step(blocks)
+    del blocks
+    await router.wait_for(lambda: router.withheld == [1])
+    gc.collect()
+    assert [ref() is None for ref in sent_rows] == [True, True], "the engine still holds rows it sent"
+    # The batch's ledger entries stay: its ack, when it comes, settles its rows.
+    assert ledger.in_flight() > 0
+    router.release_acks()
+    await events.wait_for(lambda: events.of(Processed, "r"))
+    await until(lambda: ledger.in_flight() == 0)
+    assert (ledger.releasable_through(), ledger.unprobed_tokens()) == (3, 0)

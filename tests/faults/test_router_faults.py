@@ -24,14 +24,6 @@ LONG = 900  # tokens: far more than a request generates before any fault ends it
 # session (at most its 6 s heartbeat timeout), reconnects with backoff, and the
 # router drops the old session's requests when that connection closes.
 HEAL_SETTLE_S = 15.0
-# fail_open counts under a blackhole, against the tokens the client had when
-# the fault began: every row fed after the fault is unprobed, but the client
-# lags the engine by the tokens in flight on its stream, a few scheduler steps
-# (8 tokens is ~100 ms of generation here). Rows sent before the fault and
-# never answered are unprobed too, and how many depends on the host's load, so
-# the bound is one-sided; that no row is counted twice or missed is
-# assert_true_counts's exact check.
-BLACKHOLE_TOLERANCE = 8
 
 
 def start(engine, rid: str, policy: int, max_tokens: int = LONG, gate: bool = False,
@@ -107,7 +99,7 @@ async def test_silent_router(engine, start_router, proxy, fault_kind):
     await harness.wait_tokens(open_progress, 15)
     began = time.monotonic()
     fault.inject()
-    open_tokens_at_fault = len(open_progress.tokens)
+    open_tokens_at_fault = len(open_progress.tokens)  # printed only: the client may lag the engine
     try:
         closed_outcome = await closed
         ended_after = time.monotonic() - began
@@ -126,9 +118,12 @@ async def test_silent_router(engine, start_router, proxy, fault_kind):
     harness.assert_true_counts(open_outcome)
     unprobed = open_outcome.finished.unprobed_tokens
     after_fault = harness.fed_positions(open_outcome) - open_tokens_at_fault
+    # Scoring stopped at the fault: the scored rows are the first ones fed, every
+    # later one is unprobed (with assert_true_counts). Where the fault fell is the
+    # engine's business: on a loaded host the client saw 60 tokens at the fault
+    # while the router had already scored 272 positions, so the client's view
+    # bounds nothing.
     assert unprobed > 0
-    assert unprobed >= after_fault - BLACKHOLE_TOLERANCE, (unprobed, after_fault)
-    # Scoring stopped at the fault: the scored rows are the first ones fed, then none.
     scored = harness.scored_positions(open_outcome)
     prompt = open_outcome.finished.prompt_tokens
     assert scored == list(range(prompt, prompt + len(scored))), scored
@@ -136,7 +131,7 @@ async def test_silent_router(engine, start_router, proxy, fault_kind):
     healed = await harness.wait_router_state(router.metrics_port, sessions=1, live_requests=0,
                                              timeout=HEAL_SETTLE_S)
     print(f"{fault.name}: fail_closed ended {ended_after:.2f} s after the fault; "
-          f"{unprobed} unprobed vs {after_fault} generated after it; router state back "
+          f"{unprobed} unprobed, {after_fault} generated after the client saw it; router state back "
           f"{healed:.2f} s after healing")
     again = await stack.generate(engine, harness.request(f"{fault.name}-again", CLOSED, 12))
     assert again.reason == "LENGTH" and again.finished.unprobed_tokens == 0

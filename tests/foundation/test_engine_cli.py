@@ -45,9 +45,10 @@ def test_port_in_use():
     assert_one_line_error(result, "--port", f"127.0.0.1:{port}")
 
 
-def test_limit_flags_must_be_positive():
-    result = run_engine("--model", str(EMBEDDED_MODELS["tiny-llama"]), "--max-streams", "0")
-    assert_one_line_error(result, "--max-streams must be > 0")
+@pytest.mark.parametrize("flag", ["--max-streams", "--send-queue-bytes"])
+def test_limit_flags_must_be_positive(flag):
+    result = run_engine("--model", str(EMBEDDED_MODELS["tiny-llama"]), flag, "0")
+    assert_one_line_error(result, f"{flag} must be > 0")
 
 
 def test_limit_flags_and_their_defaults():
@@ -56,12 +57,25 @@ def test_limit_flags_and_their_defaults():
     parser = build_parser()
     args = parser.parse_args(["--model", "m"])
     assert (args.max_message_bytes, args.max_streams, args.max_extraction_points, args.max_prompt_bytes,
-            args.client_queue_bytes) == (64 * 1024 * 1024, 256, 64, 0, 32 * 1024 * 1024)
+            args.client_queue_bytes, args.send_queue, args.send_queue_bytes) == (
+        64 * 1024 * 1024, 256, 64, 0, 32 * 1024 * 1024, 256, 256 * 1024 * 1024)
     args = parser.parse_args(["--model", "m", "--max-message-bytes", "1048576", "--max-streams", "2",
                               "--max-extraction-points", "3", "--max-prompt-bytes", "4096",
-                              "--client-queue-bytes", "65536"])
+                              "--client-queue-bytes", "65536", "--send-queue", "5",
+                              "--send-queue-bytes", "4096"])
     assert (args.max_message_bytes, args.max_streams, args.max_extraction_points, args.max_prompt_bytes,
-            args.client_queue_bytes) == (1048576, 2, 3, 4096, 65536)
+            args.client_queue_bytes, args.send_queue, args.send_queue_bytes) == (
+        1048576, 2, 3, 4096, 65536, 5, 4096)
+
+
+def test_the_send_queue_bounds_reach_the_router_link():
+    from engine_service.__main__ import build_parser
+    from engine_service.app import link_config
+
+    args = build_parser().parse_args(["--model", "m", "--router", "127.0.0.1:1", "--send-queue", "5",
+                                      "--send-queue-bytes", "4096"])
+    config = link_config(args, None)
+    assert (config.queue_max_batches, config.queue_max_bytes) == (5, 4096)
 
 
 def node_args(*flags: str):

@@ -1,6 +1,6 @@
 """The engine process on its own (in a package of its own, so the shared e2e
 engine is not left idle while these run): optional routers, metrics, graceful SIGTERM,
-and `make run`'s demo."""
+a dead vLLM engine core, and `make run`'s demo."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import asyncio
 import re
 import subprocess
 import sys
+import time
 import urllib.request
 
 import grpc
+import psutil
 import pytest
 
 from tests.e2e import stack
@@ -87,3 +89,47 @@ def test_make_run_shows_the_probe_lifecycle(tiny_llama_path):
     right, total = map(int, re.search(r"== (\d+) of (\d+) requests ended as their label says",
                                       out).groups())
     assert total == 10 and right >= 9, out[-2000:]
+
+
+# The engine checks vLLM every second and then gives running requests 10 s to end.
+ENGINE_EXIT_BOUND_S = 60
+
+
+def engine_core_of(service) -> psutil.Process:
+    """vLLM's engine-core child of the engine process (titled VLLM::EngineCore...)."""
+    cores = [p for p in psutil.Process(service.process.pid).children(recursive=True)
+             if "EngineCore" in " ".join(p.cmdline())]
+    assert len(cores) == 1, [p.cmdline() for p in psutil.Process(service.process.pid).children(recursive=True)]
+    return cores[0]
+
+
+async def test_the_engine_exits_when_vllms_engine_core_dies(tiny_llama_path):
+    """vLLM never recovers from a dead engine core: the engine ends the running
+    request with the reason, reports NOT_SERVING and exits 1, so a supervisor
+    restarts it, instead of answering every request with an error behind a
+    SERVING health. (The refusal of new requests meanwhile is the lost-node
+    path's, tested in test_multinode.py; here the exit comes within a second.)"""
+    service = stack.engine(tiny_llama_path, "", max_model_len=1024).start()
+    try:
+        await service.wait_health(want_serving=True, timeout=240)
+        async with stack.channel(service.address) as channel:
+            engine = pb_grpc.EngineServiceStub(channel)
+            progress = stack.Outcome()
+            running = asyncio.create_task(stack.generate(engine, request("running", 1000), outcome=progress))
+            while len(progress.tokens) < 5:
+                assert not running.done(), running.result().finished
+                await asyncio.sleep(0.05)
+            engine_core_of(service).kill()
+            killed_at = time.monotonic()
+            outcome = await asyncio.wait_for(running, ENGINE_EXIT_BOUND_S)
+        code = await asyncio.to_thread(service.process.wait, ENGINE_EXIT_BOUND_S)
+        print(f"engine exited {time.monotonic() - killed_at:.1f} s after its engine core was killed; "
+              f"the running request ended with: {outcome.finished.message}")
+        assert outcome.reason == "ERROR" and 5 <= len(outcome.tokens) < 1000, outcome.finished
+        assert outcome.finished.message.startswith("engine error: "), outcome.finished
+        assert code == 1, service.log_tail()
+        log = service.log_tail(200)
+        assert "engine_service: NOT_SERVING (vLLM's engine core stopped)" in log, log
+        assert "exiting: vLLM's engine core stopped" in log, log
+    finally:
+        service.kill()

@@ -37,7 +37,7 @@ async def two_nodes(tiny_llama_path, tmp_path_factory):
     router = stack.router(stack.free_port(), tmp_path_factory.mktemp("probes")).start()
     # One worker per node, each bound to a core of its own.
     engine = stack.engine(tiny_llama_path, router.address, *node_flags, "--node-rank", "0",
-                          "--node-timeout", str(NODE_TIMEOUT_S), "--router-timeout", str(ROUTER_TIMEOUT_S),
+                          "--node-timeout", str(NODE_TIMEOUT_S), router_timeout_s=ROUTER_TIMEOUT_S,
                           workers_bind="0").start()
     worker = processes.worker_node(tiny_llama_path, 1, node_flags, workers_bind="1").start()
     try:
@@ -109,7 +109,7 @@ async def test_probe_abort_across_nodes(two_nodes):
 
 
 # The engine checks its workers every NODE_CHECK_INTERVAL_S (5 s) and gives
-# each NODE_TIMEOUT_S to answer, then ends requests within NODE_LOSS_EXIT_S
+# each NODE_TIMEOUT_S to answer, then ends requests within ENGINE_LOSS_EXIT_S
 # (10 s); without the check it waits for node 1 forever.
 ENGINE_EXIT_BOUND_S = 60
 

@@ -26,7 +26,7 @@ TOPOLOGIES = {
 async def topology_stack(request, tiny_llama_path, tmp_path_factory):
     flags, bind = TOPOLOGIES[request.param]
     router = stack.router(stack.free_port(), tmp_path_factory.mktemp("probes")).start()
-    engine = stack.engine(tiny_llama_path, router.address, *flags, "--router-timeout", str(ROUTER_TIMEOUT_S),
+    engine = stack.engine(tiny_llama_path, router.address, *flags, router_timeout_s=ROUTER_TIMEOUT_S,
                           workers_bind=bind).start()
     try:
         await router.wait_health(want_serving=None, timeout=60)
@@ -65,8 +65,10 @@ IDLE_S = 6.0
 # for warm aborts (BENCHMARKS.md).
 IDLE_ABORT_BOUND = ABORT_LATENCY_BOUND
 # The whole aborted request (about 10 tokens): 0.1-1.5 s measured over 31
-# requests after 7-8 s idle at a load average of 5-13. One PP=2 request after
-# 8 s idle in bench/abort_latency.py once stalled 12 s: this fails then.
+# requests after 7-8 s idle at a load average of 5-13. A missed wake-up costs
+# vLLM's 5 s re-check: this fails then. At load averages of 25-35 a worker
+# starved of CPU stretched PP=2 requests to 2-5.9 s (BENCHMARKS.md), so a host
+# that loaded can fail it too.
 IDLE_REQUEST_BOUND_S = 5.0
 
 

@@ -111,6 +111,7 @@ async def test_the_engine_link_connects_only_to_replicas_whose_certificate_names
         return addresses
 
     args = SimpleNamespace(router=f"dns:router.test:{good.port}", router_timeout=1.0, send_queue=8,
+                           send_queue_bytes=1 << 20,
                            overflow_policy="drop_oldest", max_message_bytes=MAX_MESSAGE_BYTES)
     config = link_config(args, ClientTLS(pki.files("engine")))
     config.reconnect_base_s = config.reconnect_max_s = 0.05
