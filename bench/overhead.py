@@ -28,6 +28,12 @@ Modes:
 
 Each request is greedy with ignore_eos, a distinct random prompt of
 --prompt-tokens tokens (no prefix-cache hits between modes), --tokens new tokens.
+With --cpu, each mode's run also reports CPU milliseconds (user + system, from
+/proc) per engine step in each process: this process (vLLM's front end, and in
+the uc_* modes the engine service; the idle engines' loops run here too), the
+mode's engine core (which spins while it waits for its workers), its workers
+and, in the uc_* modes, the router. On shared cores CPU time is the
+steadier figure: wall time includes waiting for a core.
 Writes bench/results/overhead[-PARALLEL].json and prints a Markdown table.
 """
 
@@ -47,6 +53,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np  # noqa: E402
+import psutil  # noqa: E402
 
 from common import embedded_model  # noqa: E402
 from router_service.probe_files import write_probe  # noqa: E402
@@ -124,6 +131,27 @@ class Engines:
         self.runtime = None
         self.uc_llm = None
         self.router = None
+        # Per engine ("vllm_default", "vllm_eager", "uc"): the processes it started,
+        # as {"engine_core": its own children, "workers": theirs}.
+        self.processes: dict[str, dict[str, list[psutil.Process]]] = {}
+
+    def _started(self, engine: str, before: set[int]) -> None:
+        """Records the processes started since `before` (a set of child pids) as engine's."""
+        new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        self.processes[engine] = {
+            "engine_core": [p for p in new if p.ppid() == os.getpid()],
+            "workers": [p for p in new if p.ppid() != os.getpid()],
+        }
+
+    def cpu_processes(self, mode: str) -> dict[str, list[psutil.Process]]:
+        """The processes whose CPU a mode's run is charged with, by role."""
+        roles = {"front": [psutil.Process()]}
+        engine = "uc" if mode.startswith("uc_") else mode.partition("/")[0]
+        roles.update(self.processes.get(engine, {}))
+        if engine == "uc" and self.router is not None:
+            router = psutil.Process(self.router.process.pid)
+            roles["router"] = [router, *router.children(recursive=True)]
+        return roles
 
     def _kwargs(self, **extra) -> dict:
         return dict(model=str(self.model), dtype="float32", max_model_len=self.max_model_len,
@@ -137,10 +165,15 @@ class Engines:
         from engine_service.link import RouterLinkConfig
         from engine_service.runtime import EngineRuntime, EngineSettings
 
+        def children() -> set[int]:
+            return {p.pid for p in psutil.Process().children(recursive=True)}
+
         for mode, eager in (("vllm_default", False), ("vllm_eager", True)):
             if mode in modes:
                 print(f"starting {mode} ...", flush=True)
+                before = children()
                 self.vanilla[mode] = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._kwargs(enforce_eager=eager)))
+                self._started(mode, before)
         if not any(m.startswith("uc_") for m in modes):
             return
         probes_dir = REPO / ".cache" / "bench-probes" / self.model.name
@@ -149,7 +182,9 @@ class Engines:
         self.router = processes.router(processes.free_port(), probes_dir, secure=False).start()
         await self.router.wait_health(timeout=120)
         print("starting the Undercurrent engine ...", flush=True)
+        before = children()
         self.uc_llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**capture_engine_kwargs(**self._kwargs())))
+        self._started("uc", before | {self.router.process.pid})
         self.runtime = EngineRuntime(
             self.uc_llm, CaptureController(self.uc_llm),
             link_config=RouterLinkConfig(targets=self.router.address),
@@ -226,12 +261,28 @@ class Engines:
             self.router.kill()
 
 
+def cpu_seconds(roles: dict[str, list[psutil.Process]]) -> dict[str, float]:
+    """User + system CPU seconds so far, summed per role."""
+    result = {}
+    for role, procs in roles.items():
+        total = 0.0
+        for proc in procs:
+            try:
+                times = proc.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += times.user + times.system
+        result[role] = total
+    return result
+
+
 async def bench_model(name: str, args) -> dict:
     model = embedded_model.make(MODELS[name], REPO / ".cache" / "models" / MODELS[name])
     engines = Engines(model, args.parallel, args.max_model_len)
     modes = list(args.modes) + [f"{m}/rpc" for m in args.rpc_modes]
     workload = Workload(engines.config["vocab_size"], args.prompt_tokens, args.tokens)
     seconds: dict[tuple[int, str], list[float]] = {}
+    cpu_ms: dict[tuple[int, str], list[dict[str, float]]] = {}
     try:
         await engines.start(list(args.modes))
         for mode in modes:  # warm-up: compile, allocate, first router binding
@@ -240,11 +291,20 @@ async def bench_model(name: str, args) -> dict:
             for r in range(args.rounds):
                 order = modes[r % len(modes):] + modes[: r % len(modes)]
                 for mode in order:
+                    roles = engines.cpu_processes(mode) if args.cpu else {}
+                    cpu_before = cpu_seconds(roles)
                     elapsed, produced = await engines.run(mode, workload.prompts(batch), args.tokens,
                                                           f"{mode}-b{batch}-r{r}")
                     seconds.setdefault((batch, mode), []).append(elapsed)
-                    print(f"{name} batch {batch:>2} round {r} {mode:>14}: {elapsed:6.2f} s "
-                          f"{produced / elapsed:8.1f} tok/s", flush=True)
+                    line = (f"{name} batch {batch:>2} round {r} {mode:>14}: {elapsed:6.2f} s "
+                            f"{produced / elapsed:8.1f} tok/s")
+                    if args.cpu:
+                        # One engine step per new token (the prompts' prefill rides on the first).
+                        per_step = {role: 1000 * (spent - cpu_before[role]) / args.tokens
+                                    for role, spent in cpu_seconds(roles).items()}
+                        cpu_ms.setdefault((batch, mode), []).append(per_step)
+                        line += "  CPU ms/step " + " ".join(f"{k} {v:5.1f}" for k, v in per_step.items())
+                    print(line, flush=True)
     finally:
         await engines.close()
     rows = []
@@ -257,6 +317,9 @@ async def bench_model(name: str, args) -> dict:
                 "tokens_per_s_median": tps[mode],
                 "vs_vllm_eager": tps[mode] / tps["vllm_eager"] if "vllm_eager" in tps else None,
                 "vs_vllm_default": tps[mode] / tps["vllm_default"] if "vllm_default" in tps else None,
+                **({"cpu_ms_per_step": cpu_ms[(batch, mode)], "cpu_ms_per_step_median": {
+                    role: statistics.median(r[role] for r in cpu_ms[(batch, mode)])
+                    for role in cpu_ms[(batch, mode)][0]}} if args.cpu else {}),
             })
     return {"model": name, "path": str(model.relative_to(REPO)), "config": {
         k: engines.config[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -264,13 +327,14 @@ async def bench_model(name: str, args) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| model | batch | mode | tokens/s (median) | vs vLLM eager | vs vLLM default |",
-             "|---|---:|---|---:|---:|---:|"]
+    lines = ["| model | batch | mode | tokens/s (median) | vs vLLM eager | vs vLLM default | CPU ms per step (median) |",
+             "|---|---:|---|---:|---:|---:|---|"]
     for result in results:
         for row in result["rows"]:
             fmt = lambda v: "" if v is None else f"{v:.3f}"  # noqa: E731
+            cpu = " ".join(f"{k} {v:.1f}" for k, v in row.get("cpu_ms_per_step_median", {}).items())
             lines.append(f"| {row['model']} | {row['batch']} | {row['mode']} | {row['tokens_per_s_median']:,.1f} "
-                         f"| {fmt(row['vs_vllm_eager'])} | {fmt(row['vs_vllm_default'])} |")
+                         f"| {fmt(row['vs_vllm_eager'])} | {fmt(row['vs_vllm_default'])} | {cpu} |")
     return "\n".join(lines)
 
 
@@ -286,6 +350,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--parallel", choices=sorted(PARALLEL), default="none")
     parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--cpu", action="store_true",
+                        help="also report CPU ms per step per process (front end, engine core, workers, router)")
     parser.add_argument("--out", default="", help="result file name (default: overhead[-PARALLEL].json)")
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]

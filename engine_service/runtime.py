@@ -474,12 +474,28 @@ class EngineRuntime:
     async def _stop(
         self, request: ActiveRequest, reason: int, verdict: pb.Verdict | None = None, message=""
     ) -> None:
-        if request.end(reason, verdict, message):
-            if request.gate is not None and verdict is not None:
-                # Settled tokens before the trigger may be shown; nothing at or after it is.
-                self._release_gated(request, before=verdict.token_position)
-                request.gate.discard_from(verdict.token_position)
+        if self._end(request, reason, verdict, message):
             await self.llm.abort(request.request_id)
+
+    def _stop_soon(
+        self, request: ActiveRequest, reason: int, verdict: pb.Verdict | None = None, message=""
+    ) -> None:
+        """_stop from a synchronous callback. The request ends now, so the router
+        replies handled right after this one (a verdict's ack comes in the same
+        SessionReplies) never release a gated token at or after the verdict;
+        only vLLM's abort runs as a task."""
+        if self._end(request, reason, verdict, message):
+            self._spawn(self.llm.abort(request.request_id))
+
+    def _end(self, request: ActiveRequest, reason: int, verdict: pb.Verdict | None, message: str) -> bool:
+        """Ends the request (False if it had ended) and closes its gate at the verdict."""
+        if not request.end(reason, verdict, message):
+            return False
+        if request.gate is not None and verdict is not None:
+            # Settled tokens before the trigger may be shown; nothing at or after it is.
+            self._release_gated(request, before=verdict.token_position)
+            request.gate.discard_from(verdict.token_position)
+        return True
 
     # -- the drain loop ----------------------------------------------------
 
@@ -531,7 +547,7 @@ class EngineRuntime:
             request = self.active.get(request_id)
             if request is not None:
                 message = f"engine error: {what}: {type(exc).__name__}: {exc}"
-                self._spawn(self._stop(request, pb.FINISH_REASON_ERROR, message=message))
+                self._stop_soon(request, pb.FINISH_REASON_ERROR, message=message)
 
     def _on_drain_loop_done(self, task: asyncio.Task) -> None:
         """The drain loop is the engine's only path for activations: if it ever
@@ -548,7 +564,7 @@ class EngineRuntime:
                 waiter.set_result(None)
         for request in list(self.active.values()):
             message = f"engine error: the capture drain loop stopped: {self.drain_stopped}"
-            self._spawn(self._stop(request, pb.FINISH_REASON_ERROR, message=message))
+            self._stop_soon(request, pb.FINISH_REASON_ERROR, message=message)
 
     def _deliver(self, blocks: list[activations.Block]) -> None:
         """Client-requested records go back in-band; probe records go to routers."""
@@ -582,9 +598,9 @@ class EngineRuntime:
 
     # -- router events -----------------------------------------------------
 
-    def _spawn(self, stopping) -> None:
-        """Runs an abort from a synchronous link callback, keeping the task referenced."""
-        task = asyncio.create_task(stopping)
+    def _spawn(self, aborting) -> None:
+        """Runs vLLM's abort from a synchronous callback, keeping the task referenced."""
+        task = asyncio.create_task(aborting)
         self._verdict_tasks.add(task)
         task.add_done_callback(self._verdict_tasks.discard)
 
@@ -605,7 +621,7 @@ class EngineRuntime:
             verdict.CopyFrom(event.verdict)
             verdict.router = event.replica
             verdict.ClearField("incarnation")
-            self._spawn(self._stop(request, pb.FINISH_REASON_PROBE_ABORT, verdict=verdict))
+            self._stop_soon(request, pb.FINISH_REASON_PROBE_ABORT, verdict=verdict)
         elif isinstance(event, links.Processed):
             request.ledger_changed.set()
             self._show_scores(request)
@@ -629,9 +645,7 @@ class EngineRuntime:
         if failure.fail_closed:
             self.metrics.aborts.labels("ROUTER_UNAVAILABLE").inc()
             verdict, reason = self._unscored_verdict(request, failure)
-            self._spawn(
-                self._stop(request, pb.FINISH_REASON_ROUTER_UNAVAILABLE, verdict=verdict, message=reason)
-            )
+            self._stop_soon(request, pb.FINISH_REASON_ROUTER_UNAVAILABLE, verdict=verdict, message=reason)
             return
         log.warning("request %s continues with unprobed tokens (fail_open): %s",
                     request.request_id, failure.reason)

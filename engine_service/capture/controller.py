@@ -46,8 +46,11 @@ WORKER_EXTENSION = "engine_service.capture.worker_extension.CaptureWorkerExtensi
 SUPPORTED_VLLM_VERSIONS = ("0.32",)
 ALLOW_UNTESTED_VLLM_ENV = "UNDERCURRENT_ALLOW_UNTESTED_VLLM"
 # drain() waits at most this long for rows (or, while nothing is registered, for a
-# registration) before it returns empty, so its caller's loop never spins.
-DRAIN_WAIT_S = 0.01
+# registration) before it returns empty, so its caller's loop never spins. A
+# register or unregister ends the wait at once, so nothing waits this long for a
+# drain; it is long because every empty return is a wake-up of the drain loop,
+# whose CPU the forward pass shares (10 ms gave ~10 per 100 ms step).
+DRAIN_WAIT_S = 0.1
 # How long drain() waits for the last rows of an ending request before it gives up
 # on them (logged); they were pushed before the request's unregister returned.
 BARRIER_TIMEOUT_S = 5.0
@@ -263,10 +266,10 @@ class CaptureController:
     async def drain(self) -> list[Block]:
         """Every worker's new rows, merged, exactly once, in (point, layer) blocks.
 
-        Waits up to DRAIN_WAIT_S for rows to arrive, and returns the rows of
-        requests that ended (unregister) only complete. Costs no worker call
-        when no request is registered or ending, or when every shipping worker
-        pushes.
+        Waits up to DRAIN_WAIT_S for rows to arrive (less when a request is
+        registered or unregistered meanwhile), and returns the rows of requests
+        that ended (unregister) only complete. Costs no worker call when no
+        request is registered or ending, or when every shipping worker pushes.
         """
         if not self._registered and not self._ending:
             if self._rpc_drained:
@@ -284,7 +287,12 @@ class CaptureController:
                 barrier, self._barrier = self._barrier, {}
                 shipments = await self._sink.receive_until(barrier, BARRIER_TIMEOUT_S)
             else:
-                shipments = await self._sink.receive(0 if self._rpc_drained else DRAIN_WAIT_S)
+                # Cleared with no await since `ending` was read: an unregister from
+                # here on ends the wait, and its rows come with the next drain.
+                self._registrations.clear()
+                shipments = await self._sink.receive(
+                    0 if self._rpc_drained else DRAIN_WAIT_S, wake=self._registrations
+                )
         if self._rpc_drained:
             shipments += await self.engine.collective_rpc("undercurrent_drain")
         errors = [f"rank {s['rank']}: {e}" for s in shipments for e in s["errors"]]

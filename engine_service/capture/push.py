@@ -39,6 +39,7 @@ shipment move to the next one.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import mmap
 import os
@@ -254,12 +255,23 @@ class Sink:
         self._progress: dict[int, ReadProgress] = {}
         weakref.finalize(self, shutil.rmtree, self._directory, True)
 
-    async def receive(self, timeout_s: float) -> list[dict]:
-        """Every shipment that has arrived; waits up to timeout_s for the first one."""
+    async def receive(self, timeout_s: float, wake: asyncio.Event | None = None) -> list[dict]:
+        """Every shipment that has arrived; waits up to timeout_s for the first one,
+        or until `wake` is set."""
         shipments = await self._take()
-        if not shipments and await self._socket.poll(timeout_s * 1000, zmq.POLLIN):
-            shipments = await self._take()
-        return shipments
+        if shipments or timeout_s <= 0:
+            return shipments
+        polled = self._socket.poll(timeout_s * 1000, zmq.POLLIN)
+        if wake is None:
+            await polled
+        else:
+            woken = asyncio.ensure_future(wake.wait())
+            try:
+                await asyncio.wait((polled, woken), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                polled.cancel()
+                woken.cancel()
+        return await self._take()
 
     async def receive_until(self, barrier: dict[int, int], timeout_s: float) -> list[dict]:
         """Shipments until every rank's sequence reached its barrier (or timeout_s passed)."""

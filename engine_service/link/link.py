@@ -88,7 +88,7 @@ class RouterLink:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._metrics = metrics_for(self.registry)
         self._hello = pb.SessionRequest(
-            hello=pb.SessionHello(engine_id=config.engine_id, model=model)
+            hello=pb.SessionHello(engine_id=config.engine_id, model=model, accepts_replies=True)
         )
         self._on_event = on_event
         self._resolver = resolver

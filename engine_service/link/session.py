@@ -299,6 +299,14 @@ class ReplicaSession:
             await asyncio.sleep(tick)
 
     def _on_message(self, message: pb.SessionResponse) -> None:
+        if message.WhichOneof("message") == "replies":
+            for reply in message.replies.messages:
+                self._on_reply(reply)
+        else:
+            self._on_reply(message)
+
+    def _on_reply(self, message: pb.SessionResponse) -> None:
+        """One router reply (a SessionReplies nested in another is ignored: routers never send one)."""
         kind = message.WhichOneof("message")
         if kind == "ack":
             acked = self.steps.ack(message.ack.step)

@@ -1,6 +1,7 @@
 """Workers' pushes to the engine service: order, sequence barrier, timeouts (real
 ZeroMQ sockets, no vLLM)."""
 
+import asyncio
 import time
 
 import numpy as np
@@ -45,6 +46,30 @@ async def test_a_barrier_never_reached_gives_up_after_its_timeout():
         assert 0.2 <= time.monotonic() - start < 5
         assert not sink.reached({0: 1})
     finally:
+        sink.close()
+
+
+async def test_a_wait_for_shipments_ends_when_woken_or_when_one_arrives():
+    """drain() waits long for rows; a register or unregister (the wake event)
+    must end the wait at once, and so must a shipment."""
+    sink = Sink()
+    pusher = Pusher(sink.address.as_dict(), 0)
+    wake = asyncio.Event()
+    try:
+        waiting = asyncio.create_task(sink.receive(60, wake=wake))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        wake.set()
+        assert await asyncio.wait_for(waiting, 10) == []
+        wake.clear()
+        waiting = asyncio.create_task(sink.receive(60, wake=wake))
+        await asyncio.sleep(0.05)
+        pusher.push(shipment(0, 7))
+        [got] = await asyncio.wait_for(waiting, 10)
+        assert int(decode_part(got["parts"][0]).token_positions[0]) == 7
+        assert not wake.is_set()
+    finally:
+        pusher.close()
         sink.close()
 
 

@@ -292,6 +292,18 @@ async def test_a_late_verdict_of_an_earlier_run_does_not_touch_a_new_run_of_the_
     assert len(outcome.tokens) <= 50 - len(PROMPT)
 
 
+async def test_a_verdict_and_its_ack_in_one_message_show_no_gated_token_at_or_after_the_trigger(stack):
+    """The router double sends a step's scores, its abort and its ack as one
+    SessionReplies: the ack is handled right after the abort, before any task
+    runs, and must not release the triggering token."""
+    trigger = len(PROMPT) + 6
+    s = await stack(step_s=0.01, score=lambda request_id, position: 500.0 if position == trigger else 0.0)
+    outcome = await run(s.runtime, request("gated", max_tokens=40))
+    assert outcome.finished.finish_reason == pb.FINISH_REASON_PROBE_ABORT
+    assert outcome.finished.verdict.token_position == trigger
+    assert len(outcome.tokens) == trigger - len(PROMPT)  # tokens 0..5: every one before the trigger
+
+
 # -- item 5: the drain loop never dies silently -------------------------------------------
 
 

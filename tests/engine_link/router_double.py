@@ -1,7 +1,8 @@
 """A small but honest ProbeRouter for the router-link tests.
 
 It speaks the Session protocol the real router speaks: hello answered with its
-probes, catalog pushes, scores and aborts for step N before the ack of step N,
+probes, catalog pushes, scores and aborts for step N before the ack of step N
+(as one SessionReplies to an engine that accepts replies),
 in-band RequestErrors, echoed and own heartbeats, and drain; it echoes each
 request's incarnation. Its one probe rule: a request's score per row is the
 row's first element; any score above `threshold` aborts the request (once).
@@ -40,9 +41,13 @@ class Received:
 
 class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
     def __init__(
-        self, name: str, probes=(PROBE,), threshold: float = 100.0, heartbeat_s: float = 0.1
+        self, name: str, probes=(PROBE,), threshold: float = 100.0, heartbeat_s: float = 0.1,
+        replies_as_one: bool = True,
     ) -> None:
         self.name = name
+        # As the real router: the replies to one engine message go as one
+        # SessionReplies to an engine whose hello said accepts_replies.
+        self.replies_as_one = replies_as_one
         self.probes = list(probes)
         self.threshold = threshold
         self.heartbeat_s = heartbeat_s
@@ -150,9 +155,15 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
             )
 
     async def _read(self, request_iterator, outbox: asyncio.Queue) -> None:
+        as_one = False
         async for message in request_iterator:
             await self.reading.wait()
-            for reply in self._handle(message):
+            if message.WhichOneof("message") == "hello":
+                as_one = self.replies_as_one and message.hello.accepts_replies
+            replies = self._handle(message)
+            if as_one and len(replies) > 1:
+                replies = [pb.SessionResponse(replies=pb.SessionReplies(messages=replies))]
+            for reply in replies:
                 outbox.put_nowait(reply)
             self.changed.set()
         self.half_closed += 1

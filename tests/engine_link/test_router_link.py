@@ -67,11 +67,13 @@ async def test_two_replicas_split_requests_and_each_request_stays_on_one(routers
     assert all(e.replica == owners[e.request_id] for e in events.of(Scores))
 
 
-async def test_acks_settle_ledger_positions_and_verdicts_reach_their_request(routers, links):
-    router = await routers(threshold=1.0)
+@pytest.mark.parametrize("replies_as_one", [True, False], ids=["replies-as-one", "one-by-one"])
+async def test_acks_settle_ledger_positions_and_verdicts_reach_their_request(routers, links, replies_as_one):
+    router = await routers(threshold=1.0, replies_as_one=replies_as_one)
     link, events = links(router.address)
     await link.start()
     await link.wait_ready(timeout=10)
+    assert router.hellos[0].accepts_replies
     calm = start(link, "calm", prompt_length=2)
     hot = start(link, "hot", prompt_length=2)
     link.send_step([step({"calm": [0, 1], "hot": [0, 1]}, first={"hot": 0.5})])

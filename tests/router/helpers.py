@@ -75,9 +75,10 @@ class SessionClient:
         while (message := await self.outgoing.get()) is not None:
             yield message
 
-    async def open(self, model: pb.ModelInfo | None = None) -> pb.RouterHello:
+    async def open(self, model: pb.ModelInfo | None = None, accepts_replies: bool = False) -> pb.RouterHello:
         self.call = self.stub.Session(self._messages())
-        self.send(hello=pb.SessionHello(engine_id=self.engine_id, model=model or model_info()))
+        self.send(hello=pb.SessionHello(engine_id=self.engine_id, model=model or model_info(),
+                                        accepts_replies=accepts_replies))
         first = await self.recv()
         assert first.WhichOneof("message") == "hello", first
         return first.hello

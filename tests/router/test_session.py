@@ -115,6 +115,45 @@ async def test_many_interleaved_requests_abort_exactly_where_the_rule_fired(make
     await client.close()
 
 
+async def test_an_engine_that_accepts_replies_gets_each_batchs_replies_as_one_message(make_router, probes_dir):
+    """The same steps on two sessions: one engine reads replies one by one, the
+    other says accepts_replies and gets, per batch, one SessionReplies holding
+    exactly those replies in the same order (scores, the abort, the ack last)."""
+    router = await make_router(probes_dir)
+    single, bundled = SessionClient(router, "single"), SessionClient(router, "bundled")
+    await single.open()
+    await bundled.open(accepts_replies=True)
+    for client in (single, bundled):
+        for rid in ("a", "b", "c"):
+            client.start(rid, "tox", "watch", prompt_length=4)
+    steps = [  # row[0] >= 5 twice in a row aborts ("tox"); row[1] is "watch"'s score
+        [("a", 4, 9.0), ("b", 4, 0.0), ("c", 4, 9.0)],
+        [("a", 5, 9.0), ("b", 5, 9.0), ("c", 5, 0.0)],
+        [("a", 6, 0.0), ("b", 6, 0.0)],
+    ]
+    aborted = []
+    for step_rows in steps:
+        rows = np.zeros((len(step_rows), HIDDEN))
+        rows[:, 0] = [v for _, _, v in step_rows]
+        rows[:, 1] = np.arange(len(step_rows))
+        blk = block(rows, [r for r, _, _ in step_rows], [p for _, p, _ in step_rows])
+        step = single.batch(blk)
+        assert bundled.batch(blk) == step
+        one_by_one = await single.until_ack(step)
+        message = await bundled.recv()
+        while message.WhichOneof("message") in ("heartbeat", "catalog"):
+            message = await bundled.recv()
+        assert message.WhichOneof("message") == "replies"
+        replies = list(message.replies.messages)
+        assert kinds(replies)[-1] == "ack" and replies[-1].ack.step == step
+        assert replies == one_by_one
+        assert len(replies) == len(step_rows) + 1 + (step == 2)  # scores per request, abort of "a", ack
+        aborted += [(m.abort.request_id, m.abort.token_position) for m in replies if m.abort.request_id]
+    assert aborted == [("a", 5)]
+    await single.close()
+    await bundled.close()
+
+
 async def test_multi_layer_probe_reads_rows_in_forward_order(make_router, probes_dir):
     router = await make_router(probes_dir)
     client = SessionClient(router)

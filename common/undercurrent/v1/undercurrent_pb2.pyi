@@ -385,12 +385,14 @@ class GetModelInfoResponse(_message.Message):
     def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ...) -> None: ...
 
 class SessionHello(_message.Message):
-    __slots__ = ("engine_id", "model")
+    __slots__ = ("engine_id", "model", "accepts_replies")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_REPLIES_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     model: ModelInfo
-    def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ...) -> None: ...
+    accepts_replies: bool
+    def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., accepts_replies: _Optional[bool] = ...) -> None: ...
 
 class RequestStart(_message.Message):
     __slots__ = ("request_id", "probes", "prompt_length", "state_reset", "incarnation")
@@ -507,7 +509,7 @@ class Drain(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("hello", "scores", "abort", "ack", "heartbeat", "drain", "error", "catalog")
+    __slots__ = ("hello", "scores", "abort", "ack", "heartbeat", "drain", "error", "catalog", "replies")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     SCORES_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
@@ -516,6 +518,7 @@ class SessionResponse(_message.Message):
     DRAIN_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     CATALOG_FIELD_NUMBER: _ClassVar[int]
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
     hello: RouterHello
     scores: ProbeScores
     abort: Verdict
@@ -524,7 +527,14 @@ class SessionResponse(_message.Message):
     drain: Drain
     error: RequestError
     catalog: ProbeCatalog
-    def __init__(self, hello: _Optional[_Union[RouterHello, _Mapping]] = ..., scores: _Optional[_Union[ProbeScores, _Mapping]] = ..., abort: _Optional[_Union[Verdict, _Mapping]] = ..., ack: _Optional[_Union[StepAck, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ..., catalog: _Optional[_Union[ProbeCatalog, _Mapping]] = ...) -> None: ...
+    replies: SessionReplies
+    def __init__(self, hello: _Optional[_Union[RouterHello, _Mapping]] = ..., scores: _Optional[_Union[ProbeScores, _Mapping]] = ..., abort: _Optional[_Union[Verdict, _Mapping]] = ..., ack: _Optional[_Union[StepAck, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ..., catalog: _Optional[_Union[ProbeCatalog, _Mapping]] = ..., replies: _Optional[_Union[SessionReplies, _Mapping]] = ...) -> None: ...
+
+class SessionReplies(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[SessionResponse]
+    def __init__(self, messages: _Optional[_Iterable[_Union[SessionResponse, _Mapping]]] = ...) -> None: ...
 
 class LoadProbeRequest(_message.Message):
     __slots__ = ("path", "inline", "replace")
