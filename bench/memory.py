@@ -316,7 +316,7 @@ async def engine_b(args, workload: Workload) -> list[dict]:
         rows[-1]["while_stopped_rss_growth_by_process"] = {
             engine.names.get(pid, str(pid)): round((rss - stopped["at_stop"].rss_by_pid.get(pid, 0)) / MIB, 1)
             for pid, rss in stopped["before_resume"].rss_by_pid.items()}
-        rows[-1]["worker_log"] = {"socket_full": log.count("the engine service is not reading"),
+        rows[-1]["worker_log"] = {"keeping_started": log.count("the engine service is not reading"),
                                   "backlog_drops": log.count("dropped a shipment")}
     finally:
         engine.service.process.send_signal(signal.SIGCONT)

@@ -150,6 +150,7 @@ class Pusher:
         self._in_flight_bytes = 0
         self._unsent: deque[_Waiting] = deque()
         self._unsent_bytes = 0
+        self._keeping_logged = False  # the worker keeps shipments, and said so
         self._dropped: Counter[str] = Counter()  # rows per request, not yet reported
         self.dropped_rows = 0  # every row this worker ever dropped
 
@@ -192,6 +193,7 @@ class Pusher:
             head = self._unsent[0]
             if (not for_barrier and self._in_flight
                     and self._in_flight_bytes + head.nbytes > self.backlog_bytes):
+                self._keeping(f"it has not read {self._in_flight_bytes} bytes handed to the socket")
                 return
             if self._dropped:  # the report rides the next shipment that goes out
                 carried = Counter(dict(head.shipment.get("dropped", ()))) + self._dropped
@@ -203,13 +205,20 @@ class Pusher:
             try:
                 self._socket.send(head.data, flags=zmq.NOBLOCK)
             except zmq.Again:
-                log.warning("capture: the engine service is not reading; %d shipments (%d bytes) wait",
-                            len(self._unsent), self._unsent_bytes)
+                self._keeping("the socket's queue is full")
                 return
             self._unsent.popleft()
             self._unsent_bytes -= head.nbytes
             self._in_flight.append((head.shipment["seq"], head.nbytes))
             self._in_flight_bytes += head.nbytes
+        self._keeping_logged = False
+
+    def _keeping(self, why: str) -> None:
+        """Logs once when the worker starts keeping shipments (not at every step)."""
+        if not self._keeping_logged:
+            self._keeping_logged = True
+            log.warning("capture: the engine service is not reading (%s); rank %d keeps its shipments, "
+                        "up to %d bytes in all", why, self.rank, self.backlog_bytes)
 
     def _settle(self) -> None:
         """Forgets the shipments handed to ZeroMQ that the driver has read."""

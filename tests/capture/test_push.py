@@ -125,7 +125,7 @@ async def read_until_reached(sink: Sink, pusher: Pusher, timeout_s: float = 20) 
     return got
 
 
-async def test_a_worker_whose_driver_does_not_read_keeps_its_backlog_bound_and_reports_every_dropped_row():
+async def test_a_worker_whose_driver_does_not_read_keeps_its_backlog_bound_and_reports_every_dropped_row(caplog):
     from collections import Counter
 
     bound = 4 * 16  # four one-row shipments
@@ -143,6 +143,8 @@ async def test_a_worker_whose_driver_does_not_read_keeps_its_backlog_bound_and_r
             assert pusher.held_bytes <= bound + 16
             if position == 5:
                 assert pusher.dropped_rows == 1, "ZeroMQ's queue was not counted against the bound"
+        keeping = [r for r in caplog.records if "keeps its shipments" in r.getMessage()]
+        assert len(keeping) == 1, "the worker should say once, not at every step, that it keeps shipments"
         got = await read_until_reached(sink, pusher)
         assert sink.reached({0: pusher.seq})
         received = Counter(r for s in got for p in s["parts"] for r in p["request_ids"])
