@@ -152,6 +152,7 @@ class ActiveRequest:
     # the client stream yet (the engine's latency histograms read both).
     accepted_at: float = field(default_factory=time.monotonic)
     tokens_sent: bool = False
+    said_unprobed: bool = False  # logged that it continues unprobed (fail_open): once, not per step
 
     def fail_closed(self) -> bool:
         return any(p.failure_policy == pb.FAILURE_POLICY_FAIL_CLOSED for p in self.probes)

@@ -647,8 +647,7 @@ class EngineRuntime:
             verdict, reason = self._unscored_verdict(request, failure)
             self._stop_soon(request, pb.FINISH_REASON_ROUTER_UNAVAILABLE, verdict=verdict, message=reason)
             return
-        log.warning("request %s continues with unprobed tokens (fail_open): %s",
-                    request.request_id, failure.reason)
+        self._say_unprobed(request, failure.reason)
         if request.gate is not None:
             self._release_gated(request)
 
@@ -658,4 +657,12 @@ class EngineRuntime:
         if request.fail_closed():
             self._on_unscored(request, request.ledger.outage(reason))
         else:
-            log.warning("request %s continues unprobed (fail_open): %s", request.request_id, reason)
+            self._say_unprobed(request, reason)
+
+    @staticmethod
+    def _say_unprobed(request: ActiveRequest, reason: str) -> None:
+        """Logs the first time a fail_open request goes on unprobed; its finish
+        counts every unprobed token, so later steps only log at debug level."""
+        level = logging.DEBUG if request.said_unprobed else logging.WARNING
+        request.said_unprobed = True
+        log.log(level, "request %s continues with unprobed tokens (fail_open): %s", request.request_id, reason)

@@ -8,6 +8,7 @@ client saw, and the counts in GenerateFinished.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 
@@ -160,7 +161,7 @@ async def test_a_silent_router_ends_fail_closed_within_the_timeout_and_shows_no_
     assert "closed" in s.llm.aborted
 
 
-async def test_a_silent_router_lets_fail_open_finish_and_counts_what_it_missed(stack):
+async def test_a_silent_router_lets_fail_open_finish_and_counts_what_it_missed(stack, caplog):
     s = await stack(router_timeout_s=0.3, heartbeat_timeout_s=5.0, step_s=0.01)
     progress = Outcome()
     running = asyncio.create_task(run(s.runtime, request("open", OPEN, max_tokens=80), progress))
@@ -180,6 +181,10 @@ async def test_a_silent_router_lets_fail_open_finish_and_counts_what_it_missed(s
     # A position whose scores arrived but whose ack was cut off counts as unprobed too.
     assert missed <= finished.unprobed_tokens <= missed + 1
     assert "tokens unprobed (fail_open)" in finished.message
+    # Said once at WARNING, not at every step whose rows expire.
+    said = [r for r in caplog.records
+            if "request open continues with unprobed tokens" in r.getMessage() and r.levelno == logging.WARNING]
+    assert len(said) == 1
 
 
 # -- item 3: router-side failures are never a clean fail_closed finish --------------
