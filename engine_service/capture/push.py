@@ -135,9 +135,9 @@ class Pusher:
     """The worker side: one PUSH socket, a sequence number, and what it holds for
     the driver (handed to ZeroMQ and not yet read, or kept) bounded in bytes."""
 
-    def __init__(self, address: dict, rank: int) -> None:
+    def __init__(self, address: dict, rank: int, first_seq: int = 0) -> None:
         self.rank = rank
-        self.seq = 0
+        self.seq = first_seq  # of the last shipment pushed; the next one is first_seq + 1
         self.backlog_bytes = int(address.get("backlog_bytes", DEFAULT_BACKLOG_BYTES))
         # The process-wide context: a context of its own would block in term()
         # when collected while a socket is open.

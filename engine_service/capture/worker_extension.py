@@ -128,6 +128,7 @@ class _CaptureState:
         )
         self.errors: list[str] = []
         self.pusher: Pusher | None = None
+        self.pushed_before = 0  # the last sequence number of a closed pusher
         self.topology = dict(
             rank=int(worker.rank),
             tp_rank=int(tp_group.rank_in_group),
@@ -182,11 +183,15 @@ class _CaptureState:
     def push_to(self, sink: dict | None) -> bool:
         if sink is None or not self.ships or not Pusher.reaches(sink):
             if self.pusher is not None:
+                self.pusher.flush(for_barrier=True)  # what it kept goes before the socket closes
+                self.pushed_before = self.pusher.seq
                 self.pusher.close()
             self.pusher = None
             return False
         if self.pusher is None:
-            self.pusher = Pusher(sink, self.topology["rank"])
+            # Sequence numbers go on from the last pusher's: the driver's barrier
+            # compares them with the highest it has read from this rank.
+            self.pusher = Pusher(sink, self.topology["rank"], first_seq=self.pushed_before)
         return True
 
     def pushed_seq(self) -> int:

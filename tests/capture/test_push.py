@@ -219,3 +219,28 @@ async def test_a_barrier_gets_every_kept_shipment_though_zeromq_holds_the_bound(
     finally:
         pusher.close()
         sink.close()
+
+
+async def test_a_new_pusher_goes_on_from_the_last_ones_sequence():
+    """Switching a worker from push to the RPC drain and back makes a new pusher;
+    starting again from 1 would make the driver's barrier (the highest sequence
+    read from the rank) count as reached before the new shipments arrived."""
+    sink = Sink()
+    first = Pusher(sink.address.as_dict(), 0)
+    try:
+        for position in range(3):
+            first.push(shipment(0, position))
+        await sink.receive_until({0: 3}, timeout_s=10)
+    finally:
+        first.close()
+    second = Pusher(sink.address.as_dict(), 0, first_seq=first.seq)
+    try:
+        assert not sink.reached({0: first.seq + 1})
+        second.push(shipment(0, 9))
+        assert second.seq == 4
+        [got] = await sink.receive_until({0: second.seq}, timeout_s=10)
+        assert got["seq"] == 4 and sink.reached({0: 4})
+        assert second.held_bytes == 0  # the driver's read progress applies to the new pusher too
+    finally:
+        second.close()
+        sink.close()
