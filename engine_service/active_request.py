@@ -153,6 +153,7 @@ class ActiveRequest:
     accepted_at: float = field(default_factory=time.monotonic)
     tokens_sent: bool = False
     said_unprobed: bool = False  # logged that it continues unprobed (fail_open): once, not per step
+    backlog_dropped_records: int = 0  # rows a worker dropped past --capture-backlog-bytes
 
     def fail_closed(self) -> bool:
         return any(p.failure_policy == pb.FAILURE_POLICY_FAIL_CLOSED for p in self.probes)

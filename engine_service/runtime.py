@@ -445,7 +445,11 @@ class EngineRuntime:
         unprobed = ledger.unprobed_tokens(below=received_below) if ledger else 0
         if ledger is not None:
             self._show_scores(request, below=received_below)
-        dropped = (ledger.dropped_records if ledger else 0) + request.events.dropped_records
+        dropped = (
+            (ledger.dropped_records if ledger else 0)
+            + request.events.dropped_records
+            + request.backlog_dropped_records
+        )
         if request.gate is not None:
             if request.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH):
                 self._release_gated(request, everything=True)
@@ -511,6 +515,10 @@ class EngineRuntime:
             try:
                 blocks = await self.capture.drain()
                 self._count_backlog_drops()
+                for request_id, rows in self.capture.pop_dropped_rows().items():
+                    request = self.active.get(request_id)
+                    if request is not None:
+                        request.backlog_dropped_records += rows
                 errors = self.capture.pop_request_errors()
                 for request_id, error in errors.items():
                     request = self.active.get(request_id)

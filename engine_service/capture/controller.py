@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections import Counter
 from typing import Any
 
 from common.activations import Block, decode_part
@@ -162,6 +163,7 @@ class CaptureController:
         self._delivered = DeliveredPositions()
         self._gate = ForwardOrderGate()
         self._request_errors: dict[str, str] = {}
+        self._dropped_rows: Counter[str] = Counter()
         self._sink: Sink | None = None
         self._rpc_drained = True  # some shipping rank does not push (another host)
         self._barrier: dict[int, int] = {}  # rank -> push sequence every ending row is within
@@ -299,6 +301,7 @@ class CaptureController:
         for shipment in shipments:
             for request_id, rows in shipment.get("dropped", ()):
                 self.backlog_rows_dropped += rows
+                self._dropped_rows[request_id] += rows
                 self._request_errors.setdefault(
                     request_id,
                     f"capture: rank {shipment['rank']} dropped {rows} rows of this request: the engine "
@@ -336,3 +339,9 @@ class CaptureController:
         """Per-request problems found while capturing (record id -> message)."""
         errors, self._request_errors = self._request_errors, {}
         return errors
+
+    def pop_dropped_rows(self) -> Counter[str]:
+        """Rows per request that workers dropped past their backlog bound since the
+        last call (each such request also has an error); its finish counts them."""
+        dropped, self._dropped_rows = self._dropped_rows, Counter()
+        return dropped

@@ -188,6 +188,7 @@ async def test_the_driver_fails_each_request_whose_rows_a_worker_dropped():
         assert errors["lost"].startswith(f"capture: rank 0 dropped {pusher.dropped_rows} rows of this request")
         assert "--capture-backlog-bytes" in errors["lost"]
         assert controller.backlog_rows_dropped == pusher.dropped_rows
+        assert controller.pop_dropped_rows() == {"lost": pusher.dropped_rows}  # what its finish counts
         assert sum(b.num_rows for b in blocks) == position + 1 - pusher.dropped_rows
     finally:
         pusher.close()

@@ -12,7 +12,7 @@ one token. A request ends at max_tokens or when aborted.
 from __future__ import annotations
 
 import asyncio
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -48,7 +48,11 @@ class FakeCapture:
         self.registered: dict[str, tuple[list, int]] = {}
         self.captured: dict[str, set[int]] = defaultdict(set)  # positions, per request
         self.pending: list[Block] = []
-        self.backlog_rows_dropped = 0  # the workers here never drop
+        self.backlog_rows_dropped = 0
+        # What the next drain reports as dropped past a worker's backlog bound:
+        # rows per request, and the errors that name the bound.
+        self.dropped_rows: Counter[str] = Counter()
+        self.request_errors: dict[str, str] = {}
         self.drains = 0
         self.drain_error: BaseException | None = None  # raised by the next drain()
         self.unregister_error: Exception | None = None
@@ -104,6 +108,7 @@ class FakeCapture:
     async def drain(self) -> list[Block]:
         await asyncio.sleep(0)  # a collective_rpc never answers synchronously
         self.drains += 1
+        self.backlog_rows_dropped += sum(self.dropped_rows.values())  # what pop_dropped_rows returns next
         if self.drain_error is not None:
             error, self.drain_error = self.drain_error, None
             raise error
@@ -111,7 +116,12 @@ class FakeCapture:
         return blocks
 
     def pop_request_errors(self) -> dict[str, str]:
-        return {}
+        errors, self.request_errors = self.request_errors, {}
+        return errors
+
+    def pop_dropped_rows(self) -> Counter[str]:
+        dropped, self.dropped_rows = self.dropped_rows, Counter()
+        return dropped
 
 
 @dataclass

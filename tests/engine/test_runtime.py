@@ -334,6 +334,25 @@ async def test_a_failed_delivery_ends_the_requests_it_concerned_and_the_loop_goe
     assert s.runtime.health(routers_optional=False) == (True, "")
 
 
+async def test_rows_a_worker_dropped_past_its_backlog_bound_are_counted_in_the_requests_finish(stack):
+    """A worker past --capture-backlog-bytes reports the rows it dropped per
+    request: the request ends with the error, and finished.dropped_records and
+    the engine's metric count exactly those rows."""
+    s = await stack()
+    progress = Outcome()
+    running = asyncio.create_task(run(s.runtime, request("starved", OPEN, max_tokens=5000), progress))
+    await wait_for(progress, lambda: len(progress.tokens) >= 3)
+    s.capture.request_errors["starved"] = "capture: rank 0 dropped 7 rows of this request (--capture-backlog-bytes)"
+    s.capture.dropped_rows["starved"] = 7
+    outcome = await running
+    finished = outcome.finished
+    assert finished.finish_reason == pb.FINISH_REASON_ERROR
+    assert "--capture-backlog-bytes" in finished.message
+    assert finished.dropped_records == 7
+    assert s.runtime.metrics.registry.get_sample_value(
+        "undercurrent_engine_dropped_records_total", {"queue": "capture_backlog"}) == 7
+
+
 class LoopKiller(BaseException):
     """Escapes the per-iteration guard, as only a BaseException can."""
 
