@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 
 # Payloads a worker queues in ZeroMQ while the driver is not reading; past it the
 # worker keeps rows in its own buffer and sends them with a later step. The byte
-# bound below usually applies first.
+# bound below applies first unless shipments are tiny.
 SEND_HIGH_WATER_MARK = 1024
 # Bytes of rows a worker holds for a driver that has not taken them (handed to
 # ZeroMQ or kept) before it drops the oldest kept ones.
@@ -78,7 +78,7 @@ def node_identity() -> str:
 @dataclass(frozen=True)
 class SinkAddress:
     """Where workers push: a ZeroMQ endpoint, valid on one host only, and the
-    bytes each worker may keep while the driver does not read."""
+    bytes each worker may hold while the driver does not read."""
 
     endpoint: str
     host: str
