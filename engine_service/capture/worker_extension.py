@@ -183,7 +183,10 @@ class _CaptureState:
     def push_to(self, sink: dict | None) -> bool:
         if sink is None or not self.ships or not Pusher.reaches(sink):
             if self.pusher is not None:
-                self.pusher.flush(for_barrier=True)  # what it kept goes before the socket closes
+                # What it kept goes to the socket first; ZeroMQ still discards what it has not
+                # written when the socket closes (linger 0, so a worker never blocks), so
+                # switching push off mid-request (benchmarks, tests) can lose rows.
+                self.pusher.flush(for_barrier=True)
                 self.pushed_before = self.pusher.seq
                 self.pusher.close()
             self.pusher = None
