@@ -260,8 +260,7 @@ class Sink:
         self._socket = zmq.asyncio.Context.instance().socket(zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(self.address.endpoint)
-        self.received: dict[int, int] = {}
-        self._progress: dict[int, ReadProgress] = {}
+        self._progress: dict[int, ReadProgress] = {}  # per rank: the last sequence number taken
         weakref.finalize(self, shutil.rmtree, self._directory, True)
 
     async def receive(self, timeout_s: float, wake: asyncio.Event | None = None) -> list[dict]:
@@ -289,7 +288,7 @@ class Sink:
         while not self.reached(barrier):
             left = deadline - time.monotonic()
             if left <= 0:
-                missing = {r: (self.received.get(r, 0), s) for r, s in barrier.items() if self.received.get(r, 0) < s}
+                missing = {r: (self.received(r), s) for r, s in barrier.items() if self.received(r) < s}
                 log.error("capture: shipments missing after %.1f s (rank: (received, expected)) %s", timeout_s, missing)
                 break
             if await self._socket.poll(left * 1000, zmq.POLLIN):
@@ -297,7 +296,12 @@ class Sink:
         return shipments
 
     def reached(self, barrier: dict[int, int]) -> bool:
-        return all(self.received.get(rank, 0) >= seq for rank, seq in barrier.items())
+        return all(self.received(rank) >= seq for rank, seq in barrier.items())
+
+    def received(self, rank: int) -> int:
+        """The last sequence number taken from rank (0: none yet)."""
+        progress = self._progress.get(rank)
+        return 0 if progress is None else progress.seq
 
     async def _take(self) -> list[dict]:
         """Every shipment already queued, without waiting."""
@@ -310,10 +314,10 @@ class Sink:
                 return shipments
             shipment = msgspec.msgpack.decode(data)
             rank = shipment["rank"]
-            self.received[rank] = max(self.received.get(rank, 0), shipment["seq"])
-            if rank not in self._progress:
-                self._progress[rank] = ReadProgress(self.address.directory, rank)
-            self._progress[rank].seq = self.received[rank]
+            progress = self._progress.get(rank)
+            if progress is None:
+                progress = self._progress[rank] = ReadProgress(self.address.directory, rank)
+            progress.seq = max(progress.seq, shipment["seq"])
             shipments.append(shipment)
 
     def close(self) -> None:
