@@ -8,14 +8,17 @@ Per model, three engines run side by side in this process: vLLM's `AsyncLLM`
 with default compilation, the same with `enforce_eager`, and the Undercurrent
 engine service (`EngineRuntime`: capture extension, drain loop, router link;
 the gRPC front end is left out, as it is the same for every mode), linked to
-a real router process on loopback. Every round runs each mode once, in an
+a real router process on loopback; it runs compiled as vLLM's default does on
+CPU, or with `--uc-eager` as it did before capture sites were compiled in.
+Every round runs each mode once, in an
 order rotated per round, so load from other jobs on the shared cores hits
 every mode alike; the reported figure is the median over rounds of tokens/s,
 and each ratio is taken between medians.
 
 Modes:
   vllm_default    vanilla AsyncLLM, default compilation
-  vllm_eager      vanilla AsyncLLM, enforce_eager (what capture needs today)
+  vllm_eager      vanilla AsyncLLM, enforce_eager (what capture needs where graphs
+                  replay without Python: GPU)
   uc_off          Undercurrent, no probe, no extraction point
   uc_one_layer    one observe probe on one layer's residual stream (generated tokens)
   uc_all_router   every tensor type at every layer, every token, to the router
@@ -124,8 +127,9 @@ def generate_request(mode: str, request_id: str, prompt: list[int], tokens: int,
 class Engines:
     """The three engines of one model, and one router for the probe modes."""
 
-    def __init__(self, model: Path, parallel: str, max_model_len: int):
+    def __init__(self, model: Path, parallel: str, max_model_len: int, uc_eager: bool):
         self.model, self.parallel, self.max_model_len = model, parallel, max_model_len
+        self.uc_eager = uc_eager
         self.config = json.loads((model / "config.json").read_text())
         self.vanilla: dict[str, object] = {}
         self.runtime = None
@@ -181,9 +185,9 @@ class Engines:
         # Plaintext: this measures capture and probing, not TLS.
         self.router = processes.router(processes.free_port(), probes_dir, secure=False).start()
         await self.router.wait_health(timeout=120)
-        print("starting the Undercurrent engine ...", flush=True)
+        print(f"starting the Undercurrent engine ({'eager' if self.uc_eager else 'compiled'}) ...", flush=True)
         before = children()
-        self.uc_llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**capture_engine_kwargs(**self._kwargs())))
+        self.uc_llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**capture_engine_kwargs(**self._kwargs(enforce_eager=self.uc_eager))))
         self._started("uc", before | {self.router.process.pid})
         self.runtime = EngineRuntime(
             self.uc_llm, CaptureController(self.uc_llm),
@@ -278,7 +282,7 @@ def cpu_seconds(roles: dict[str, list[psutil.Process]]) -> dict[str, float]:
 
 async def bench_model(name: str, args) -> dict:
     model = embedded_model.make(MODELS[name], REPO / ".cache" / "models" / MODELS[name])
-    engines = Engines(model, args.parallel, args.max_model_len)
+    engines = Engines(model, args.parallel, args.max_model_len, args.uc_eager)
     modes = list(args.modes) + [f"{m}/rpc" for m in args.rpc_modes]
     workload = Workload(engines.config["vocab_size"], args.prompt_tokens, args.tokens)
     seconds: dict[tuple[int, str], list[float]] = {}
@@ -350,6 +354,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--parallel", choices=sorted(PARALLEL), default="none")
     parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--uc-eager", action="store_true",
+                        help="run the Undercurrent engine with enforce_eager (default: compiled, as vLLM's default)")
     parser.add_argument("--cpu", action="store_true",
                         help="also report CPU ms per step per process (front end, engine core, workers, router)")
     parser.add_argument("--out", default="", help="result file name (default: overhead[-PARALLEL].json)")
@@ -374,7 +380,7 @@ def main() -> int:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores shared with other jobs, "
                    f"load average {os.getloadavg()[0]:.1f} at the end",
         "vllm": vllm.__version__, "python": platform.python_version(),
-        "parallel": args.parallel, "tokens": args.tokens, "prompt_tokens": args.prompt_tokens,
+        "parallel": args.parallel, "uc_eager": args.uc_eager, "tokens": args.tokens, "prompt_tokens": args.prompt_tokens,
         "rounds": args.rounds, "results": results,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)

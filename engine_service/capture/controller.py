@@ -108,21 +108,33 @@ def capture_engine_kwargs(allow_untested_vllm: bool = False, **user_kwargs: Any)
             f"worker_extension_cls is already set to {extension!r}; capture needs {WORKER_EXTENSION!r}"
         )
     kwargs["worker_extension_cls"] = WORKER_EXTENSION
-    if not kwargs.get("enforce_eager"):
+    if not kwargs.get("enforce_eager") and graphs_replay_without_python():
         log.info(
-            "capture: setting enforce_eager=True: compiled and graph-captured models do not "
-            "run forward hooks registered after start-up"
+            "capture: setting enforce_eager=True: this platform replays captured graphs "
+            "without running Python, and capture sites run Python at every step"
         )
-    kwargs["enforce_eager"] = True
+        kwargs["enforce_eager"] = True
     return kwargs
+
+
+def graphs_replay_without_python(platform=None) -> bool:
+    """Whether vLLM's default mode on this platform replays captured graphs (CUDA
+    graphs on GPU) that would skip the capture sites' Python.
+
+    On CPU vLLM compiles the model with Dynamo and Inductor and captures no
+    graphs: the compiled model keeps the sites (`sites.py`) and runs them every
+    step, so capture runs at vLLM's default speed."""
+    if platform is None:
+        from vllm.platforms import current_platform as platform
+    return not platform.is_cpu()
 
 
 def enable_capture(cli_args) -> None:
     """Switches capture on in parsed engine flags, in place.
 
     The engine service and every worker node build vLLM's engine arguments from
-    their flags; each node's workers need the capture extension and eager mode,
-    so all of them pass through here.
+    their flags; each node's workers need the capture extension (and eager mode
+    where graphs replay without Python), so all of them pass through here.
     """
     from vllm.engine.arg_utils import AsyncEngineArgs
 

@@ -7,11 +7,16 @@ worker process, and the driver calls its `undercurrent_*` methods through
 worker, created by `undercurrent_start`.
 
 Each step, a pre-hook on the model maps the flat batch to capture keys
-(`row_mapping.RowMapper`); forward hooks on the decoder layers, `self_attn`,
-`mlp` and the final norm then copy only the selected rows. vLLM's norms work
-in place on the tensors a hook sees, so rows are copied at once and never
-referenced later. Only tp_rank 0 of each pipeline stage installs hooks: every
-TP rank holds the same all-reduced values, so one copy per stage is enough.
+(`row_mapping.RowMapper`); the capture sites built into the model
+(`sites.py`: the decoder layers, `self_attn`, `mlp` and the final norm, kept
+by a compiled model too) then hand their tensors to this worker, which copies
+only the selected rows. vLLM's norms work in place on the tensors a site sees,
+so rows are copied at once and never referenced later. Only tp_rank 0 of each
+pipeline stage receives from its sites: every TP rank holds the same
+all-reduced values, so one copy per stage is enough.
+
+Importing this module (vLLM does, in each worker, before it loads the model)
+makes vLLM build the supported architectures with their sites.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from common.activations import Block, WirePart, encode_part
 from common.capture_spec import ExtractionPoint, tensor_type_to_proto
 from engine_service.capture.push import Pusher
 from engine_service.capture.row_mapping import PointRows, Registration, RowMapper, rows_per_point
+from engine_service.capture.sites import has_sites, register_models_with_sites, set_receiver
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -33,6 +39,8 @@ log = logging.getLogger(__name__)
 # Architectures whose module layout and residual semantics were checked against
 # transformers (tests/capture/test_oracle.py).
 VERIFIED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+
+register_models_with_sites()
 
 
 class UnsupportedModel(RuntimeError):
@@ -117,7 +125,13 @@ class _CaptureState:
         for i in range(start_layer, end_layer):
             _find(layers[i], "self_attn", architecture, f"model.layers[{i}].")
             _find(layers[i], "mlp", architecture, f"model.layers[{i}].")
-        norm = _find(decoder, "norm", architecture, "model.") if has_final_norm else None
+        if has_final_norm:
+            _find(decoder, "norm", architecture, "model.")
+        if not has_sites(model):
+            raise UnsupportedModel(
+                f"{architecture}: the model was built without capture sites; vLLM must import "
+                f"{__name__} (worker_extension_cls) before it loads the model"
+            )
 
         self.ships = tp_group.rank_in_group == 0
         self.mapper = RowMapper(range(start_layer, end_layer), num_layers, has_final_norm)
@@ -127,6 +141,7 @@ class _CaptureState:
             defaultdict(list)
         )
         self.errors: list[str] = []
+        self.sites_ran = False  # whether any site reached this worker in the current step
         self.pusher: Pusher | None = None
         self.pushed_before = 0  # the last sequence number of a closed pusher
         self.topology = dict(
@@ -150,7 +165,9 @@ class _CaptureState:
         )
         self._allocate_pipeline_buffer(pp_group.is_first_rank)
         if self.ships:
-            self._install_hooks(model, layers, norm, start_layer, end_layer)
+            model.register_forward_pre_hook(self._plan_step, with_kwargs=True)
+            model.register_forward_hook(self._after_step)
+            set_receiver(self._receive)
 
     @staticmethod
     def _full_tensor_types(layers, start_layer: int, end_layer: int, tp_size: int) -> list[str]:
@@ -203,18 +220,8 @@ class _CaptureState:
         self.pusher.flush(for_barrier=True)  # kept shipments go now: the barrier must not wait for another step
         return self.pusher.seq
 
-    def _install_hooks(self, model, layers, norm, start_layer: int, end_layer: int) -> None:
-        model.register_forward_pre_hook(self._plan_step, with_kwargs=True)
-        model.register_forward_hook(self._push_step)
-        for i in range(start_layer, end_layer):
-            layers[i].register_forward_hook(self._residual_hook(i))
-            layers[i].self_attn.register_forward_hook(self._output_hook("attn_out", i), with_kwargs=True)
-            layers[i].mlp.register_forward_hook(self._output_hook("mlp_out", i), with_kwargs=True)
-        if norm is not None:
-            num_layers = self.mapper.num_layers
-            norm.register_forward_hook(self._output_hook("final_norm", num_layers), with_kwargs=True)
-
     def _plan_step(self, module, args, kwargs) -> None:
+        self.sites_ran = False
         if not self.mapper.registrations:
             self.plan = {}
             return
@@ -233,43 +240,40 @@ class _CaptureState:
             for key, joined in rows_per_point(plan).items()
         }
 
-    def _push_step(self, module, args, output) -> None:
-        """After this stage's forward pass: everything it captured goes to the driver."""
+    def _after_step(self, module, args, output) -> None:
+        """After this stage's forward pass: everything it captured goes to the driver.
+
+        A planned step whose sites never ran is a model compiled without them (a
+        compile cache of the same model built elsewhere without sites, say): that
+        is an error on every request it touches, never an empty capture."""
+        if self.plan and not self.sites_ran:
+            self._fail(
+                "the model's capture sites did not run in this step's forward pass: it was "
+                "compiled without them; restart the engine with --enforce-eager or clear "
+                "vLLM's compile cache"
+            )
         if self.pusher is not None and (self.buffers or self.errors or self.mapper.gaps):
             self.pusher.push(self.drain())
 
-    def _residual_hook(self, layer: int):
-        key = ("residual_stream", layer)
-
-        def hook(module, args, output) -> None:
-            planned = self.plan.get(key)
-            if not planned:
-                return
-            hidden, residual = output
-            if residual is None or hidden.shape != residual.shape:
+    def _receive(self, tensor_type: str, layer: int, tensor: torch.Tensor, addend: torch.Tensor | None) -> None:
+        """One site's tensor this step (residual_stream: hidden states and residual)."""
+        self.sites_ran = True
+        planned = self.plan.get((tensor_type, layer))
+        if not planned:
+            return
+        if tensor_type == "residual_stream":
+            if addend is None or tensor.shape != addend.shape:
                 self._fail(
                     f"layer {layer}: decoder layer returned hidden_states "
-                    f"{tuple(hidden.shape)} and residual "
-                    f"{None if residual is None else tuple(residual.shape)}; refusing to sum them"
+                    f"{tuple(tensor.shape)} and residual "
+                    f"{None if addend is None else tuple(addend.shape)}; refusing to sum them"
                 )
                 return
             for point_rows, index in planned:
-                self._keep(point_rows, hidden[index] + residual[index])
-
-        return hook
-
-    def _output_hook(self, tensor_type: str, layer: int):
-        key = (tensor_type, layer)
-
-        def hook(module, args, kwargs, output) -> None:
-            planned = self.plan.get(key)
-            if not planned:
-                return
-            tensor = output[0] if isinstance(output, tuple) else output
-            for point_rows, index in planned:
-                self._keep(point_rows, tensor[index])
-
-        return hook
+                self._keep(point_rows, tensor[index] + addend[index])
+            return
+        for point_rows, index in planned:
+            self._keep(point_rows, tensor[index])
 
     def _keep(self, point_rows: PointRows, rows: torch.Tensor) -> None:
         """Buffers a fresh copy (indexing copies) as numpy; bfloat16 as its bits."""

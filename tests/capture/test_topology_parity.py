@@ -1,7 +1,11 @@
 """TP=2, PP=2 and TP=2 x PP=2 capture the same records as one worker (real vLLM,
 real worker processes): same greedy tokens, same keys in the same order, values
 within tolerance, for concurrent requests with different selectors. Qwen3 has
-one KV head, fewer than the TP ranks, so vLLM replicates it across them."""
+one KV head, fewer than the TP ranks, so vLLM replicates it across them.
+
+The one-worker engines run compiled (vLLM's default on CPU); the Llama
+topologies run compiled too and the Qwen3 ones eager (`--enforce-eager`), so
+the parity also holds between the two modes."""
 
 import pytest
 
@@ -13,12 +17,12 @@ from tests.capture.workloads import mixed_selectors
 pytestmark = [pytest.mark.vllm, pytest.mark.multiworker]
 
 TOPOLOGIES = [
-    ("llama", 2, 1),
-    ("llama", 1, 2),
-    ("llama", 2, 2),
-    ("qwen3", 2, 1),
-    ("qwen3", 1, 2),
-    ("qwen3", 2, 2),
+    ("llama", 2, 1, False),
+    ("llama", 1, 2, False),
+    ("llama", 2, 2, False),
+    ("qwen3", 2, 1, True),
+    ("qwen3", 1, 2, True),
+    ("qwen3", 2, 2, True),
 ]
 
 
@@ -32,11 +36,12 @@ def single_worker_runs():
 def case(request):
     """One topology and what it is compared with; fixtures are resolved here
     (synchronously) because async tests cannot request fixtures by name."""
-    model, tp, pp = request.param
+    model, tp, pp, eager = request.param
     return dict(
         model=model,
         tp=tp,
         pp=pp,
+        eager=eager,
         one_worker=request.getfixturevalue(f"{model}_engine"),
         oracle=request.getfixturevalue(f"{model}_oracle"),
         path=request.getfixturevalue(f"tiny_{model}_path"),
@@ -56,14 +61,14 @@ def per_point_order(run):
 
 
 @pytest.mark.parametrize(
-    "case", TOPOLOGIES, ids=[f"{m}-tp{t}-pp{p}" for m, t, p in TOPOLOGIES], indirect=True
+    "case", TOPOLOGIES, ids=[f"{m}-tp{t}-pp{p}-{'eager' if e else 'compiled'}" for m, t, p, e in TOPOLOGIES], indirect=True
 )
 async def test_topology_matches_one_worker(case, single_worker_runs):
     model, tp, pp, path = case["model"], case["tp"], case["pp"], case["path"]
     reference = await single_worker_run(case, single_worker_runs)
     requests = mixed_selectors("parity")
 
-    async with capture_engine(path, tp=tp, pp=pp, **SMALL_STEPS) as (
+    async with capture_engine(path, tp=tp, pp=pp, enforce_eager=case["eager"], **SMALL_STEPS) as (
         engine,
         controller,
     ):
@@ -90,6 +95,6 @@ async def test_topology_matches_one_worker(case, single_worker_runs):
     assert worst_vs_one_worker < RELATIVE_TOLERANCE
     worst = compare_with_oracle(case["oracle"], run, requests)
     print(
-        f"\n{model} TP={tp} PP={pp}: {len(got)} records; worst relative error vs one worker "
+        f"\n{model} TP={tp} PP={pp} {'eager' if case['eager'] else 'compiled'}: {len(got)} records; worst relative error vs one worker "
         f"{worst_vs_one_worker:.2e}; vs transformers {worst}"
     )
