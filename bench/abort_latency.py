@@ -17,7 +17,9 @@ wait of any one thread of each engine process (service, engine core, each
 worker; Linux schedstat): on a shared host that wait, not the code, is what
 stretches the tail. `--stall-dump S` records, for a request still running
 after S seconds, how each engine thread spent the next second and a `py-spy
-dump` of every engine process.
+dump` of every engine process. `--router-nice -10` runs the router at a higher
+CPU priority than the engine: on two shared cores that stands in for what a
+router deployed as its own pod has, CPU the engine cannot take.
 Writes bench/results/abort_latency.json (with the command and the machine).
 """
 
@@ -189,9 +191,10 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def measure(name: str, model: str, count: int, max_tokens: int, idle: float, idle_count: int,
-                  probes_dir: Path, stall_dump: float | None = None) -> dict:
+                  probes_dir: Path, stall_dump: float | None = None, router_nice: int = 0) -> dict:
     flags, bind = TOPOLOGIES[name]
-    router = processes.router(processes.free_port(), probes_dir, "--heartbeat-interval", "1").start()
+    router = processes.router(processes.free_port(), probes_dir, "--heartbeat-interval", "1",
+                              nice=router_nice).start()
     engine = processes.engine(model, router.address, *flags, workers_bind=bind).start()
     try:
         await router.wait_health(want_serving=None, timeout=60)
@@ -234,7 +237,8 @@ async def measure(name: str, model: str, count: int, max_tokens: int, idle: floa
     finally:
         engine.kill()
         router.kill()
-    return {"topology": name, "max_tokens": max_tokens, "trigger_index": trigger, **phases}
+    return {"topology": name, "max_tokens": max_tokens, "trigger_index": trigger,
+            "router_nice": router_nice, **phases}
 
 
 def summarize(samples: list[dict], idle: float) -> dict:
@@ -264,7 +268,7 @@ async def main_async(args) -> dict:
     for name in args.topologies.split(","):
         with tempfile.TemporaryDirectory() as probes_dir:
             result = await measure(name, args.model, args.requests, args.max_tokens, args.idle,
-                                   args.idle_requests, Path(probes_dir), args.stall_dump)
+                                   args.idle_requests, Path(probes_dir), args.stall_dump, args.router_nice)
         results.append(result)
         write(args.out, results)  # after every topology: a long run keeps what it measured
     return results
@@ -294,6 +298,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--stall-dump", type=float, metavar="SECONDS",
                         help="py-spy dump the engine's processes when a request runs this long")
+    parser.add_argument("--router-nice", type=int, default=0,
+                        help="the router's niceness (negative: before the engine for a CPU; needs root)")
     args = parser.parse_args()
     asyncio.run(main_async(args))
     return 0

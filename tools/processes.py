@@ -40,6 +40,7 @@ class Service:
     env: dict = field(default_factory=dict)
     log_to_file: bool = True
     security: DevSecurity | None = None  # None: plaintext (--insecure)
+    nice: int = 0  # scheduling niceness of the process and every thread it starts
     process: subprocess.Popen | None = None
 
     @property
@@ -61,6 +62,7 @@ class Service:
             stdout=output, stderr=subprocess.STDOUT if output else None,
             env=dict(os.environ, PYTHONUNBUFFERED="1", **self.env),
             start_new_session=True,
+            preexec_fn=(lambda: os.nice(self.nice)) if self.nice else None,
         )
         return self
 
@@ -124,7 +126,7 @@ def _security(secure: bool) -> DevSecurity | None:
 
 
 def router(port: int, probes_dir: Path, *extra: str, log_to_file: bool = True,
-           secure: bool = True) -> Service:
+           secure: bool = True, nice: int = 0) -> Service:
     security = _security(secure)
     flags = security.router_flags() if security else ["--insecure"]
     return Service(
@@ -134,6 +136,7 @@ def router(port: int, probes_dir: Path, *extra: str, log_to_file: bool = True,
         port,
         log_to_file=log_to_file,
         security=security,
+        nice=nice,
     )
 
 
