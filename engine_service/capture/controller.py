@@ -57,6 +57,10 @@ DRAIN_WAIT_S = 0.1
 BARRIER_TIMEOUT_S = 5.0
 
 
+# The key capture adds to vLLM's `additional_config` (part of its compile cache key).
+SITES_CONFIG_KEY = "undercurrent_capture_sites"
+
+
 class CaptureUnavailable(FailedPrecondition):
     """The engine's configuration cannot be captured faithfully."""
 
@@ -108,6 +112,16 @@ def capture_engine_kwargs(allow_untested_vllm: bool = False, **user_kwargs: Any)
             f"worker_extension_cls is already set to {extension!r}; capture needs {WORKER_EXTENSION!r}"
         )
     kwargs["worker_extension_cls"] = WORKER_EXTENSION
+    additional = kwargs.get("additional_config") or {}
+    if not isinstance(additional, dict):
+        raise CaptureUnavailable(
+            f"additional_config is a {type(additional).__name__}; capture needs a dict to add "
+            f"{SITES_CONFIG_KEY!r} to"
+        )
+    # vLLM keys its compile cache on the configuration, not on the hooks a model
+    # class adds: without this key an engine with capture sites could load a graph
+    # compiled without them (and the other way round).
+    kwargs["additional_config"] = {**additional, SITES_CONFIG_KEY: True}
     if not kwargs.get("enforce_eager") and graphs_replay_without_python():
         log.info(
             "capture: setting enforce_eager=True: this platform replays captured graphs "

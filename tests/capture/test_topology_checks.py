@@ -8,6 +8,7 @@ from engine_service.capture import controller
 from engine_service.capture.controller import (
     ALLOW_UNTESTED_VLLM_ENV,
     CaptureUnavailable,
+    SITES_CONFIG_KEY,
     WORKER_EXTENSION,
     capture_engine_kwargs,
     check_vllm_version,
@@ -76,8 +77,20 @@ def test_engine_kwargs_switch_capture_on_and_keep_compilation_where_sites_run():
         "tensor_parallel_size": 2,
         "enforce_eager": False,  # this host is CPU: compiled models run the sites
         "worker_extension_cls": WORKER_EXTENSION,
+        # Part of vLLM's compile cache key: a graph compiled without sites is never loaded.
+        "additional_config": {SITES_CONFIG_KEY: True},
     }
     assert capture_engine_kwargs(model="m", enforce_eager=True)["enforce_eager"] is True
+    user = capture_engine_kwargs(model="m", additional_config={"x": 1})["additional_config"]
+    assert user == {"x": 1, SITES_CONFIG_KEY: True}
+    with pytest.raises(CaptureUnavailable, match="additional_config is a list; capture needs a dict"):
+        capture_engine_kwargs(model="m", additional_config=[1])
+
+
+def test_capture_sites_change_vllms_compile_cache_key():
+    from vllm.config import VllmConfig
+
+    assert VllmConfig(additional_config={SITES_CONFIG_KEY: True}).compute_hash() != VllmConfig().compute_hash()
 
 
 class _Platform:
