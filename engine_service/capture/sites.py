@@ -2,8 +2,8 @@
 
 Sites are built into a model when vLLM constructs it, before vLLM compiles it, so
 a compiled model keeps them: forward hooks registered later never fire under
-compilation, because vLLM's compiled forward bypasses the module calls they hang
-on. Each site is a forward hook on a decoder layer, its `self_attn`, its `mlp`
+compilation, because vLLM traces the model once and from then on runs the
+compiled graph, which calls no module. Each site is a forward hook on a decoder layer, its `self_attn`, its `mlp`
 or the final norm. While Dynamo traces the model, the hook emits the custom op
 `undercurrent::capture` into the graph (opaque, so it runs at every step with the
 tensor of that moment); in eager mode the hook calls the same receiver directly.
@@ -18,6 +18,7 @@ would capture such graphs.
 
 from __future__ import annotations
 
+import importlib
 from typing import Callable
 
 import torch
@@ -29,6 +30,13 @@ from common.capture_spec import TENSOR_TYPES
 Receiver = Callable[[str, int, torch.Tensor, "torch.Tensor | None"], None]
 
 _receiver: Receiver | None = None
+
+# Architectures whose module layout and residual semantics were checked against
+# transformers (tests/capture/test_oracle.py), and the vLLM module defining each.
+VERIFIED_ARCHITECTURES = {
+    "LlamaForCausalLM": "vllm.model_executor.models.llama",
+    "Qwen3ForCausalLM": "vllm.model_executor.models.qwen3",
+}
 
 # The op declares that it writes this tensor (it never does): Inductor removes an
 # op with no output and no mutation as dead code.
@@ -118,8 +126,7 @@ def register_models_with_sites() -> None:
     Called when vLLM imports the worker extension, which it does in each worker
     before loading the model."""
     from vllm import ModelRegistry
-    from vllm.model_executor.models.llama import LlamaForCausalLM
-    from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 
-    for base in (LlamaForCausalLM, Qwen3ForCausalLM):
-        ModelRegistry.register_model(base.__name__, _with_sites(base))
+    for architecture, module in VERIFIED_ARCHITECTURES.items():
+        base = getattr(importlib.import_module(module), architecture)
+        ModelRegistry.register_model(architecture, _with_sites(base))

@@ -31,14 +31,15 @@ from common.activations import Block, WirePart, encode_part
 from common.capture_spec import ExtractionPoint, tensor_type_to_proto
 from engine_service.capture.push import Pusher
 from engine_service.capture.row_mapping import PointRows, Registration, RowMapper, rows_per_point
-from engine_service.capture.sites import has_sites, register_models_with_sites, set_receiver
+from engine_service.capture.sites import (
+    VERIFIED_ARCHITECTURES,
+    has_sites,
+    register_models_with_sites,
+    set_receiver,
+)
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 log = logging.getLogger(__name__)
-
-# Architectures whose module layout and residual semantics were checked against
-# transformers (tests/capture/test_oracle.py).
-VERIFIED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 
 register_models_with_sites()
 
