@@ -18,8 +18,8 @@ worker; Linux schedstat): on a shared host that wait, not the code, is what
 stretches the tail. `--stall-dump S` records, for a request still running
 after S seconds, how each engine thread spent the next second and a `py-spy
 dump` of every engine process. `--router-nice -10` runs the router at a higher
-CPU priority than the engine: on two shared cores that stands in for what a
-router deployed as its own pod has, CPU the engine cannot take.
+CPU priority than the engine, an attempt to stand in on two shared cores for a
+router with CPU of its own (BENCHMARKS.md: it made the tail worse).
 Writes bench/results/abort_latency.json (with the command and the machine).
 """
 
