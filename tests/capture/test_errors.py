@@ -112,7 +112,6 @@ async def test_the_rpc_drain_still_delivers_every_row_when_workers_do_not_push(l
     assert sorted(k[3] for k in run.records()) == list(range(6 + 5 - 1))
 
 
-
 def test_a_planned_step_whose_sites_never_ran_is_an_error_not_an_empty_capture():
     """What a model compiled without its sites (a foreign compile cache) would do;
     the state's step logic alone, as no real engine can be built that way here."""
