@@ -187,7 +187,7 @@ class Engines:
         await self.router.wait_health(timeout=120)
         print(f"starting the Undercurrent engine ({'eager' if self.uc_eager else 'compiled'}) ...", flush=True)
         before = children()
-        self.uc_llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**capture_engine_kwargs(compiled=not self.uc_eager, **self._kwargs(enforce_eager=self.uc_eager))))
+        self.uc_llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**capture_engine_kwargs(**self._kwargs(enforce_eager=self.uc_eager))))
         self._started("uc", before | {self.router.process.pid})
         self.runtime = EngineRuntime(
             self.uc_llm, CaptureController(self.uc_llm),

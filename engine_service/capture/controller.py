@@ -46,9 +46,6 @@ WORKER_EXTENSION = "engine_service.capture.worker_extension.CaptureWorkerExtensi
 # layout, worker extension mixing) this capture was verified against.
 SUPPORTED_VLLM_VERSIONS = ("0.32",)
 ALLOW_UNTESTED_VLLM_ENV = "UNDERCURRENT_ALLOW_UNTESTED_VLLM"
-# Set to 1 to run capture compiled where vLLM's compiled model keeps the capture
-# sites (CPU); until then capture runs eager (docs/capture.md says why).
-COMPILED_CAPTURE_ENV = "UNDERCURRENT_COMPILED_CAPTURE"
 # drain() waits at most this long for rows (or, while nothing is registered, for a
 # registration) before it returns empty, so its caller's loop never spins. A
 # register or unregister ends the wait at once, so nothing waits this long for a
@@ -91,18 +88,12 @@ def check_vllm_version(version: str | None = None, allow_untested: bool = False)
     )
 
 
-def capture_engine_kwargs(
-    allow_untested_vllm: bool = False, compiled: bool | None = None, **user_kwargs: Any
-) -> dict:
+def capture_engine_kwargs(allow_untested_vllm: bool = False, **user_kwargs: Any) -> dict:
     """AsyncEngineArgs keyword arguments with capture switched on.
 
     Refuses what would make hooks see wrong rows or no rows, rather than
-    letting capture be silently wrong. `compiled` (default: the
-    UNDERCURRENT_COMPILED_CAPTURE environment variable) keeps vLLM's compiled
-    mode where the sites survive it; otherwise capture runs eager.
+    letting capture be silently wrong.
     """
-    if compiled is None:
-        compiled = os.environ.get(COMPILED_CAPTURE_ENV) == "1"
     check_vllm_version(allow_untested=allow_untested_vllm)
     kwargs = dict(user_kwargs)
     if kwargs.get("speculative_config"):
@@ -131,16 +122,12 @@ def capture_engine_kwargs(
     # class adds: without this key an engine with capture sites could load a graph
     # compiled without them (and the other way round).
     kwargs["additional_config"] = {**additional, SITES_CONFIG_KEY: True}
-    if not kwargs.get("enforce_eager"):
-        if not compiled:
-            log.info("capture: setting enforce_eager=True (%s=1 keeps compilation on CPU)", COMPILED_CAPTURE_ENV)
-            kwargs["enforce_eager"] = True
-        elif graphs_replay_without_python():
-            log.info(
-                "capture: setting enforce_eager=True: this platform replays captured graphs "
-                "without running Python, and capture sites run Python at every step"
-            )
-            kwargs["enforce_eager"] = True
+    if not kwargs.get("enforce_eager") and graphs_replay_without_python():
+        log.info(
+            "capture: setting enforce_eager=True: this platform replays captured graphs "
+            "without running Python, and capture sites run Python at every step"
+        )
+        kwargs["enforce_eager"] = True
     return kwargs
 
 

@@ -31,7 +31,6 @@ async def capture_engine(model: str, tp: int = 1, pp: int = 1, stat_loggers=None
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % 2) for i in range(workers))
     defaults = dict(dtype="float32", max_model_len=256, seed=0)
     kwargs = capture_engine_kwargs(
-        compiled=True,  # vLLM's default on CPU; a test passes enforce_eager=True for eager
         model=model,
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,

@@ -7,7 +7,6 @@ from common.errors import InvalidArgument
 from engine_service.capture import controller
 from engine_service.capture.controller import (
     ALLOW_UNTESTED_VLLM_ENV,
-    COMPILED_CAPTURE_ENV,
     CaptureUnavailable,
     SITES_CONFIG_KEY,
     WORKER_EXTENSION,
@@ -71,13 +70,8 @@ def test_model_info_fills_every_field():
     assert (info.pipeline_parallel_size, info.num_layers, info.vllm_version) == (2, 4, "0.32.0")
 
 
-def test_engine_kwargs_switch_capture_on_and_keep_compilation_where_sites_run(monkeypatch):
-    monkeypatch.delenv(COMPILED_CAPTURE_ENV, raising=False)
-    assert capture_engine_kwargs(model="m")["enforce_eager"] is True  # eager unless asked
-    monkeypatch.setenv(COMPILED_CAPTURE_ENV, "1")
-    assert "enforce_eager" not in capture_engine_kwargs(model="m")  # vLLM's default: compiled
-    monkeypatch.delenv(COMPILED_CAPTURE_ENV)
-    kwargs = capture_engine_kwargs(model="m", compiled=True, enforce_eager=False, tensor_parallel_size=2)
+def test_engine_kwargs_switch_capture_on_and_keep_compilation_where_sites_run():
+    kwargs = capture_engine_kwargs(model="m", enforce_eager=False, tensor_parallel_size=2)
     assert kwargs == {
         "model": "m",
         "tensor_parallel_size": 2,
@@ -86,7 +80,7 @@ def test_engine_kwargs_switch_capture_on_and_keep_compilation_where_sites_run(mo
         # Part of vLLM's compile cache key: a graph compiled without sites is never loaded.
         "additional_config": {SITES_CONFIG_KEY: True},
     }
-    assert capture_engine_kwargs(model="m", compiled=True, enforce_eager=True)["enforce_eager"] is True
+    assert capture_engine_kwargs(model="m", enforce_eager=True)["enforce_eager"] is True
     user = capture_engine_kwargs(model="m", additional_config={"x": 1})["additional_config"]
     assert user == {"x": 1, SITES_CONFIG_KEY: True}
     with pytest.raises(CaptureUnavailable, match="additional_config is a list; capture needs a dict"):
@@ -112,8 +106,8 @@ def test_eager_is_forced_only_where_graphs_replay_without_python(monkeypatch):
     assert graphs_replay_without_python(_Platform(cpu=True)) is False
     assert graphs_replay_without_python(_Platform(cpu=False)) is True
     monkeypatch.setattr(controller, "graphs_replay_without_python", lambda: True)
-    assert capture_engine_kwargs(model="m", compiled=True)["enforce_eager"] is True
-    assert capture_engine_kwargs(model="m", compiled=True, enforce_eager=False)["enforce_eager"] is True
+    assert capture_engine_kwargs(model="m")["enforce_eager"] is True
+    assert capture_engine_kwargs(model="m", enforce_eager=False)["enforce_eager"] is True
 
 
 def test_engine_kwargs_refuse_what_would_capture_wrong_rows(monkeypatch):
