@@ -36,13 +36,22 @@ class TokenGate:
     which position rows are settled; releasing token g only up to there means a
     client never sees a token at or after the one that triggered an abort, nor
     one whose rows a fail_closed binding never had scored.
+
+    A verdict closes the gate at its position for good: vLLM goes on generating
+    until its abort lands, and those later tokens (whose rows may well be
+    acknowledged by then) are counted but never held, so no token after the
+    trigger is shown, under its own index or another's.
     """
 
     prompt_len: int
-    held: list[int] = field(default_factory=list)
+    held: list[int] = field(default_factory=list)  # generated tokens first_held_index, first_held_index + 1, ...
     first_held_index: int = 0
+    closed_at: int | None = None  # generated index from which nothing is held or shown
 
-    def hold(self, token_ids: list[int]) -> None:
+    def hold(self, first: int, token_ids: list[int]) -> None:
+        """Generated tokens first, first + 1, ... as vLLM emits them."""
+        if self.closed_at is not None:
+            token_ids = token_ids[: max(0, self.closed_at - first)]
         self.held.extend(token_ids)
 
     def releasable(self, through_position: int) -> tuple[int, list[int]]:
@@ -59,10 +68,12 @@ class TokenGate:
         self.held.clear()
         return first, released
 
-    def discard_from(self, position: int) -> None:
-        """Drops held tokens at or after a triggering position."""
-        keep = max(0, position - self.prompt_len - self.first_held_index)
-        del self.held[keep:]
+    def close_at(self, position: int) -> None:
+        """A verdict at `position`: held tokens there or after are dropped, and
+        so is every token generated from there on."""
+        index = max(0, position - self.prompt_len)
+        self.closed_at = index if self.closed_at is None else min(self.closed_at, index)
+        del self.held[max(0, self.closed_at - self.first_held_index) :]
 
 
 @dataclass

@@ -410,7 +410,7 @@ class EngineRuntime:
         if request.gate is None:
             self._send_tokens(request, pb.TokenChunk(token_ids=token_ids, text=text, first_index=first))
             return
-        request.gate.hold(token_ids)
+        request.gate.hold(first, token_ids)
         self._release_gated(request)
 
     def _release_gated(self, request: ActiveRequest, everything: bool = False, before: int | None = None) -> None:
@@ -498,7 +498,7 @@ class EngineRuntime:
         if request.gate is not None and verdict is not None:
             # Settled tokens before the trigger may be shown; nothing at or after it is.
             self._release_gated(request, before=verdict.token_position)
-            request.gate.discard_from(verdict.token_position)
+            request.gate.close_at(verdict.token_position)
         return True
 
     # -- the drain loop ----------------------------------------------------

@@ -6,7 +6,9 @@ double); capture itself is proven against real vLLM in tests/capture.
 One FakeEngine.step() is one engine step: every running request computes its
 newest positions (the whole prompt on the first step, then the last sampled
 token), whose rows the FakeCapture buffers until the next drain, and samples
-one token. A request ends at max_tokens or when aborted.
+one token. A request ends at max_tokens or when aborted; `abort_lag_steps`
+lets an aborted request run that many more steps first, as vLLM's abort can
+land after outputs of steps already under way reached the request's stream.
 """
 
 from __future__ import annotations
@@ -131,6 +133,7 @@ class _Run:
     max_tokens: int
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
     generated: int = 0
+    steps_until_aborted: int | None = None  # set by a lagging abort
 
 
 def _output(token_ids: list[int], finished: bool, reason: str | None):
@@ -141,8 +144,9 @@ def _output(token_ids: list[int], finished: bool, reason: str | None):
 class FakeEngine:
     """AsyncLLM's surface the runtime uses; steps run when step() is called."""
 
-    def __init__(self, capture: FakeCapture, max_model_len: int = 8192) -> None:
+    def __init__(self, capture: FakeCapture, max_model_len: int = 8192, abort_lag_steps: int = 0) -> None:
         self.capture = capture
+        self.abort_lag_steps = abort_lag_steps
         self.vllm_config = SimpleNamespace(
             model_config=SimpleNamespace(get_vocab_size=lambda: 512, max_model_len=max_model_len)
         )
@@ -162,13 +166,26 @@ class FakeEngine:
                 return
 
     async def abort(self, request_id: str) -> None:
-        run = self.running.pop(request_id, None)
-        if run is not None:
-            self.aborted.append(request_id)
-            run.outputs.put_nowait(_output([], True, "abort"))
+        run = self.running.get(request_id)
+        if run is None:
+            return
+        self.aborted.append(request_id)
+        if self.abort_lag_steps:
+            run.steps_until_aborted = self.abort_lag_steps
+        else:
+            self._end_aborted(run)
+
+    def _end_aborted(self, run: _Run) -> None:
+        del self.running[run.request_id]
+        run.outputs.put_nowait(_output([], True, "abort"))
 
     def step(self) -> None:
         for run in list(self.running.values()):
+            if run.steps_until_aborted is not None:
+                if run.steps_until_aborted == 0:
+                    self._end_aborted(run)
+                    continue
+                run.steps_until_aborted -= 1
             prompt_len = len(run.prompt)
             if run.generated == 0:
                 positions = list(range(prompt_len))

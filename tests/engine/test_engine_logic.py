@@ -70,18 +70,31 @@ def test_client_points_may_not_use_the_probe_prefix():
 
 def test_token_gate_releases_only_through_the_settled_position():
     gate = TokenGate(prompt_len=10)
-    gate.hold([101, 102, 103])  # generated tokens 0..2 at positions 10..12
+    gate.hold(0, [101, 102, 103])  # generated tokens 0..2 at positions 10..12
     assert gate.releasable(through_position=9) == (0, [])
     assert gate.releasable(through_position=10) == (0, [101])
-    gate.hold([104])
+    gate.hold(3, [104])
     assert gate.releasable(through_position=12) == (1, [102, 103])
     assert gate.releasable(through_position=-1) == (3, [])
-    gate.discard_from(13)  # a verdict at position 13: token 3 is never shown
+    gate.close_at(13)  # a verdict at position 13: token 3 is never shown
+    assert gate.release_all() == (3, [])
+
+
+def test_a_closed_gate_never_shows_a_token_generated_after_its_verdict():
+    gate = TokenGate(prompt_len=10)
+    gate.hold(0, [100, 101, 102, 103, 104])  # tokens 0..4 at positions 10..14
+    assert gate.releasable(through_position=11) == (0, [100, 101])
+    gate.close_at(13)  # a verdict at position 13 (token 3)
+    gate.hold(5, [105, 106])  # vLLM's abort has not landed yet
+    # Rows up to position 20 acknowledged: token 2 only; nothing at or after the trigger.
+    assert gate.releasable(through_position=20) == (2, [102])
+    gate.close_at(15)  # a later verdict moves nothing back
+    gate.hold(7, [107])
     assert gate.release_all() == (3, [])
 
 
 def test_token_gate_release_all_at_a_normal_finish():
     gate = TokenGate(prompt_len=4)
-    gate.hold([1, 2, 3])
+    gate.hold(0, [1, 2, 3])
     assert gate.releasable(through_position=5) == (0, [1, 2])
     assert gate.release_all() == (2, [3])

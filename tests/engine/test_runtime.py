@@ -51,11 +51,12 @@ async def stack():
         stepping: bool = True,
         score=None,
         hidden: int = 8,
+        abort_lag_steps: int = 0,
         **link,
     ) -> Stack:
         router = await RouterDouble("r", threshold=100.0).start()
         capture = FakeCapture(score or (lambda request_id, position: 0.0), hidden=hidden)
-        llm = FakeEngine(capture)
+        llm = FakeEngine(capture, abort_lag_steps=abort_lag_steps)
         config = RouterLinkConfig(
             targets=router.address,
             engine_id="engine-test",
@@ -307,6 +308,21 @@ async def test_a_verdict_and_its_ack_in_one_message_show_no_gated_token_at_or_af
     assert outcome.finished.finish_reason == pb.FINISH_REASON_PROBE_ABORT
     assert outcome.finished.verdict.token_position == trigger
     assert len(outcome.tokens) == trigger - len(PROMPT)  # tokens 0..5: every one before the trigger
+
+
+async def test_tokens_generated_after_a_verdict_before_the_abort_lands_are_never_shown(stack):
+    """vLLM goes on generating until its abort lands; those tokens reach the
+    runtime after the verdict closed the gate, and acks of their rows (or of
+    the trigger's) arrive too. None of them is shown, and none takes the place
+    of a token the verdict withheld."""
+    trigger = len(PROMPT) + 6
+    s = await stack(step_s=0.01, abort_lag_steps=4,
+                    score=lambda request_id, position: 500.0 if position == trigger else 0.0)
+    outcome = await run(s.runtime, request("gated-lag", max_tokens=40))
+    assert outcome.finished.finish_reason == pb.FINISH_REASON_PROBE_ABORT
+    assert outcome.finished.verdict.token_position == trigger
+    assert outcome.finished.generated_tokens >= trigger - len(PROMPT) + 4  # the abort did lag
+    assert outcome.tokens == [100 + g for g in range(trigger - len(PROMPT))]
 
 
 # -- item 5: the drain loop never dies silently -------------------------------------------
