@@ -101,9 +101,14 @@ def install_sites(model: torch.nn.Module, num_layers: int) -> None:
         layer.register_forward_hook(_decoder_layer_site(i))
         layer.self_attn.register_forward_hook(_output_site("attn_out", i))
         layer.mlp.register_forward_hook(_output_site("mlp_out", i))
-    if type(decoder.norm).__name__ != "PPMissingLayer":
+    if not is_stage_placeholder(decoder.norm):
         decoder.norm.register_forward_hook(_output_site("final_norm", num_layers))
     setattr(model, _INSTALLED, True)
+
+
+def is_stage_placeholder(module: torch.nn.Module) -> bool:
+    """vLLM's stand-in for a module another pipeline stage holds."""
+    return type(module).__name__ == "PPMissingLayer"
 
 
 def has_sites(model: torch.nn.Module) -> bool:

@@ -34,6 +34,7 @@ from engine_service.capture.row_mapping import PointRows, Registration, RowMappe
 from engine_service.capture.sites import (
     VERIFIED_ARCHITECTURES,
     has_sites,
+    is_stage_placeholder,
     register_models_with_sites,
     set_receiver,
 )
@@ -250,8 +251,9 @@ class _CaptureState:
         if self.plan and not self.sites_ran:
             self._fail(
                 "the model's capture sites did not run in this step's forward pass: it was "
-                "compiled without them; restart the engine with --enforce-eager or clear "
-                "vLLM's compile cache"
+                "compiled without them; restart the engine with --enforce-eager, or after "
+                "clearing vLLM's compile cache (torch_compile_cache under $VLLM_CACHE_ROOT, "
+                "~/.cache/vllm by default)"
             )
         if self.pusher is not None and (self.buffers or self.errors or self.mapper.gaps):
             self.pusher.push(self.drain())
@@ -319,7 +321,7 @@ class _CaptureState:
 def _find(module, name: str, architecture: str, path: str = ""):
     """A required submodule, or UnsupportedModel naming the path that is missing."""
     child = getattr(module, name, None)
-    if child is None or type(child).__name__ == "PPMissingLayer":
+    if child is None or is_stage_placeholder(child):
         raise UnsupportedModel(
             f"{architecture}: module {path}{name} not found; capture needs Llama/Qwen3 "
             f"naming (model.layers[i].self_attn, model.layers[i].mlp, model.norm)"

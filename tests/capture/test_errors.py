@@ -127,5 +127,6 @@ def test_a_planned_step_whose_sites_never_ran_is_an_error_not_an_empty_capture()
     state._after_step(None, (), None)
     assert state.errors == [
         "the model's capture sites did not run in this step's forward pass: it was compiled "
-        "without them; restart the engine with --enforce-eager or clear vLLM's compile cache"
+        "without them; restart the engine with --enforce-eager, or after clearing vLLM's compile "
+        "cache (torch_compile_cache under $VLLM_CACHE_ROOT, ~/.cache/vllm by default)"
     ]
