@@ -378,8 +378,8 @@ class EngineRuntime:
                 break
         ledger.expire(float("inf"), "rows still unacknowledged when the request ended")
         failure = ledger.fail_closed_failure()
-        if failure is not None and request.end(
-            pb.FINISH_REASON_ROUTER_UNAVAILABLE, *self._unscored_verdict(request, failure)
+        if failure is not None and self._end(
+            request, pb.FINISH_REASON_ROUTER_UNAVAILABLE, *self._unscored_verdict(request, failure)
         ):
             self.metrics.aborts.labels("ROUTER_UNAVAILABLE").inc()
 
@@ -413,17 +413,14 @@ class EngineRuntime:
         request.gate.hold(first, token_ids)
         self._release_gated(request)
 
-    def _release_gated(self, request: ActiveRequest, everything: bool = False, before: int | None = None) -> None:
-        """Shows held tokens the ledger settled (all of them at a clean finish),
-        never one at or after `before`."""
+    def _release_gated(self, request: ActiveRequest, everything: bool = False) -> None:
+        """Shows held tokens the ledger settled (all of them at a clean finish);
+        a gate a verdict closed holds none at or after the verdict."""
         gate = request.gate
         if everything:
             first, released = gate.release_all()
         else:
-            through = request.ledger.releasable_through()
-            if before is not None:
-                through = min(through, before - 1)
-            first, released = gate.releasable(through)
+            first, released = gate.releasable(request.ledger.releasable_through())
         if released:
             self._send_tokens(
                 request,
@@ -454,8 +451,7 @@ class EngineRuntime:
             if request.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH):
                 self._release_gated(request, everything=True)
             else:  # scored tokens before the trigger (or the first unscored row)
-                before = request.verdict.token_position if request.verdict is not None else None
-                self._release_gated(request, before=before)
+                self._release_gated(request)
         if ledger is not None and ledger.failures and not ledger.fail_closed_failure() and not request.message:
             request.message = f"{unprobed} tokens unprobed (fail_open): {ledger.failures[0].reason}"
         reason = short_name(pb.FinishReason, request.finish_reason)
@@ -496,9 +492,9 @@ class EngineRuntime:
         if not request.end(reason, verdict, message):
             return False
         if request.gate is not None and verdict is not None:
-            # Settled tokens before the trigger may be shown; nothing at or after it is.
-            self._release_gated(request, before=verdict.token_position)
+            # Nothing at or after the trigger is ever shown; settled tokens before it may be.
             request.gate.close_at(verdict.token_position)
+            self._release_gated(request)
         return True
 
     # -- the drain loop ----------------------------------------------------
