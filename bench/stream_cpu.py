@@ -1,14 +1,22 @@
 """CPU per step of the engine-to-router stream's Python, both ends, without a network.
 
-    python -m bench.stream_cpu [--steps 150] [--rows 256] [--hidden 4096] [--probes 10]
+    python -m bench.stream_cpu [--steps 150] [--rows 256] [--hidden 4096] [--probes 10] [--blocks 1]
 
-engine link: `RouterLink.send_step` of one merged bf16 block (partition, split,
+Each step carries `--blocks` blocks (layers 0..blocks-1) of `--rows` requests
+with one bf16 row each: the default is one layer's decode step of 256
+requests; `--rows 8 --hidden 1024 --blocks 25 --probes 4` is the shape of
+every type at every layer of the bench model at batch 8.
+
+engine drain: what the engine service does with a step's worker shipment
+    before the link (msgpack decode, `decode_parts`, `merge_blocks`,
+    `DeliveredPositions.filter`), the shipment built as a worker builds it.
+engine link: `RouterLink.send_step` of the merged blocks (partition, split,
     serialisation, ledger entries), the session's write path (step numbering,
     `batch_sent`, the message's bytes) and, 8 steps later, its StepAck
     (`steps_acked`: ledgers, Processed events), on one replica that is marked up
     but never connected: the socket and gRPC are left out.
 router: `SessionState.batch` on a worker thread for a parsed batch of the same
-    rows, every request bound to `--probes` logistic probes on the streamed layer.
+    rows, every request bound to `--probes` logistic probes reading every layer.
 
 Reports process CPU milliseconds per step (time.process_time), which shared
 cores inflate less than wall time; run it alternately against another tree for
@@ -28,13 +36,13 @@ import time  # noqa: E402
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import msgspec  # noqa: E402
 import numpy as np  # noqa: E402
 
 from common import tensor_codec  # noqa: E402
-from common.activations import Block, session_request_bytes, to_batch  # noqa: E402
+from common.activations import Block, decode_parts, encode_part, session_request_bytes, to_batch  # noqa: E402
 from undercurrent.v1 import undercurrent_pb2 as pb  # noqa: E402
 
-LAYER = 16
 WINDOW = 8
 
 
@@ -43,12 +51,20 @@ def rows(args) -> np.ndarray:
     return tensor_codec.float32_to_bfloat16_bits(values)
 
 
-async def engine_link(args) -> float:
+def step_blocks(args, bits: np.ndarray, request_ids: list[str], step: int) -> list[Block]:
+    positions, flags = np.full(args.rows, step, np.int64), np.ones(args.rows, bool)
+    return [Block("resid", pb.TENSOR_TYPE_RESIDUAL_STREAM, layer, bits, request_ids, positions, flags, "bfloat16")
+            for layer in range(args.blocks)]
+
+
+async def engine(args) -> tuple[float, float]:
+    """CPU seconds per step: (drain, link)."""
+    from engine_service.capture.merge import DeliveredPositions, merge_blocks
     from engine_service.link import RouterLink, RouterLinkConfig
     from engine_service.link.session import ReplicaSession
     from engine_service.request_ledger import RequestLedger
 
-    model = pb.ModelInfo(model="bench", hidden_size=args.hidden, num_layers=32, dtype="bfloat16",
+    model = pb.ModelInfo(model="bench", hidden_size=args.hidden, num_layers=max(32, args.blocks), dtype="bfloat16",
                          tensor_types=[pb.TENSOR_TYPE_RESIDUAL_STREAM])
     address = "127.0.0.1:1"
     link = RouterLink(RouterLinkConfig(targets=address, engine_id="bench", queue_max_batches=64), model,
@@ -63,10 +79,14 @@ async def engine_link(args) -> float:
     while replica.queue:
         replica.queue.pop()
     bits, in_flight = rows(args), []
-    started = time.process_time()
-    for step in range(1, args.steps + 1):
-        link.send_step([Block("resid", pb.TENSOR_TYPE_RESIDUAL_STREAM, LAYER, bits, request_ids,
-                              np.full(args.rows, step, np.int64), np.ones(args.rows, bool), "bfloat16")])
+    shipments = [msgspec.msgpack.encode({"rank": 0, "seq": step, "parts": [
+        encode_part(b) for b in step_blocks(args, bits, request_ids, step)]}) for step in range(1, args.steps + 1)]
+    delivered, drain_s, link_s = DeliveredPositions(), 0.0, 0.0
+    for data in shipments:
+        started = time.process_time()
+        blocks = delivered.filter(merge_blocks(decode_parts(msgspec.msgpack.decode(data)["parts"])))
+        drained = time.process_time()
+        link.send_step(blocks)
         item = replica.queue.pop()
         number = replica.steps.record(item, time.monotonic())
         link.batch_sent(replica, item, number)
@@ -74,7 +94,9 @@ async def engine_link(args) -> float:
         in_flight.append(number)
         if len(in_flight) >= WINDOW:
             replica._on_message(pb.SessionResponse(ack=pb.StepAck(step=in_flight.pop(0))))
-    return (time.process_time() - started) / args.steps
+        drain_s += drained - started
+        link_s += time.process_time() - drained
+    return drain_s / args.steps, link_s / args.steps
 
 
 def router(args) -> float:
@@ -88,13 +110,13 @@ def router(args) -> float:
         for i in range(args.probes):
             name = f"linear_{i}"
             manifest = dict(name=name, version="1", kind="logistic", tensor_type="residual_stream",
-                            layers=[LAYER], hidden_size=args.hidden, dtype="bfloat16", threshold=0.999999,
+                            layers=list(range(args.blocks)), hidden_size=args.hidden, dtype="bfloat16", threshold=0.999999,
                             action="abort", rule={"patience": 3})
             write_probe(Path(tmp) / name, manifest,
                         {"weight": rng.normal(size=args.hidden) / np.sqrt(args.hidden), "bias": np.array([-8.0])})
             registry.load(load_probe_path(str(Path(tmp) / name)))
             names.append(name)
-    model = pb.ModelInfo(model="bench", hidden_size=args.hidden, num_layers=32, dtype="bfloat16",
+    model = pb.ModelInfo(model="bench", hidden_size=args.hidden, num_layers=max(32, args.blocks), dtype="bfloat16",
                          tensor_types=[pb.TENSOR_TYPE_RESIDUAL_STREAM])
     state = SessionState(registry, model, RouterMetrics(), max_requests=args.rows + 1)
     request_ids = [f"req-{i}" for i in range(args.rows)]
@@ -103,9 +125,7 @@ def router(args) -> float:
                                     prompt_length=1))
     bits, batches = rows(args), []
     for step in range(1, args.steps + 1):
-        block = Block("resid", pb.TENSOR_TYPE_RESIDUAL_STREAM, LAYER, bits, request_ids,
-                      np.full(args.rows, step, np.int64), np.ones(args.rows, bool), "bfloat16")
-        wire = pb.SessionRequest(batch=to_batch([block], step)).SerializeToString()
+        wire = pb.SessionRequest(batch=to_batch(step_blocks(args, bits, request_ids, step), step)).SerializeToString()
         batches.append(pb.SessionRequest.FromString(wire).batch)
     with ThreadPoolExecutor(1) as scoring:  # as the router scores: off its event loop
         scoring.submit(state.batch, batches[0]).result()
@@ -121,12 +141,13 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=256, help="requests (one bf16 row each) per step")
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--probes", type=int, default=10)
+    parser.add_argument("--blocks", type=int, default=1, help="blocks (layers) per step")
     args = parser.parse_args()
-    link_s = asyncio.run(engine_link(args))
+    drain_s, link_s = asyncio.run(engine(args))
     router_s = router(args)
-    print(f"engine link {link_s * 1e3:.2f} ms CPU per step; router {router_s * 1e3:.2f} ms CPU per step "
-          f"({args.rows} rows x {args.hidden} bf16, {args.probes} probes); load average "
-          f"{os.getloadavg()[0]:.1f}")
+    print(f"engine drain {drain_s * 1e3:.2f} ms, engine link {link_s * 1e3:.2f} ms, router {router_s * 1e3:.2f} ms "
+          f"CPU per step ({args.blocks} block(s) of {args.rows} rows x {args.hidden} bf16, {args.probes} probes); "
+          f"load average {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

@@ -126,7 +126,9 @@ class TokenSelector:
             in_scope = np.ones(positions.shape, dtype=bool)
             local = positions
         if not self.indexes and not self.ranges:
-            return np.broadcast_to(in_scope, positions.shape).copy()
+            # in_scope is a fresh array; broadcast only when prompt_len was a scalar.
+            return in_scope if in_scope.shape == positions.shape else np.broadcast_to(
+                in_scope, positions.shape).copy()
         picked = np.zeros(positions.shape, dtype=bool)
         for index in self.indexes:
             picked |= local == self._resolve(index, prompt_len)

@@ -74,7 +74,7 @@ def unpack(dtype: str, shape, data: bytes, as_float32: bool = True) -> np.ndarra
             f"tensor.dtype {dtype!r} is not supported; use one of {SUPPORTED_DTYPES}"
         )
     # Python ints: a product such as 2**32 * 2**32 must not wrap to 0 and pass.
-    shape = tuple(int(d) for d in shape)
+    shape = tuple(map(int, shape))
     if any(d < 0 for d in shape):
         raise TensorDecodeError(f"tensor.shape {list(shape)} has a negative dimension")
     expected = math.prod(shape) * storage.itemsize

@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 
 from common import tensor_codec
-from common.activations import BatchDecodeError, decode_block
+from common.activations import BatchDecodeError, BatchReader
 from common.enum_checks import unknown_enum
 from common.errors import UndercurrentError, status_code_value
 from router_service.metrics import RouterMetrics
@@ -142,7 +142,9 @@ class _Order:
         forward = np.lexsort((layers, positions, slots))  # per request: (token_position, layer)
         selected = forward[tokens.mask(positions[forward], prompt_lengths[slots[forward]])]
         slots, positions, layers = slots[selected], positions[selected], layers[selected]
-        starts = np.flatnonzero(np.r_[True, slots[1:] != slots[:-1]]) if slots.size else slots
+        boundary = np.ones(slots.size, dtype=bool)
+        boundary[1:] = slots[1:] != slots[:-1]
+        starts = np.flatnonzero(boundary)
         ends = np.append(starts[1:], slots.size)
         return cls(selected, slots, positions, layers, starts, ends)
 
@@ -314,10 +316,11 @@ class SessionState:
         reported: set[tuple[str, str]] = set()  # (request, problem): one error per batch each
         table = self._slots(batch)
         requests = table.requests
+        reader = BatchReader(batch)
         gathered: dict[int, _Gathered] = {}
         for i in range(len(batch.blocks)):
             try:
-                out += self._gather_block(batch, i, table, gathered, reported)
+                out += self._gather_block(reader, i, table, gathered, reported)
             except Exception as err:  # a bug on one block must not cost the others their scores
                 log.exception("block failed", extra={"step": batch.step, "block": i})
                 out += self._block_error(batch, _block_request_ids(batch, i), "INTERNAL",
@@ -347,25 +350,28 @@ class SessionState:
 
     def _gather_block(
         self,
-        batch: pb.ActivationBatch,
+        reader: BatchReader,
         i: int,
         table: _SlotTable,
         gathered: dict[int, _Gathered],
         reported: set[tuple[str, str]],
     ) -> list[pb.SessionResponse]:
-        """Checks block i and files its usable rows under each probe that reads them."""
+        """Checks block i and files its usable rows under each probe that reads them.
+
+        A step carries one block per (point, layer), so this runs 25 to 100 times
+        per batch: the checks cost a few array operations when nothing is wrong."""
+        batch = reader.batch
         msg = batch.blocks[i]
-        where = f"blocks[{i}] ({msg.point}@{msg.layer})"
-        requests = table.requests
         if bad := unknown_enum(msg, f"blocks[{i}]"):
             self.metrics.bytes.inc(len(msg.rows.data))
             return self._block_error(batch, _block_request_ids(batch, i), "INVALID_ARGUMENT", bad, reported)
         try:
-            block = decode_block(batch, i)
+            block, slots = reader.block(i)
         except BatchDecodeError as err:
             self.metrics.bytes.inc(len(msg.rows.data))
             return self._block_error(batch, _block_request_ids(batch, i), "INVALID_ARGUMENT", str(err),
                                      reported)
+        where = f"blocks[{i}] ({msg.point}@{msg.layer})"
         # Counted from the decoded rows: each read of msg.rows.data copies the bytes.
         self.metrics.bytes.inc(block.rows.size * tensor_codec.storage_dtype(block.wire_dtype).itemsize)
         self.metrics.rows.inc(block.num_rows)
@@ -377,20 +383,21 @@ class SessionState:
                 f"{where}.rows.shape: hidden size {block.rows.shape[1]} does not match the "
                 f"model's hidden_size {self.model.hidden_size}", reported,
             )
-        slots = np.asarray(msg.request_index, dtype=np.int64)
+        requests = table.requests
         out = []
-        known = table.known[slots]
-        for j in np.unique(slots[~known]):
-            out += self._unknown_request(batch.request_ids[j], where, batch.step, reported)
-        usable = known
+        usable = table.known[slots]
+        if not usable.all():
+            for j in np.unique(slots[~usable]):
+                out += self._unknown_request(batch.request_ids[j], where, batch.step, reported)
         for problem, bad_rows in (
             ("with a negative token position", block.token_positions < 0),
             ("with NaN or Inf", ~np.isfinite(block.rows).all(axis=1)),
         ):
-            for j in np.unique(slots[usable & bad_rows]):
-                out += self._rows_error(batch, requests[j], where, problem,
-                                        block.token_positions[(slots == j) & bad_rows], reported)
-            usable = usable & ~bad_rows
+            if bad_rows.any():
+                for j in np.unique(slots[usable & bad_rows]):
+                    out += self._rows_error(batch, requests[j], where, problem,
+                                            block.token_positions[(slots == j) & bad_rows], reported)
+                usable = usable & ~bad_rows
         readers = []
         for probe in [bound.probe for bound in self._bound.values()]:
             if not probe.manifest.reads(block.tensor_type, block.layer):
@@ -407,10 +414,16 @@ class SessionState:
         for probe, rows in readers:
             part = gathered.setdefault(id(probe), _Gathered(probe))
             part.sources.append((i, masks.setdefault(rows.tobytes(), len(masks))))
-            part.slots.append(slots[rows])
-            part.positions.append(block.token_positions[rows])
-            part.layers.append(layers[rows])
-            part.values.append(values[rows, plan.columns[id(probe)]])
+            if rows.all():  # the usual case: no copies through a mask
+                part.slots.append(slots)
+                part.positions.append(block.token_positions)
+                part.layers.append(layers)
+                part.values.append(values[:, plan.columns[id(probe)]])
+            else:
+                part.slots.append(slots[rows])
+                part.positions.append(block.token_positions[rows])
+                part.layers.append(layers[rows])
+                part.values.append(values[rows, plan.columns[id(probe)]])
         return out
 
     def _score_probe(
@@ -479,8 +492,8 @@ class SessionState:
         message = pb.ProbeScores(
             request_id=request.request_id,
             probe=binding.probe.name,
-            token_positions=np.concatenate(binding.pending_positions).tolist(),
-            scores=np.concatenate(binding.pending_scores).tolist(),
+            token_positions=_joined(binding.pending_positions).tolist(),
+            scores=_joined(binding.pending_scores).tolist(),
             incarnation=request.incarnation,
         )
         binding.pending_positions.clear()
@@ -571,6 +584,12 @@ class SessionState:
         log.warning("request error", extra={"request_id": request_id, "probe": probe, "code": code,
                                             "step": step, "error": message})
         return error(request_id, code, message, probe, incarnation=incarnation, step=step)
+
+
+def _joined(arrays: list[np.ndarray]) -> np.ndarray:
+    """The arrays end to end; the one array itself when there is one (every batch
+    flushes with no scores interval)."""
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
 def _block_request_ids(batch: pb.ActivationBatch, i: int) -> list[str]:

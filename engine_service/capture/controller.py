@@ -27,7 +27,7 @@ import os
 from collections import Counter
 from typing import Any
 
-from common.activations import Block, decode_part
+from common.activations import Block, decode_parts
 from common.capture_spec import ExtractionPoint, needs_prompt_positions
 from common.errors import FailedPrecondition
 from engine_service.capture.merge import (
@@ -341,7 +341,7 @@ class CaptureController:
                     f"cache and never computed, so they have no activations; register with "
                     f"skip_reading_prefix_cache=True",
                 )
-        blocks = merge_blocks([decode_part(p) for s in shipments for p in s["parts"]])
+        blocks = merge_blocks(decode_parts(p for s in shipments for p in s["parts"]))
         blocks = self._gate.release(self._delivered.filter(blocks), ending)
         self._delivered.forget(ending)
         self._ending -= ending

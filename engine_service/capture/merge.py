@@ -16,7 +16,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from common.activations import Block
+from common.activations import Block, ByIdentity
 from engine_service.capture.row_mapping import parent_request_id
 
 
@@ -33,6 +33,7 @@ def merge_blocks(blocks: list[Block]) -> list[Block]:
     groups: dict[tuple[str, int], list[Block]] = defaultdict(list)
     for block in blocks:
         groups[(block.point, block.layer)].append(block)
+    in_order = ByIdentity(lambda ids, positions: _strictly_increasing(_request_codes(ids), positions))
     merged = []
     for (point, layer), parts in sorted(groups.items()):
         widths = {p.rows.shape[1:] for p in parts}
@@ -41,14 +42,14 @@ def merge_blocks(blocks: list[Block]) -> list[Block]:
                 f"point {point!r} layer {layer}: workers shipped rows of shapes "
                 f"{sorted(list(w) for w in widths)}"
             )
-        request_ids = parts[0].request_ids if len(parts) == 1 else [r for p in parts for r in p.request_ids]
-        positions = np.concatenate([p.token_positions for p in parts])
-        codes = _request_codes(request_ids)
-        if len(parts) == 1 and _strictly_increasing(codes, positions):
+        if len(parts) == 1 and in_order(parts[0].request_ids, parts[0].token_positions):
             # One worker's rows, already in (request, position) order with no
             # repeated key (the common case): keep them as they are, no copy.
             merged.append(parts[0])
             continue
+        request_ids = [r for p in parts for r in p.request_ids]
+        positions = np.concatenate([p.token_positions for p in parts])
+        codes = _request_codes(request_ids)
         is_generated = np.concatenate([p.is_generated for p in parts])
         rows = np.concatenate([p.rows for p in parts]) if len(parts) > 1 else parts[0].rows
         # Stable sort by (request, position); the first copy of a key stays first.
@@ -93,34 +94,36 @@ class DeliveredPositions:
     Within one request the model computes positions in increasing order,
     except after a preemption, which restarts from an earlier position and
     recomputes keys that were already delivered. A high-water mark is enough
-    to drop those and costs O(1) per key.
+    to drop those and costs O(1) per key. Each record id has a slot, and each
+    (point, layer) an array of marks by slot, so a block is checked and marked
+    with a few array operations whatever its rows.
     """
 
+    _UNSET = -1
+
     def __init__(self) -> None:
-        # (point, layer) -> request -> highest delivered position.
-        self._high: dict[tuple[str, int], dict[str, int]] = {}
+        self._slots: dict[str, int] = {}  # record id -> its index in every marks array
+        self._free: list[int] = []
+        self._capacity = 0
+        self._high: dict[tuple[str, int], np.ndarray] = {}  # (point, layer) -> mark per slot
         self.dropped = 0
 
     def filter(self, blocks: list[Block]) -> list[Block]:
         """Drops rows at or below their key's mark; expects merge_blocks() output
         (rows ordered by request, then position)."""
+        runs = ByIdentity(self._runs)
         kept_blocks = []
         for block in blocks:
             n = block.num_rows
             if n == 0:
                 continue
-            marks = self._high.setdefault((block.point, block.layer), {})
-            ids = block.request_ids
-            highs = np.fromiter((marks.get(r, -1) for r in ids), dtype=np.int64, count=n)
-            keep = block.token_positions > highs
+            slots, last = runs(block.request_ids)
+            marks = self._marks(block.point, block.layer)
+            keep = block.token_positions > marks[slots]
             # The last row of each request's run holds its highest position.
-            ids_array = np.asarray(ids, dtype=object)
-            last = np.ones(n, dtype=bool)
-            last[:-1] = ids_array[1:] != ids_array[:-1]
-            for r, position, high in zip(ids_array[last].tolist(), block.token_positions[last].tolist(),
-                                         highs[last].tolist()):
-                marks[r] = max(high, position)
-            dropped = n - int(keep.sum())
+            ends = slots[last]
+            marks[ends] = np.maximum(marks[ends], block.token_positions[last])
+            dropped = n - int(np.count_nonzero(keep))
             self.dropped += dropped
             if not dropped:
                 kept_blocks.append(block)
@@ -132,9 +135,39 @@ class DeliveredPositions:
         """Frees the marks of finished requests (including their n>1 children)."""
         if not request_ids:
             return
+        gone = [r for r in self._slots if parent_request_id(r, request_ids) in request_ids]
+        if not gone:
+            return
+        freed = np.array([self._slots.pop(r) for r in gone], dtype=np.int64)
         for marks in self._high.values():
-            for record_id in [r for r in marks if parent_request_id(r, request_ids) in request_ids]:
-                del marks[record_id]
+            marks[freed] = self._UNSET
+        self._free += freed.tolist()
+
+    def _runs(self, request_ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's slot, and which rows end a run of one request."""
+        slots = np.fromiter((self._slot(r) for r in request_ids), dtype=np.int64, count=len(request_ids))
+        last = np.ones(len(slots), dtype=bool)
+        last[:-1] = slots[1:] != slots[:-1]
+        return slots, last
+
+    def _slot(self, record_id: str) -> int:
+        slot = self._slots.get(record_id)
+        if slot is None:
+            if not self._free:
+                grown = max(64, 2 * self._capacity)
+                self._free = list(range(grown - 1, self._capacity - 1, -1))
+                for key, marks in self._high.items():
+                    self._high[key] = np.concatenate(
+                        [marks, np.full(grown - self._capacity, self._UNSET, dtype=np.int64)])
+                self._capacity = grown
+            slot = self._slots[record_id] = self._free.pop()
+        return slot
+
+    def _marks(self, point: str, layer: int) -> np.ndarray:
+        marks = self._high.get((point, layer))
+        if marks is None:
+            marks = self._high[(point, layer)] = np.full(self._capacity, self._UNSET, dtype=np.int64)
+        return marks
 
 
 class ForwardOrderGate:

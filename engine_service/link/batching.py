@@ -3,13 +3,13 @@ counts each part carries. Pure functions over common.activations.Block."""
 
 from __future__ import annotations
 
-from collections import Counter
+import math
 from collections.abc import Callable
 
 import numpy as np
 
 from common import tensor_codec
-from common.activations import Block
+from common.activations import Block, ByIdentity
 
 
 def partition_by_owner(
@@ -21,12 +21,21 @@ def partition_by_owner(
     Rows whose owner is None land under the key None.
     """
     parts: dict[str | None, list[Block]] = {}
+    owners_of = ByIdentity(lambda request_ids: _owner_masks(request_ids, owner_of))
     for block in blocks:
-        owners = [owner_of(r) for r in block.request_ids]
-        for owner in dict.fromkeys(owners):
-            mask = np.fromiter((o == owner for o in owners), dtype=bool, count=len(owners))
-            parts.setdefault(owner, []).append(block if mask.all() else block.select(mask))
+        for owner, mask in owners_of(block.request_ids):
+            parts.setdefault(owner, []).append(block if mask is None else block.select(mask))
     return parts
+
+
+def _owner_masks(request_ids: list[str], owner_of: Callable[[str], str | None]) -> list[tuple]:
+    """(owner, its rows as a mask, or None when it owns every row) per owner."""
+    owners = [owner_of(r) for r in request_ids]
+    distinct = list(dict.fromkeys(owners))
+    if len(distinct) == 1:
+        return [(distinct[0], None)]
+    return [(owner, np.fromiter((o == owner for o in owners), dtype=bool, count=len(owners)))
+            for owner in distinct]
 
 
 # Bytes a batch may need beyond its rows: the SessionRequest envelope, the step,
@@ -40,8 +49,7 @@ _ROW_KEY_BYTES = 16 + 4
 
 def _row_bytes(block: Block, longest_request_id: int) -> int:
     itemsize = tensor_codec.storage_dtype(tensor_codec.wire_dtype_of(block.rows, block.wire_dtype)).itemsize
-    hidden = int(np.prod(block.rows.shape[1:], dtype=np.int64))
-    return hidden * itemsize + _ROW_KEY_BYTES + longest_request_id
+    return math.prod(block.rows.shape[1:]) * itemsize + _ROW_KEY_BYTES + longest_request_id
 
 
 def _slice(block: Block, start: int, stop: int) -> Block:
@@ -67,7 +75,9 @@ def split_by_size(blocks: list[Block], max_bytes: int) -> list[list[Block]]:
     Order is kept: concatenating the parts gives back the rows in their order.
     A block is cut row-wise only when it does not fit.
     """
-    longest_id = max((len(r.encode()) for b in blocks for r in set(b.request_ids)), default=0)
+    # Blocks of a step mostly share one request id list (decode_parts): each list once.
+    distinct = {id(b.request_ids): b.request_ids for b in blocks}.values()
+    longest_id = max((len(r.encode()) for ids in distinct for r in set(ids)), default=0)
     parts: list[list[Block]] = []
     current: list[Block] = []
     size = _BATCH_OVERHEAD
@@ -97,18 +107,20 @@ def split_by_size(blocks: list[Block], max_bytes: int) -> list[list[Block]]:
     return parts
 
 
-def rows_per_request(blocks: list[Block]) -> Counter[str]:
-    return Counter(r for b in blocks for r in b.request_ids)
-
-
 def rows_by_position(blocks: list[Block]) -> dict[str, dict[int, int]]:
     """Per request, how many rows each token position has in these blocks."""
-    result: dict[str, dict[int, int]] = {}
+    # Blocks sharing key objects (decode_parts) are counted once, times their number.
+    shared: dict[tuple[int, int], tuple[Block, int]] = {}
     for block in blocks:
+        key = (id(block.request_ids), id(block.token_positions))
+        first, count = shared.get(key, (block, 0))
+        shared[key] = (first, count + 1)
+    result: dict[str, dict[int, int]] = {}
+    for block, times in shared.values():
         for request_id, position in zip(block.request_ids, block.token_positions.tolist()):
             counts = result.get(request_id)
             if counts is None:
-                result[request_id] = {position: 1}
+                result[request_id] = {position: times}
             else:
-                counts[position] = counts.get(position, 0) + 1
+                counts[position] = counts.get(position, 0) + times
     return result

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from common.activations import Block, forward_order
+from common.activations import Block, decode_parts, encode_part, forward_order
 from engine_service.capture.merge import (
     DeliveredPositions,
     ForwardOrderGate,
@@ -151,3 +151,56 @@ def test_random_drains_deliver_each_key_once_with_the_first_copy_like_a_referenc
                 assert key not in got, f"{key} delivered twice"
                 got[key] = value
     assert got == reference
+
+
+def test_decoded_parts_with_many_requests_and_reused_slots_deliver_each_key_once():
+    """The path a drain takes (wire parts -> decode_parts -> merge -> filter), where a
+    step's blocks share one key set, with more requests than the marks' first
+    capacity, requests ending (their slots reused by new ones, which must start
+    with no mark) and preemption restarts, against a dict-per-key reference."""
+    rng = np.random.default_rng(5)
+    delivered = DeliveredPositions()
+    reference: dict[tuple, float] = {}
+    got: dict[tuple, float] = {}
+    progress: dict[str, int] = {}
+    for drain in range(60):
+        for _ in range(int(rng.integers(0, 12))):  # new requests, some reusing ended ids' slots
+            progress[f"r{drain}-{len(progress)}"] = 0
+        ending = {r for r in progress if rng.uniform() < 0.1}
+        keys = []
+        for request in sorted(progress):
+            if rng.uniform() < 0.1:
+                progress[request] = int(rng.integers(0, progress[request] + 1))  # preempted
+            start, count = progress[request], int(rng.integers(0, 3))
+            progress[request] += count
+            keys += [(request, p) for p in range(start, start + count)]
+        if not keys:
+            continue
+        parts = [encode_part(block(point, layer, keys, offset=drain / 100))
+                 for point in ("p", "q") for layer in (0, 1, 2)]
+        decoded = decode_parts(parts)
+        assert all(b.request_ids is decoded[0].request_ids for b in decoded)  # one key set, shared
+        for b in decoded:
+            for (request, position), value in zip(keys_of(b), b.rows[:, 0].tolist()):
+                reference.setdefault((request, b.point, b.layer, position), value)
+        for b in delivered.filter(merge_blocks(decoded)):
+            for (request, position), value in zip(keys_of(b), b.rows[:, 0].tolist()):
+                key = (request, b.point, b.layer, position)
+                assert key not in got, f"{key} delivered twice"
+                got[key] = value
+        delivered.forget(ending)
+        for request in ending:  # an ended request's keys may come again only as a new request
+            del progress[request]
+            reference = {k: v for k, v in reference.items() if k[0] != request}
+            got = {k: v for k, v in got.items() if k[0] != request}
+    assert len(got) > 500 and got == reference
+
+
+def test_a_slot_freed_by_an_ended_request_starts_its_next_owner_with_no_mark():
+    delivered = DeliveredPositions()
+    assert len(delivered.filter([block("p", 0, [("a", 9)])])) == 1
+    delivered.forget({"a"})
+    # "b" takes the slot "a" had; its position 0 is new, whatever "a" reached.
+    (kept,) = delivered.filter([block("p", 0, [("b", 0)])])
+    assert keys_of(kept) == [("b", 0)]
+    assert delivered.dropped == 0

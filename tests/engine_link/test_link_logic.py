@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from undercurrent.v1 import undercurrent_pb2 as pb
 
-from common.activations import from_batch, to_batch
+from common.activations import Block, from_batch, to_batch
 from engine_service.link import assignment, batching, targets
 from engine_service.link.send_queue import OverflowPolicy, QueuedBatch, SendQueue
 from engine_service.link.session import StepLedger
@@ -154,10 +154,25 @@ def test_split_by_size_refuses_a_row_over_the_limit():
         batching.split_by_size([step({"a": [0]})], 100)
 
 
-def test_rows_per_request_and_per_position():
+def test_rows_per_position():
     blocks = [step({"a": [3, 4], "b": [9]}), step({"a": [3, 4]}, layer=1)]
-    assert batching.rows_per_request(blocks) == {"a": 4, "b": 1}
     assert batching.rows_by_position(blocks) == {"a": {3: 2, 4: 2}, "b": {9: 1}}
+
+
+def test_blocks_sharing_key_objects_are_routed_and_counted_as_separate_blocks():
+    """Blocks of one step share key objects (decode_parts); the per-key-set work done
+    once for them must still count, route and size every block's rows."""
+    first = step({"a": [3, 4], "b": [9]})
+    shared = [first] + [Block("p", first.tensor_type, layer, first.rows + layer, first.request_ids,
+                              first.token_positions, first.is_generated) for layer in (1, 2)]
+    other = step({"a": [5]}, layer=3)
+    blocks = shared + [other]
+    assert batching.rows_by_position(blocks) == {"a": {3: 3, 4: 3, 5: 1}, "b": {9: 3}}
+    parts = batching.partition_by_owner(blocks, owner_of={"a": "r1", "b": "r2"}.get)
+    assert [(b.layer, b.request_ids, b.token_positions.tolist(), b.rows[:, 0].tolist()) for b in parts["r1"]] == [
+        (layer, ["a", "a"], [3, 4], (first.rows[:2, 0] + layer).tolist()) for layer in (0, 1, 2)
+    ] + [(3, ["a"], [5], other.rows[:, 0].tolist())]
+    assert [(b.layer, b.request_ids) for b in parts["r2"]] == [(layer, ["b"]) for layer in (0, 1, 2)]
 
 
 # -- send queue --------------------------------------------------------------

@@ -103,7 +103,7 @@ def test_shapes_that_overflow_are_refused_as_decode_errors(shape, reason):
         tensor_codec.decode(message)
     batch = pb.ActivationBatch(request_ids=["r"], blocks=[pb.ActivationBlock(point="p", rows=message)])
     with pytest.raises(activations.BatchDecodeError, match=r"blocks\[0\] \(p@0\)\.rows"):
-        activations.decode_block(batch, 0)
+        activations.BatchReader(batch).block(0)
 
 
 def test_unknown_enum_values_are_named_with_their_field_path():
@@ -142,3 +142,27 @@ def test_worker_part_round_trip_keeps_bfloat16_as_bits():
 def test_unknown_dtype_is_refused_when_encoding():
     with pytest.raises(tensor_codec.TensorDecodeError, match="'int8' is not one of"):
         tensor_codec.encode(np.zeros(2, np.int8))
+
+
+def test_decoded_parts_share_key_objects_only_with_equal_keys():
+    """A step's parts mostly carry one key set; decode_parts shares its objects so
+    per-step work over keys runs once per key set (ByIdentity), never across sets."""
+    rows = np.zeros((2, 3), np.float32)
+
+    def part(layer, ids, positions):
+        return activations.encode_part(activations.Block(
+            "p", pb.TENSOR_TYPE_MLP_OUT, layer, rows, ids, np.array(positions), np.array([True, True])))
+
+    a, b, c, d = activations.decode_parts([
+        part(0, ["x", "y"], [4, 4]), part(1, ["x", "y"], [4, 4]), part(2, ["x", "y"], [4, 5]), part(3, ["x", "y"], [4, 5])])
+    assert a.request_ids is b.request_ids and a.token_positions is b.token_positions
+    assert c.token_positions is not b.token_positions and c.token_positions is d.token_positions
+    assert [blk.token_positions.tolist() for blk in (a, b, c, d)] == [[4, 4], [4, 4], [4, 5], [4, 5]]
+    with pytest.raises(ValueError, match="read-only"):
+        a.token_positions[0] = 7  # one block's keys cannot change another's
+
+    calls = []
+    lengths = activations.ByIdentity(lambda ids: calls.append(ids) or len(ids))
+    assert [lengths(blk.request_ids) for blk in (a, b, c, d)] == [2, 2, 2, 2]
+    assert lengths(["x", "y"]) == 2  # equal, not the same object: computed again
+    assert len(calls) == 3  # a/b's list, c/d's list (decoded again: keys differ), the literal

@@ -75,14 +75,14 @@ async def test_a_block_that_fails_unexpectedly_is_internal_for_its_requests_only
     await client.open()
     start(client, "a", 1)
     start(client, "b", 2)
-    real = session_module.decode_block
+    real = session_module.BatchReader.block
 
-    def fails_on_block_0(batch, i, *args):
+    def fails_on_block_0(reader, i):
         if i == 0:
             raise MemoryError("injected")
-        return real(batch, i, *args)
+        return real(reader, i)
 
-    monkeypatch.setattr(session_module, "decode_block", fails_on_block_0)
+    monkeypatch.setattr(session_module.BatchReader, "block", fails_on_block_0)
     step = client.batch(block(rows(1.0), ["a"], [0], layer=1), block(rows(2.0), ["b"], [0], layer=1))
     replies = await client.until_ack(step)
     assert [(e.request_id, e.incarnation, e.step, e.code) for e in errors(replies)] == [
