@@ -71,7 +71,8 @@ class EngineMetrics:
         self.dropped_records = Counter(
             "undercurrent_engine_dropped_records",
             "Records (activation rows, probe scores) dropped on the way to clients, by queue "
-            "(capture_backlog: rows a worker dropped before the engine service read them)",
+            "(capture_backlog: rows a worker dropped before the engine service read them; "
+            "capture_lost: probe rows capture owed a computed position and never delivered)",
             ["queue"],
             registry=r,
         )

@@ -7,9 +7,11 @@ duplicate row would be scored twice by a trajectory probe. Plain logic.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 
-from common.capture_spec import ExtractionPoint, TokenSelector, tensor_type_from_proto
+import numpy as np
+
+from common.capture_spec import ExtractionPoint, Scope, TokenSelector, tensor_type_from_proto
 from common.errors import InvalidArgument
 from undercurrent.v1 import undercurrent_pb2 as pb
 
@@ -38,6 +40,37 @@ def probe_points(probes: list[pb.ProbeInfo]) -> list[ExtractionPoint]:
             )
         )
     return points
+
+
+class ExpectedRows:
+    """How many probe rows capture makes at each position of one request: one
+    per probe point whose token selector picks the position (a probe point is
+    one layer, or the final norm). The request's ledger holds each position the
+    model computed to this count, so rows that capture lost without a word
+    cannot let a gated token through or go uncounted."""
+
+    def __init__(self, points: list[ExtractionPoint], prompt_len: int):
+        self.prompt_len = prompt_len
+        self._selectors = Counter(point.tokens for point in points)  # selector -> probe points using it
+        # Whole-scope selectors (the usual kind) make a fixed number of rows at every
+        # prompt and every generated position: counted without numpy, once per token.
+        self._per_scope: tuple[int, int] | None = None
+        if all(not s.indexes and not s.ranges for s in self._selectors):
+            self._per_scope = (
+                sum(n for s, n in self._selectors.items() if s.scope is not Scope.GENERATED),
+                sum(n for s, n in self._selectors.items() if s.scope is not Scope.PROMPT),
+            )
+
+    def between(self, start: int, stop: int) -> list[int]:
+        """Rows expected at each of positions [start, stop)."""
+        if self._per_scope is not None:
+            prompt, generated = self._per_scope
+            return [prompt if p < self.prompt_len else generated for p in range(start, stop)]
+        positions = np.arange(start, max(start, stop), dtype=np.int64)
+        counts = np.zeros(positions.size, dtype=np.int64)
+        for selector, points in self._selectors.items():
+            counts += points * selector.mask(positions, self.prompt_len)
+        return counts.tolist()
 
 
 def check_client_point_names(points: list[ExtractionPoint]) -> None:

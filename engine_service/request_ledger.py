@@ -15,6 +15,13 @@ every captured position up to it is settled, or, for failures that concern only
 fail_open bindings, resolved (no row still in flight). The finish counts
 (`unprobed_tokens`, `dropped_records`) are read from here too.
 
+Rows are also counted against what capture must make: once the model computed
+a position (`computed_below`), the ledger expects the probe points' rows there
+(`ExpectedRows`), and the position cannot settle before that many arrived. When
+the request ends, rows that never arrived are lost (`capture_lost`): a failure
+like any other, so a capture that drops rows without a word can neither let a
+gated token through nor leave the finish counting nothing.
+
 Plain logic: no gRPC, no event loop; the clock is passed in.
 """
 
@@ -26,6 +33,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from undercurrent.v1 import undercurrent_pb2 as pb
+
+from engine_service.probe_points import ExpectedRows
 
 
 class MessageState(enum.Enum):
@@ -68,6 +77,12 @@ class _Position:
     acknowledged: int = 0
     failed: int = 0
     blocking: bool = False  # a failure that concerns a fail_closed binding
+    expected: int = 0  # rows capture must make here (0: no expectation)
+    arrived: int = 0  # rows queued here, or declared lost by capture_lost
+
+    def open(self) -> bool:
+        """Not settled: rows in flight, failed, or not yet arrived."""
+        return bool(self.outstanding or self.failed or self.arrived < self.expected)
 
 
 @dataclass
@@ -77,6 +92,8 @@ class RequestLedger:
 
     prompt_len: int
     policies: Mapping[str, int]
+    # What capture must deliver; None: rows are taken as they come (no check).
+    expected: ExpectedRows | None = None
     dropped_records: int = field(default=0, init=False)
     failures: list[Failure] = field(default_factory=list, init=False)
     _positions: dict[int, _Position] = field(default_factory=dict, init=False)
@@ -87,6 +104,7 @@ class RequestLedger:
     # _order[:_clean] are settled (all rows acknowledged, none failed): the
     # questions below start after them, so a long request costs O(1) per ack.
     _clean: int = field(default=0, init=False)
+    _computed: int = field(default=0, init=False)  # positions below it have their expectation
 
     # -- policy -------------------------------------------------------------
 
@@ -109,6 +127,7 @@ class RequestLedger:
             if entry is None:
                 entry = self._position(position)
             entry.outstanding += count
+            entry.arrived += count
             if below_settled:  # rows again at (or before) a settled position
                 self._clean = bisect.bisect_left(self._order, position)
         self._live.append(message)
@@ -116,6 +135,22 @@ class RequestLedger:
             # The router refused the request: nothing it is sent will be scored.
             self._fail([message], self._refusal, self._refusal_closes, dropped=False)
         return message
+
+    def computed_below(self, bound: int) -> None:
+        """The model computed every position below `bound`: from now on each one
+        waits for the rows the probe points make there."""
+        if self.expected is None or bound <= self._computed:
+            return
+        start, self._computed = self._computed, bound
+        for position, count in enumerate(self.expected.between(start, bound), start):
+            if not count:
+                continue
+            entry = self._positions.get(position)
+            if entry is None:
+                entry = self._position(position)
+            elif position <= self._last_clean():  # settled before its expectation was known
+                self._clean = bisect.bisect_left(self._order, position)
+            entry.expected = count
 
     def sent(self, message: Message, step: int) -> None:
         """The message went out as `step` of its replica's session."""
@@ -195,6 +230,35 @@ class RequestLedger:
         stale = [m for m in self._live if m.queued_at <= older_than]
         return self._fail(stale, reason, self.closes(None), dropped=False)
 
+    def capture_lost(self, reported_dropped: int = 0) -> Failure | None:
+        """Call when the request's last rows were drained: rows expected at a
+        computed position that never arrived were lost before reaching any
+        queue. They fail under every binding's policy and count as dropped,
+        less `reported_dropped`: rows a worker already reported dropping for
+        this request, which the finish counts on their own."""
+        lost: dict[int, tuple[int, int]] = {}  # position -> (arrived, expected)
+        closes = self.closes(None)
+        for position in self._order[self._clean :]:
+            entry = self._positions[position]
+            if entry.arrived < entry.expected:
+                lost[position] = (entry.arrived, entry.expected)
+                missing = entry.expected - entry.arrived
+                entry.arrived += missing
+                entry.failed += missing
+                entry.blocking = entry.blocking or closes
+        if not lost:
+            return None
+        rows = sum(expected - arrived for arrived, expected in lost.values())
+        first = [f"{p} ({a} of {e})" for p, (a, e) in list(lost.items())[:4]]
+        reason = (
+            f"capture delivered no rows or too few at {len(lost)} position(s), {rows} rows missing: "
+            f"position (rows arrived of expected) {', '.join(first)}{' ...' if len(lost) > 4 else ''}"
+        )
+        self.dropped_records += max(0, rows - reported_dropped)
+        failure = Failure(reason, closes, rows, dropped=True)
+        self.failures.append(failure)
+        return failure
+
     def _fail(
         self, messages: Iterable[Message], reason: str, closes: bool, dropped: bool
     ) -> Failure | None:
@@ -225,8 +289,7 @@ class RequestLedger:
         one past the last captured position when all are settled, 0 before any."""
         self._advance_clean()
         for position in self._order[self._clean :]:
-            entry = self._positions[position]
-            if entry.outstanding or entry.failed:
+            if self._positions[position].open():
                 return position
         return self._order[-1] + 1 if self._order else 0
 
@@ -237,7 +300,7 @@ class RequestLedger:
         through = self._last_clean()
         for position in self._order[self._clean :]:
             entry = self._positions[position]
-            if entry.outstanding or entry.blocking:
+            if entry.outstanding or entry.blocking or entry.arrived < entry.expected:
                 break
             through = position
         return through
@@ -250,7 +313,7 @@ class RequestLedger:
             return None
         if entry.failed:
             return False
-        if entry.outstanding:
+        if entry.outstanding or entry.arrived < entry.expected:
             return None
         return True
 
@@ -270,7 +333,7 @@ class RequestLedger:
         return sum(
             1
             for position, e in self._positions.items()
-            if (e.outstanding or e.failed) and (below is None or position < below)
+            if e.open() and (below is None or position < below)
         )
 
     def fail_closed_failure(self) -> Failure | None:
@@ -279,8 +342,7 @@ class RequestLedger:
 
     def _advance_clean(self) -> None:
         while self._clean < len(self._order):
-            entry = self._positions[self._order[self._clean]]
-            if entry.outstanding or entry.failed:
+            if self._positions[self._order[self._clean]].open():
                 return
             self._clean += 1
 

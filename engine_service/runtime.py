@@ -38,7 +38,7 @@ from engine_service.capture.controller import CaptureController, require_prompt_
 from engine_service.client_stream import ClientStream
 from engine_service.metrics import EngineMetrics
 from engine_service.link.batching import partition_by_owner
-from engine_service.probe_points import PROBE_POINT_PREFIX, check_client_point_names, probe_points
+from engine_service.probe_points import PROBE_POINT_PREFIX, ExpectedRows, check_client_point_names, probe_points
 from engine_service.request_ledger import Failure, RequestLedger
 from undercurrent.v1 import undercurrent_pb2 as pb
 
@@ -224,7 +224,8 @@ class EngineRuntime:
         probes = self._bind_probes(message.probes)
         client_points = parse_points(message.extraction_points, self.model_info().num_layers)
         check_client_point_names(client_points)
-        points = client_points + probe_points([p.info for p in probes])
+        probe_captures = probe_points([p.info for p in probes])
+        points = client_points + probe_captures
         self.capture.validate(points, len(ids))
         if message.gate_tokens and not probes:
             raise FailedPrecondition("gate_tokens: needs at least one probe binding to gate on")
@@ -238,7 +239,8 @@ class EngineRuntime:
             captures=bool(points),
             accepted_at=accepted_at,
             ledger=(
-                RequestLedger(len(ids), {p.name: p.failure_policy for p in probes})
+                RequestLedger(len(ids), {p.name: p.failure_policy for p in probes},
+                              ExpectedRows(probe_captures, len(ids)))
                 if probes
                 else None
             ),
@@ -377,6 +379,10 @@ class EngineRuntime:
             except TimeoutError:
                 break
         ledger.expire(float("inf"), "rows still unacknowledged when the request ended")
+        if captured:
+            counted = ledger.dropped_records
+            if ledger.capture_lost(reported_dropped=request.backlog_dropped_records) is not None:
+                self.metrics.dropped_records.labels("capture_lost").inc(ledger.dropped_records - counted)
         failure = ledger.fail_closed_failure()
         if failure is not None and self._end(
             request, pb.FINISH_REASON_ROUTER_UNAVAILABLE, *self._unscored_verdict(request, failure)
@@ -407,6 +413,10 @@ class EngineRuntime:
         first = request.generated
         request.generated += len(token_ids)
         self.metrics.tokens_generated.inc(len(token_ids))
+        if request.ledger is not None:
+            # Token g was sampled from position prompt_len + g - 1: every position
+            # before the newest token's was computed, and owes its probe rows.
+            request.ledger.computed_below(request.prompt_len + request.generated - 1)
         if request.gate is None:
             self._send_tokens(request, pb.TokenChunk(token_ids=token_ids, text=text, first_index=first))
             return

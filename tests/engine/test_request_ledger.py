@@ -2,7 +2,9 @@
 
 from undercurrent.v1 import undercurrent_pb2 as pb
 
+from common.capture_spec import ExtractionPoint, Scope, TokenSelector
 from engine_service.active_request import HeldScores
+from engine_service.probe_points import ExpectedRows
 from engine_service.request_ledger import MessageState, RequestLedger
 
 CLOSED, OPEN = pb.FAILURE_POLICY_FAIL_CLOSED, pb.FAILURE_POLICY_FAIL_OPEN
@@ -250,3 +252,75 @@ def test_a_message_is_split_at_the_settled_positions_and_the_end_withholds_the_r
     # position 11 is still in flight: both withheld.
     shown = held.release(led, below=12)
     assert shown == [] and held.held == []
+
+
+# -- rows counted against what capture must make ------------------------------------
+
+
+def expecting(prompt_len=4, **policies) -> RequestLedger:
+    """Two probe points read every token (2 rows a position), one only generated tokens."""
+    points = [ExtractionPoint(f"probe.residual_stream.{layer}", "residual_stream", (layer,)) for layer in (0, 1)]
+    points.append(ExtractionPoint("probe.mlp_out.0", "mlp_out", (0,), TokenSelector(Scope.GENERATED)))
+    return RequestLedger(prompt_len, policies or {"p": CLOSED}, ExpectedRows(points, prompt_len))
+
+
+def test_expected_rows_follow_each_points_token_selector():
+    assert expecting().expected.between(2, 7) == [2, 2, 3, 3, 3]  # prompt 2..3, generated 4..6
+    picked = [ExtractionPoint("probe.attn_out.1", "attn_out", (1,), TokenSelector(Scope.GENERATED, (0, 2))),
+              ExtractionPoint("probe.final_norm", "final_norm", (), TokenSelector(Scope.PROMPT, (-1,))),
+              ExtractionPoint("probe.mlp_out.1", "mlp_out", (1,))]
+    # prompt of 4: the last prompt token (3), generated tokens 0 and 2 (positions 4, 6), every token once
+    assert ExpectedRows(picked, 4).between(2, 8) == [1, 2, 2, 1, 2, 1]
+
+
+def test_a_computed_position_waits_for_every_row_capture_owes_it():
+    led = expecting()
+    led.computed_below(6)  # prompt 0..3 and generated positions 4, 5 were computed
+    sent(led, "r", 1, {0: 2, 1: 2, 2: 2, 3: 2, 5: 3})  # position 4's rows have not come
+    led.acknowledged("r", 1)
+    assert (led.releasable_through(), led.first_unsettled(), led.outcome_at(4)) == (3, 4, None)
+    sent(led, "r", 2, {4: 2})  # two of its three rows
+    led.acknowledged("r", 2)
+    assert (led.releasable_through(), led.first_unsettled()) == (3, 4)
+    sent(led, "r", 3, {4: 1})
+    led.acknowledged("r", 3)
+    assert (led.releasable_through(), led.first_unsettled(), led.outcome_at(4)) == (5, 6, True)
+    assert led.capture_lost() is None and led.unprobed_tokens() == 0
+
+
+def test_rows_that_arrived_before_their_position_was_known_computed_still_count():
+    led = expecting()
+    sent(led, "r", 1, {0: 2, 1: 2, 2: 2, 3: 2, 4: 3})
+    led.acknowledged("r", 1)
+    assert led.releasable_through() == 4
+    led.computed_below(5)
+    assert led.releasable_through() == 4 and led.first_unsettled() == 5
+    led.computed_below(6)  # position 5 computed, its rows not here yet
+    assert led.releasable_through() == 4 and led.first_unsettled() == 5
+
+
+def test_rows_capture_never_delivered_fail_closed_at_their_position_and_count_as_dropped():
+    led = expecting()
+    led.computed_below(8)
+    sent(led, "r", 1, {0: 2, 1: 2, 2: 2, 3: 2, 4: 3, 6: 3, 7: 3})  # position 5: nothing
+    led.acknowledged("r", 1)
+    assert led.releasable_through() == 4  # never past the position capture lost
+    failure = led.capture_lost()
+    assert failure.fail_closed and failure.dropped and failure.rows == 3
+    assert failure.reason == ("capture delivered no rows or too few at 1 position(s), 3 rows missing: "
+                              "position (rows arrived of expected) 5 (0 of 3)")
+    assert led.fail_closed_failure() is failure
+    assert (led.first_unsettled(), led.releasable_through(), led.outcome_at(5)) == (5, 4, False)
+    assert (led.unprobed_tokens(), led.dropped_records) == (1, 3)
+    assert led.capture_lost() is None  # counted once
+
+
+def test_lost_rows_of_a_fail_open_request_are_counted_and_do_not_hold_tokens():
+    led = expecting(p=OPEN)
+    led.computed_below(7)
+    sent(led, "r", 1, {0: 2, 1: 2, 2: 2, 3: 2, 4: 1, 6: 3})  # position 4: 1 of 3; 5: none
+    led.acknowledged("r", 1)
+    failure = led.capture_lost(reported_dropped=1)  # a worker reported one of them
+    assert not failure.fail_closed and failure.rows == 5
+    assert led.releasable_through() == 6 and led.fail_closed_failure() is None
+    assert (led.unprobed_tokens(), led.dropped_records) == (2, 4)

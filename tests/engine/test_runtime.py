@@ -325,6 +325,36 @@ async def test_tokens_generated_after_a_verdict_before_the_abort_lands_are_never
     assert outcome.tokens == [100 + g for g in range(trigger - len(PROMPT))]
 
 
+async def test_a_gated_token_whose_rows_capture_lost_without_a_word_is_never_shown(stack):
+    """Capture loses every row of one position and reports nothing (a capture
+    bug). Rows of later positions arrive and are acknowledged; the gate must
+    still stop at the lost position, and the fail_closed request must end
+    there, counting the rows as dropped, instead of showing the token unscored."""
+    lost = len(PROMPT) + 5
+    s = await stack()
+    s.capture.silently_lost[lost] = None
+    outcome = await run(s.runtime, request("lost-rows", max_tokens=12))
+    finished = outcome.finished
+    assert finished.finish_reason == pb.FINISH_REASON_ROUTER_UNAVAILABLE
+    assert finished.verdict.token_position == lost
+    assert "capture delivered no rows or too few at 1 position(s), 1 rows missing" in finished.message
+    assert outcome.tokens == [100 + g for g in range(lost - len(PROMPT))]
+    assert (finished.unprobed_tokens, finished.dropped_records) == (1, 1)
+    assert s.runtime.metrics.registry.get_sample_value(
+        "undercurrent_engine_dropped_records_total", {"queue": "capture_lost"}) == 1
+
+
+async def test_rows_capture_lost_without_a_word_are_counted_for_a_fail_open_request(stack):
+    lost = len(PROMPT) + 3
+    s = await stack()
+    s.capture.silently_lost[lost] = None
+    outcome = await run(s.runtime, request("lost-open", OPEN, max_tokens=12))
+    finished = outcome.finished
+    assert finished.finish_reason == pb.FINISH_REASON_LENGTH and len(outcome.tokens) == 12
+    assert (finished.unprobed_tokens, finished.dropped_records) == (1, 1)
+    assert finished.message.startswith("1 tokens unprobed (fail_open): capture delivered no rows")
+
+
 # -- item 5: the drain loop never dies silently -------------------------------------------
 
 
