@@ -285,8 +285,9 @@ class RequestLedger:
     # -- questions -------------------------------------------------------------
 
     def first_unsettled(self) -> int:
-        """The first position with a row not yet scored (in flight or failed);
-        one past the last captured position when all are settled, 0 before any."""
+        """The first position with a row not yet scored (in flight, failed, or
+        owed by capture and not arrived); one past the last captured position
+        when all are settled, 0 before any."""
         self._advance_clean()
         for position in self._order[self._clean :]:
             if self._positions[position].open():
@@ -326,7 +327,8 @@ class RequestLedger:
         return self._live[0].queued_at if self._live else None
 
     def unprobed_tokens(self, below: int | None = None) -> int:
-        """Positions with a row that no router scored (failed or never acknowledged).
+        """Positions with a row that no router scored (failed, never acknowledged,
+        or owed by capture and never arrived).
 
         `below` excludes positions at or past it: rows vLLM computed after the
         engine stopped a request belong to tokens the client never received."""
