@@ -11,7 +11,7 @@ from collections import Counter, defaultdict
 
 import numpy as np
 
-from common.capture_spec import ExtractionPoint, Scope, TokenSelector, tensor_type_from_proto
+from common.capture_spec import ExtractionPoint, TokenSelector, tensor_type_from_proto
 from common.errors import InvalidArgument
 from undercurrent.v1 import undercurrent_pb2 as pb
 
@@ -53,24 +53,26 @@ class ExpectedRows:
         self.prompt_len = prompt_len
         self._selectors = Counter(point.tokens for point in points)  # selector -> probe points using it
         # Whole-scope selectors (the usual kind) make a fixed number of rows at every
-        # prompt and every generated position: counted without numpy, once per token.
+        # prompt and every generated position: read once from the selectors' own rule
+        # (at position 0 and at the first generated position), then counted without
+        # numpy, once per token.
         self._per_scope: tuple[int, int] | None = None
         if all(not s.indexes and not s.ranges for s in self._selectors):
-            self._per_scope = (
-                sum(n for s, n in self._selectors.items() if s.scope is not Scope.GENERATED),
-                sum(n for s, n in self._selectors.items() if s.scope is not Scope.PROMPT),
-            )
+            prompt, generated = self._masked(np.array([0, prompt_len], dtype=np.int64)).tolist()
+            self._per_scope = (prompt, generated)
 
     def between(self, start: int, stop: int) -> list[int]:
         """Rows expected at each of positions [start, stop)."""
         if self._per_scope is not None:
             prompt, generated = self._per_scope
             return [prompt if p < self.prompt_len else generated for p in range(start, stop)]
-        positions = np.arange(start, max(start, stop), dtype=np.int64)
+        return self._masked(np.arange(start, max(start, stop), dtype=np.int64)).tolist()
+
+    def _masked(self, positions: np.ndarray) -> np.ndarray:
         counts = np.zeros(positions.size, dtype=np.int64)
         for selector, points in self._selectors.items():
             counts += points * selector.mask(positions, self.prompt_len)
-        return counts.tolist()
+        return counts
 
 
 def check_client_point_names(points: list[ExtractionPoint]) -> None:

@@ -414,16 +414,11 @@ class SessionState:
         for probe, rows in readers:
             part = gathered.setdefault(id(probe), _Gathered(probe))
             part.sources.append((i, masks.setdefault(rows.tobytes(), len(masks))))
-            if rows.all():  # the usual case: no copies through a mask
-                part.slots.append(slots)
-                part.positions.append(block.token_positions)
-                part.layers.append(layers)
-                part.values.append(values[:, plan.columns[id(probe)]])
-            else:
-                part.slots.append(slots[rows])
-                part.positions.append(block.token_positions[rows])
-                part.layers.append(layers[rows])
-                part.values.append(values[rows, plan.columns[id(probe)]])
+            take = slice(None) if rows.all() else rows  # the usual case: views, no copies through a mask
+            part.slots.append(slots[take])
+            part.positions.append(block.token_positions[take])
+            part.layers.append(layers[take])
+            part.values.append(values[take, plan.columns[id(probe)]])
         return out
 
     def _score_probe(

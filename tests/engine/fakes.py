@@ -58,9 +58,9 @@ class FakeCapture:
         self.drains = 0
         self.drain_error: BaseException | None = None  # raised by the next drain()
         self.unregister_error: Exception | None = None
-        # Positions whose rows are lost without a word, per point name (None: every
-        # point): a capture bug the engine must notice on its own.
-        self.silently_lost: dict[int, str | None] = {}
+        # Positions whose rows are lost without a word: a capture bug the engine
+        # must notice on its own.
+        self.silently_lost: set[int] = set()
 
     async def start(self) -> pb.ModelInfo:
         return MODEL
@@ -90,7 +90,7 @@ class FakeCapture:
                 for p in positions
                 if (point.tokens.scope is Scope.ALL
                     or (point.tokens.scope is Scope.PROMPT) == (p < prompt_len))
-                and not (p in self.silently_lost and self.silently_lost[p] in (None, point.name))
+                and p not in self.silently_lost
             ]
             if not chosen:
                 continue

@@ -332,7 +332,7 @@ async def test_a_gated_token_whose_rows_capture_lost_without_a_word_is_never_sho
     there, counting the rows as dropped, instead of showing the token unscored."""
     lost = len(PROMPT) + 5
     s = await stack()
-    s.capture.silently_lost[lost] = None
+    s.capture.silently_lost.add(lost)
     outcome = await run(s.runtime, request("lost-rows", max_tokens=12))
     finished = outcome.finished
     assert finished.finish_reason == pb.FINISH_REASON_ROUTER_UNAVAILABLE
@@ -347,7 +347,7 @@ async def test_a_gated_token_whose_rows_capture_lost_without_a_word_is_never_sho
 async def test_rows_capture_lost_without_a_word_are_counted_for_a_fail_open_request(stack):
     lost = len(PROMPT) + 3
     s = await stack()
-    s.capture.silently_lost[lost] = None
+    s.capture.silently_lost.add(lost)
     outcome = await run(s.runtime, request("lost-open", OPEN, max_tokens=12))
     finished = outcome.finished
     assert finished.finish_reason == pb.FINISH_REASON_LENGTH and len(outcome.tokens) == 12
