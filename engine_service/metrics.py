@@ -76,6 +76,13 @@ class EngineMetrics:
             ["queue"],
             registry=r,
         )
+        self.recomputed_rows = Counter(
+            "undercurrent_engine_recomputed_rows_discarded",
+            "Captured rows of positions vLLM computed again (after preempting a request) whose "
+            "rows an earlier drain already delivered: discarded so each row reaches routers and "
+            "clients once, and no loss (a position with no row at all counts as capture_lost)",
+            registry=r,
+        )
         self.time_to_first_token = Histogram(
             "undercurrent_engine_time_to_first_token_seconds",
             "From accepting a Generate request to its first token on the client stream "

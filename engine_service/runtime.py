@@ -82,6 +82,7 @@ class EngineRuntime:
         self.llm = llm
         self.capture = capture
         self._backlog_drops_counted = 0
+        self._recomputed_rows_counted = 0
         self.link_config = link_config
         self.link: links.RouterLink | None = None
         self.settings = settings or EngineSettings()
@@ -520,7 +521,7 @@ class EngineRuntime:
             started = time.monotonic()
             try:
                 blocks = await self.capture.drain()
-                self._count_backlog_drops()
+                self._count_capture_discards()
                 for request_id, rows in self.capture.pop_dropped_rows().items():
                     request = self.active.get(request_id)
                     if request is not None:
@@ -600,12 +601,17 @@ class EngineRuntime:
                 continue
             request.events.put_activations(parts)
 
-    def _count_backlog_drops(self) -> None:
-        """Rows workers dropped past their backlog bound (their requests fail with an error)."""
+    def _count_capture_discards(self) -> None:
+        """Rows workers dropped past their backlog bound (their requests fail with an
+        error), and recomputed rows discarded as already delivered (not a loss)."""
         dropped = self.capture.backlog_rows_dropped
         if dropped > self._backlog_drops_counted:
             self.metrics.dropped_records.labels("capture_backlog").inc(dropped - self._backlog_drops_counted)
             self._backlog_drops_counted = dropped
+        recomputed = self.capture.recomputed_rows_discarded
+        if recomputed > self._recomputed_rows_counted:
+            self.metrics.recomputed_rows.inc(recomputed - self._recomputed_rows_counted)
+            self._recomputed_rows_counted = recomputed
 
     def _count_client_drop(self, records: int) -> None:
         self.metrics.dropped_records.labels("client_queue").inc(records)

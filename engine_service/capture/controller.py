@@ -357,9 +357,10 @@ class CaptureController:
         await self.engine.collective_rpc("undercurrent_alive", timeout=timeout_s)
 
     @property
-    def recomputed_rows_dropped(self) -> int:
-        """Rows dropped because an earlier drain delivered their key (preemption)."""
-        return self._delivered.dropped
+    def recomputed_rows_discarded(self) -> int:
+        """Rows discarded because an earlier drain delivered their key (vLLM recomputed
+        the position after preempting the request): duplicates, not a loss."""
+        return self._delivered.discarded
 
     def pop_request_errors(self) -> dict[str, str]:
         """Per-request problems found while capturing (record id -> message)."""

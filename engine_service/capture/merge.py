@@ -106,7 +106,7 @@ class DeliveredPositions:
         self._free: list[int] = []
         self._capacity = 0
         self._high: dict[tuple[str, int], np.ndarray] = {}  # (point, layer) -> mark per slot
-        self.dropped = 0
+        self.discarded = 0  # rows of keys already delivered (recomputed)
 
     def filter(self, blocks: list[Block]) -> list[Block]:
         """Drops rows at or below their key's mark; expects merge_blocks() output
@@ -123,11 +123,11 @@ class DeliveredPositions:
             # The last row of each request's run holds its highest position.
             ends = slots[last]
             marks[ends] = np.maximum(marks[ends], block.token_positions[last])
-            dropped = n - int(np.count_nonzero(keep))
-            self.dropped += dropped
-            if not dropped:
+            discarded = n - int(np.count_nonzero(keep))
+            self.discarded += discarded
+            if not discarded:
                 kept_blocks.append(block)
-            elif dropped < n:
+            elif discarded < n:
                 kept_blocks.append(block.select(keep))
         return kept_blocks
 

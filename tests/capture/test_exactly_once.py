@@ -55,7 +55,7 @@ async def test_every_key_arrives_once_despite_preemption(preempting_engine, llam
     run = await run_requests(engine, controller, requests)
 
     assert sum(preemptions) > 0, "the small KV cache did not make vLLM preempt"
-    assert controller.recomputed_rows_dropped > 0, "no recomputed position reached the drain"
+    assert controller.recomputed_rows_discarded > 0, "no recomputed position reached the drain"
     records = run.records()  # asserts no key arrives twice
     for request in requests:
         positions = list(range(len(request.prompt_token_ids) + request.max_tokens - 1))
@@ -64,6 +64,6 @@ async def test_every_key_arrives_once_despite_preemption(preempting_engine, llam
             assert got == positions, f"{request.request_id} {point}@{layer}"
     worst = compare_with_oracle(llama_oracle, run, requests)
     print(
-        f"\nexactly once: {sum(preemptions)} preemptions, {controller.recomputed_rows_dropped} "
-        f"recomputed rows dropped, {len(records)} records, worst error {worst}"
+        f"\nexactly once: {sum(preemptions)} preemptions, {controller.recomputed_rows_discarded} "
+        f"recomputed rows discarded, {len(records)} records, worst error {worst}"
     )

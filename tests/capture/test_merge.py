@@ -61,7 +61,7 @@ def test_preemption_recompute_is_delivered_once_across_drains():
         merge_blocks([block("p", 0, [("a", 0), ("a", 1), ("a", 2), ("a", 3), ("b", 1)], offset=0.5)])
     )
     assert keys_of(second[0]) == [("a", 3), ("b", 1)]
-    assert delivered.dropped == 3
+    assert delivered.discarded == 3
     assert delivered.filter(merge_blocks([block("p", 0, [("a", 1)])])) == []
 
 
@@ -203,4 +203,4 @@ def test_a_slot_freed_by_an_ended_request_starts_its_next_owner_with_no_mark():
     # "b" takes the slot "a" had; its position 0 is new, whatever "a" reached.
     (kept,) = delivered.filter([block("p", 0, [("b", 0)])])
     assert keys_of(kept) == [("b", 0)]
-    assert delivered.dropped == 0
+    assert delivered.discarded == 0

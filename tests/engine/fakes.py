@@ -51,6 +51,7 @@ class FakeCapture:
         self.captured: dict[str, set[int]] = defaultdict(set)  # positions, per request
         self.pending: list[Block] = []
         self.backlog_rows_dropped = 0
+        self.recomputed_rows_discarded = 0  # duplicates of delivered rows (after a preemption)
         # What the next drain reports as dropped past a worker's backlog bound:
         # rows per request, and the errors that name the bound.
         self.dropped_rows: Counter[str] = Counter()

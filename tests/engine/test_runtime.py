@@ -399,6 +399,21 @@ async def test_rows_a_worker_dropped_past_its_backlog_bound_are_counted_in_the_r
         "undercurrent_engine_dropped_records_total", {"queue": "capture_backlog"}) == 7
 
 
+async def test_recomputed_rows_the_capture_discards_are_counted_and_lose_nothing(stack):
+    """Duplicates of delivered rows (vLLM recomputing after a preemption; the
+    real count is tests/capture/test_exactly_once.py) show in their own metric,
+    never as dropped records or unprobed tokens."""
+    s = await stack()
+    s.capture.recomputed_rows_discarded = 9
+    outcome = await run(s.runtime, request("recomputed", max_tokens=8))
+    assert outcome.finished.finish_reason == pb.FINISH_REASON_LENGTH and len(outcome.tokens) == 8
+    assert (outcome.finished.unprobed_tokens, outcome.finished.dropped_records) == (0, 0)
+    sample = s.runtime.metrics.registry.get_sample_value
+    assert sample("undercurrent_engine_recomputed_rows_discarded_total") == 9
+    s.capture.recomputed_rows_discarded = 12
+    await until(lambda: sample("undercurrent_engine_recomputed_rows_discarded_total") == 12, timeout=5)
+
+
 class LoopKiller(BaseException):
     """Escapes the per-iteration guard, as only a BaseException can."""
 

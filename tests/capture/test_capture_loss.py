@@ -1,0 +1,110 @@
+"""Rows that capture loses without a word, in real vLLM: the engine notices on its own.
+
+A real vLLM engine with capture (the capture suite's shared one), the engine
+runtime and router link of the engine service, and a router double on
+loopback. The fault: every row of one position vanishes between the workers
+and the runtime, as a capture bug (a wrong duplicate filter, a lost shipment)
+would lose it without reporting it. The runtime counts rows against what
+capture must make, so a gated fail_closed request stops before that position
+and a fail_open one counts it unprobed; neither shows it as scored.
+"""
+
+from __future__ import annotations
+
+import pytest
+from undercurrent.v1 import undercurrent_pb2 as pb
+
+from engine_service.link import RouterLinkConfig
+from engine_service.runtime import EngineRuntime, EngineSettings
+from tests.capture.workloads import prompt
+from tests.engine_link.helpers import FAST, until
+from tests.engine_link.router_double import PROBE, RouterDouble
+
+pytestmark = pytest.mark.vllm
+
+PROMPT = prompt(6, 7)
+LOST = len(PROMPT) + 4  # generated token 5 is sampled here
+MAX_TOKENS = 10
+
+
+class LosingOnePosition:
+    """The started capture controller, except that its drains lose every row of
+    `position` for every request, reporting nothing."""
+
+    def __init__(self, controller, position: int) -> None:
+        self._controller = controller
+        self.position = position
+        self.lost_rows = 0
+
+    def __getattr__(self, name):
+        return getattr(self._controller, name)
+
+    async def start(self) -> pb.ModelInfo:
+        return self._controller.model_info()  # the shared engine's controller is started
+
+    async def drain(self):
+        kept = []
+        for block in await self._controller.drain():
+            lost = block.token_positions == self.position
+            self.lost_rows += int(lost.sum())
+            if not lost.all():
+                kept.append(block.select(~lost))
+        return kept
+
+
+@pytest.fixture
+async def runtime_losing_rows(llama_engine):
+    engine, controller = llama_engine
+    router = await RouterDouble("r", threshold=1e9).start()  # scores every row, never aborts
+    capture = LosingOnePosition(controller, LOST)
+    config = RouterLinkConfig(targets=router.address, engine_id="engine-loss", **{**FAST, "router_timeout_s": 5.0})
+    runtime = EngineRuntime(engine, capture, link_config=config, settings=EngineSettings(router_timeout_s=5.0))
+    await runtime.start()
+    try:
+        await runtime.link.wait_ready(timeout=10)
+        yield runtime, capture, router
+        await until(lambda: not runtime.active and runtime.link.live_requests() == 0, timeout=10)
+    finally:
+        await runtime.close()
+        await router.kill()
+
+
+def generate_request(request_id: str, policy: int) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=request_id,
+        token_ids=pb.TokenIds(ids=PROMPT),
+        sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+        gate_tokens=True,
+        probes=[pb.ProbeBinding(probe=PROBE.name, failure_policy=policy)],
+    )
+
+
+async def run(runtime: EngineRuntime, message: pb.GenerateRequest) -> tuple[list[int], pb.GenerateFinished]:
+    responses = [response async for response in runtime.generate(message)]
+    tokens = [t for r in responses if r.HasField("tokens") for t in r.tokens.token_ids]
+    assert responses[-1].HasField("finished")
+    return tokens, responses[-1].finished
+
+
+async def test_real_capture_losing_a_positions_rows_stops_a_gated_fail_closed_request_there(runtime_losing_rows):
+    runtime, capture, router = runtime_losing_rows
+    # The same greedy request, fail_open, shows every token: what fail_closed must cut short.
+    all_tokens, open_finish = await run(runtime, generate_request("loss-open", pb.FAILURE_POLICY_FAIL_OPEN))
+    assert open_finish.finish_reason == pb.FINISH_REASON_LENGTH and len(all_tokens) == MAX_TOKENS
+    # The probe reads layer 0 of the residual stream: one row per position, and one was lost.
+    assert capture.lost_rows == 1
+    assert (open_finish.unprobed_tokens, open_finish.dropped_records) == (1, 1)
+    assert open_finish.message.startswith("1 tokens unprobed (fail_open): capture delivered no rows")
+    assert LOST not in router.requests["loss-open"].positions
+
+    tokens, finished = await run(runtime, generate_request("loss-closed", pb.FAILURE_POLICY_FAIL_CLOSED))
+    assert capture.lost_rows == 2
+    assert finished.finish_reason == pb.FINISH_REASON_ROUTER_UNAVAILABLE
+    assert finished.verdict.token_position == LOST
+    assert "capture delivered no rows or too few at 1 position(s), 1 rows missing" in finished.message
+    # Every token before the lost position, none from it on: the token sampled
+    # at LOST and those after it were never shown.
+    assert tokens == all_tokens[: LOST - len(PROMPT)]
+    assert (finished.unprobed_tokens, finished.dropped_records) == (1, 1)
+    assert runtime.metrics.registry.get_sample_value(
+        "undercurrent_engine_dropped_records_total", {"queue": "capture_lost"}) == 2
