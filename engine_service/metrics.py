@@ -78,9 +78,10 @@ class EngineMetrics:
         )
         self.recomputed_rows = Counter(
             "undercurrent_engine_recomputed_rows_discarded",
-            "Captured rows of positions vLLM computed again (after preempting a request) whose "
-            "rows an earlier drain already delivered: discarded so each row reaches routers and "
-            "clients once, and no loss (a position with no row at all counts as capture_lost)",
+            "Captured rows discarded as duplicates: vLLM computed their positions again after "
+            "preempting a request, and an earlier drain had delivered them, so each row reaches "
+            "routers and clients once. Not a loss (a row that never arrives counts in "
+            "dropped_records, queue capture_lost)",
             registry=r,
         )
         self.time_to_first_token = Histogram(

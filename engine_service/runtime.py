@@ -521,7 +521,7 @@ class EngineRuntime:
             started = time.monotonic()
             try:
                 blocks = await self.capture.drain()
-                self._count_capture_discards()
+                self._count_undelivered_rows()
                 for request_id, rows in self.capture.pop_dropped_rows().items():
                     request = self.active.get(request_id)
                     if request is not None:
@@ -601,9 +601,10 @@ class EngineRuntime:
                 continue
             request.events.put_activations(parts)
 
-    def _count_capture_discards(self) -> None:
-        """Rows workers dropped past their backlog bound (their requests fail with an
-        error), and recomputed rows discarded as already delivered (not a loss)."""
+    def _count_undelivered_rows(self) -> None:
+        """Rows capture did not deliver: those workers dropped past their backlog bound
+        (their requests fail with an error), and recomputed duplicates of delivered
+        rows (not a loss)."""
         dropped = self.capture.backlog_rows_dropped
         if dropped > self._backlog_drops_counted:
             self.metrics.dropped_records.labels("capture_backlog").inc(dropped - self._backlog_drops_counted)
