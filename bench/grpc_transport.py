@@ -1,13 +1,13 @@
 """What one large gRPC bidi message costs each end in CPU, by channel options.
 
-    python -m bench.grpc_transport [--bytes 800000] [--messages 300] [--rounds 2]
+    python -m bench.grpc_transport [--bytes 800000] [--messages 300] [--rounds 2] [--out FILE]
 
 A bare grpc.aio bidi stream on loopback (bytes in, one byte back per message,
 no protobuf): the floor under every step the engine service writes to a router.
 The server runs in a process of its own and reports its CPU time. Options
 compared, round by round: gRPC's defaults (the project's channels use them),
 16 MiB HTTP/2 frames, a fixed 16 MiB stream window without BDP probing, both,
-and an 8 MiB write buffer. Writes bench/results/grpc_transport.json.
+and an 8 MiB write buffer. Writes bench/results/grpc_transport.json (or --out).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 import grpc
 from grpc import aio
 
-RESULTS = Path(__file__).resolve().parent / "results" / "grpc_transport.json"
+RESULTS = Path(__file__).resolve().parent / "results"
 LIMITS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 BIG_FRAMES = [("grpc.http2.max_frame_size", (16 << 20) - 1)]
 FIXED_WINDOW = [("grpc.http2.lookahead_bytes", 16 << 20), ("grpc.http2.bdp_probe", 0)]
@@ -115,6 +115,7 @@ def main() -> None:
                         "type at every layer of the bench model is 0.8 MB)")
     parser.add_argument("--messages", type=int, default=300, help="messages measured per round and option")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", default="grpc_transport.json", help="file name under bench/results/")
     args = parser.parse_args()
     rounds: dict[str, list[dict]] = {name: [] for name in OPTIONS}
     for number in range(args.rounds):
@@ -126,7 +127,8 @@ def main() -> None:
                   flush=True)
     medians = {name: {key: statistics.median(r[key] for r in results) for key in results[0]}
                for name, results in rounds.items()}
-    RESULTS.write_text(json.dumps({
+    out = RESULTS / args.out
+    out.write_text(json.dumps({
         "command": "python -m bench.grpc_transport " + " ".join(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared), load average "
@@ -137,7 +139,7 @@ def main() -> None:
         "rounds": rounds,
         "medians": medians,
     }, indent=1) + "\n")
-    print(f"wrote {RESULTS}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
