@@ -81,8 +81,8 @@ class EngineRuntime:
     ):
         self.llm = llm
         self.capture = capture
-        self._backlog_drops_counted = 0
-        self._recomputed_rows_counted = 0
+        # Capture's running totals already added to a metric, per metric (see _count_growth).
+        self._totals_counted: dict[object, int] = {}
         self.link_config = link_config
         self.link: links.RouterLink | None = None
         self.settings = settings or EngineSettings()
@@ -605,14 +605,15 @@ class EngineRuntime:
         """Rows capture did not deliver: those workers dropped past their backlog bound
         (their requests fail with an error), and recomputed duplicates of delivered
         rows (not a loss)."""
-        dropped = self.capture.backlog_rows_dropped
-        if dropped > self._backlog_drops_counted:
-            self.metrics.dropped_records.labels("capture_backlog").inc(dropped - self._backlog_drops_counted)
-            self._backlog_drops_counted = dropped
-        recomputed = self.capture.recomputed_rows_discarded
-        if recomputed > self._recomputed_rows_counted:
-            self.metrics.recomputed_rows.inc(recomputed - self._recomputed_rows_counted)
-            self._recomputed_rows_counted = recomputed
+        self._count_growth(self.metrics.dropped_records.labels("capture_backlog"), self.capture.backlog_rows_dropped)
+        self._count_growth(self.metrics.recomputed_rows, self.capture.recomputed_rows_discarded)
+
+    def _count_growth(self, counter, total: int) -> None:
+        """Adds to `counter` what capture's running `total` grew by since the last call."""
+        grown = total - self._totals_counted.get(counter, 0)
+        if grown > 0:
+            counter.inc(grown)
+            self._totals_counted[counter] = total
 
     def _count_client_drop(self, records: int) -> None:
         self.metrics.dropped_records.labels("client_queue").inc(records)
