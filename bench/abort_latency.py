@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -38,12 +36,12 @@ from pathlib import Path
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from bench import results_file  # noqa: E402
 from tests.e2e import probes, stack  # noqa: E402
 from tools import processes  # noqa: E402
 from undercurrent.v1 import undercurrent_pb2 as pb  # noqa: E402
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results" / "abort_latency.json"
 PROMPTS = ["The quick brown fox", "Hello, world! How are", "A probe is a small"]
 TOPOLOGIES = {
     "tp1": ([], None),
@@ -275,14 +273,7 @@ async def main_async(args) -> dict:
 
 
 def write(path: Path, results: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({
-        "command": "python -m bench.abort_latency " + " ".join(sys.argv[1:]),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}, CPU only",
-        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "results": results,
-    }, indent=1) + "\n")
-    print(f"wrote {path}", flush=True)
+    results_file.write(path, {**results_file.provenance(), "results": results})
 
 
 def main() -> int:
@@ -295,7 +286,7 @@ def main() -> int:
                         help="then this many requests, each after --idle seconds without any")
     parser.add_argument("--idle", type=float, default=8.0,
                         help="seconds idle before each of --idle-requests")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=results_file.RESULTS / "abort_latency.json")
     parser.add_argument("--stall-dump", type=float, metavar="SECONDS",
                         help="py-spy dump the engine's processes when a request runs this long")
     parser.add_argument("--router-nice", type=int, default=0,

@@ -17,17 +17,15 @@ import asyncio
 import json
 import multiprocessing
 import os
-import platform
 import resource
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import grpc
 from grpc import aio
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from bench import results_file
+
 LIMITS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 BIG_FRAMES = [("grpc.http2.max_frame_size", (16 << 20) - 1)]
 FIXED_WINDOW = [("grpc.http2.lookahead_bytes", 16 << 20), ("grpc.http2.bdp_probe", 0)]
@@ -117,7 +115,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default="grpc_transport.json", help="file name under bench/results/")
     args = parser.parse_args()
-    rounds: dict[str, list[dict]] = {name: [] for name in OPTIONS}
+    started, rounds = time.time(), {name: [] for name in OPTIONS}
     for number in range(args.rounds):
         for name, options in OPTIONS.items():
             result = run_one(options, args.bytes, args.messages)
@@ -127,19 +125,14 @@ def main() -> None:
                   flush=True)
     medians = {name: {key: statistics.median(r[key] for r in results) for key in results[0]}
                for name, results in rounds.items()}
-    out = RESULTS / args.out
-    out.write_text(json.dumps({
-        "command": "python -m bench.grpc_transport " + " ".join(sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared), load average "
-                   f"{os.getloadavg()[0]:.1f} at the end",
+    results_file.write(args.out, {
+        **results_file.provenance(started),
         "grpcio": grpc.__version__,
         "args": vars(args),
         "options": {name: [list(o) for o in options] for name, options in OPTIONS.items()},
         "rounds": rounds,
         "medians": medians,
-    }, indent=1) + "\n")
-    print(f"wrote {out}")
+    })
 
 
 if __name__ == "__main__":

@@ -50,7 +50,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import signal
 import sys
 import time
@@ -61,6 +60,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import grpc  # noqa: E402
 
+from bench import results_file  # noqa: E402
 from bench.overhead import MODELS, TENSOR_TYPES, Workload, generate_request, write_probes  # noqa: E402
 from common import embedded_model  # noqa: E402
 from tests.e2e.stack import scrape, wait_for_probe  # noqa: E402
@@ -71,7 +71,6 @@ from undercurrent.v1 import undercurrent_pb2 as pb  # noqa: E402
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "bench" / "results"
 MIB = 1024 * 1024
 # HTTP/2's initial window: what a peer that stops reading leaves the sender, per stream.
 NO_BDP = [("grpc.http2.bdp_probe", 0)]
@@ -406,13 +405,9 @@ def main() -> int:
     import vllm
 
     report = {
-        "command": "python -m bench.memory" + "".join(f" {a}" for a in sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
+        **results_file.provenance(started),
         "wall_seconds": round(time.time() - started, 1),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores shared with other jobs, "
-                   f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, "
-                   f"load average {os.getloadavg()[0]:.1f} at the end",
-        "vllm": vllm.__version__, "python": platform.python_version(),
+        "vllm": vllm.__version__,
         "model": args.model, "batch": args.batch, "rounds": args.rounds, "tokens": args.tokens,
         "prompt_tokens": args.prompt_tokens, "interval_s": args.interval,
         "malloc_mmap_threshold": args.malloc_mmap_threshold,
@@ -421,10 +416,7 @@ def main() -> int:
                            "capture_backlog_bytes": args.capture_backlog_bytes},
         "rows": rows,
     }
-    out = RESULTS / args.out
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    say(f"wrote {out.relative_to(REPO)}")
+    results_file.write(args.out, report)
     print(f"{report['command']}  ({report['date']}, {report['wall_seconds']} s, {report['machine']})\n")
     print(table(rows))
     return 0

@@ -46,7 +46,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -58,13 +57,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 
+from bench import results_file  # noqa: E402
 from common import embedded_model  # noqa: E402
 from router_service.probe_files import write_probe  # noqa: E402
 from tools import processes  # noqa: E402
 from undercurrent.v1 import undercurrent_pb2 as pb  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "bench" / "results"
 MODELS = {"embedded": "tiny-llama", "bench": "bench-llama"}
 MODES = ("vllm_default", "vllm_eager", "uc_off", "uc_one_layer", "uc_all_router", "uc_all_client")
 TENSOR_TYPES = (
@@ -374,18 +373,14 @@ def main() -> int:
     import vllm
 
     report = {
-        "command": "python -m bench.overhead" + "".join(f" {a}" for a in sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
+        **results_file.provenance(started),
         "wall_seconds": round(time.time() - started, 1),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores shared with other jobs, "
-                   f"load average {os.getloadavg()[0]:.1f} at the end",
-        "vllm": vllm.__version__, "python": platform.python_version(),
+        "vllm": vllm.__version__,
         "parallel": args.parallel, "uc_eager": args.uc_eager, "tokens": args.tokens, "prompt_tokens": args.prompt_tokens,
         "rounds": args.rounds, "results": results,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / (args.out or ("overhead.json" if args.parallel == "none" else f"overhead-{args.parallel}.json"))
-    out.write_text(json.dumps(report, indent=1))
+    results_file.write(args.out or ("overhead.json" if args.parallel == "none" else f"overhead-{args.parallel}.json"),
+                       report)
     print(f"\n{report['command']}  ({report['date']}, {report['wall_seconds']} s, {report['machine']})\n")
     print(table(results))
     return 0

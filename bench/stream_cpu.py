@@ -1,6 +1,7 @@
 """CPU per step of the engine-to-router stream's Python, both ends, without a network.
 
     python -m bench.stream_cpu [--steps 150] [--rows 256] [--hidden 4096] [--probes 10] [--blocks 1]
+                               [--rounds 1] [--out stream_cpu.json]
 
 Each step carries `--blocks` blocks (layers 0..blocks-1) of `--rows` requests
 with one bf16 row each: the default is one layer's decode step of 256
@@ -19,8 +20,10 @@ router: `SessionState.batch` on a worker thread for a parsed batch of the same
     rows, every request bound to `--probes` logistic probes reading every layer.
 
 Reports process CPU milliseconds per step (time.process_time), which shared
-cores inflate less than wall time; run it alternately against another tree for
-a same-run comparison. BLAS runs one thread, as in the router process.
+cores inflate less than wall time, per round and the median over `--rounds`,
+and writes them to bench/results/stream_cpu.json (or `--out`); run it
+alternately against another tree for a same-run comparison. BLAS runs one
+thread, as in the router process.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
+import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
@@ -39,6 +43,7 @@ from pathlib import Path  # noqa: E402
 import msgspec  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench import results_file  # noqa: E402
 from common import tensor_codec  # noqa: E402
 from common.activations import Block, decode_parts, encode_part, session_request_bytes, to_batch  # noqa: E402
 from undercurrent.v1 import undercurrent_pb2 as pb  # noqa: E402
@@ -142,12 +147,22 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--probes", type=int, default=10)
     parser.add_argument("--blocks", type=int, default=1, help="blocks (layers) per step")
+    parser.add_argument("--rounds", type=int, default=1, help="measure each end this many times")
+    parser.add_argument("--out", default="stream_cpu.json", help="file name under bench/results/")
     args = parser.parse_args()
-    drain_s, link_s = asyncio.run(engine(args))
-    router_s = router(args)
-    print(f"engine drain {drain_s * 1e3:.2f} ms, engine link {link_s * 1e3:.2f} ms, router {router_s * 1e3:.2f} ms "
-          f"CPU per step ({args.blocks} block(s) of {args.rows} rows x {args.hidden} bf16, {args.probes} probes); "
-          f"load average {os.getloadavg()[0]:.1f}")
+    started, rounds = time.time(), []
+    for number in range(args.rounds):
+        drain_s, link_s = asyncio.run(engine(args))
+        rounds.append({"engine_drain_ms": drain_s * 1e3, "engine_link_ms": link_s * 1e3,
+                       "router_ms": router(args) * 1e3})
+        print(f"round {number}: engine drain {rounds[-1]['engine_drain_ms']:.2f} ms, engine link "
+              f"{rounds[-1]['engine_link_ms']:.2f} ms, router {rounds[-1]['router_ms']:.2f} ms CPU per step "
+              f"({args.blocks} block(s) of {args.rows} rows x {args.hidden} bf16, {args.probes} probes); "
+              f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    results_file.write(args.out, {
+        **results_file.provenance(started), "args": vars(args), "unit": "CPU ms per step", "rounds": rounds,
+        "medians": {key: statistics.median(r[key] for r in rounds) for key in rounds[0]},
+    })
 
 
 if __name__ == "__main__":
