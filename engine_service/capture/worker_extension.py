@@ -9,9 +9,11 @@ worker, created by `undercurrent_start`.
 Each step, a pre-hook on the model maps the flat batch to capture keys
 (`row_mapping.RowMapper`); the capture sites built into the model
 (`sites.py`: the decoder layers, `self_attn`, `mlp` and the final norm, kept
-by a compiled model too) then hand their tensors to this worker, which copies
-only the selected rows. vLLM's norms work in place on the tensors a site sees,
-so rows are copied at once and never referenced later. Only tp_rank 0 of each
+by a compiled model too) then hand their tensors to this worker, which gathers
+only the selected rows into the step's buffer on the model's device
+(`staging.StepStaging`), brought to the host once after the forward pass. vLLM's
+norms work in place on the tensors a site sees, so rows are gathered at once
+and never referenced later. Only tp_rank 0 of each
 pipeline stage receives from its sites: every TP rank holds the same
 all-reduced values, so one copy per stage is enough.
 
@@ -31,6 +33,7 @@ from common.activations import Block, WirePart, encode_part
 from common.capture_spec import ExtractionPoint, tensor_type_to_proto
 from engine_service.capture.push import Pusher
 from engine_service.capture.row_mapping import PointRows, Registration, RowMapper, rows_per_point
+from engine_service.capture.staging import StepStaging
 from engine_service.capture.sites import (
     VERIFIED_ARCHITECTURES,
     has_sites,
@@ -137,8 +140,7 @@ class _CaptureState:
 
         self.ships = tp_group.rank_in_group == 0
         self.mapper = RowMapper(range(start_layer, end_layer), num_layers, has_final_norm)
-        # (tensor type, layer) -> per point: its rows this step and their batch indexes
-        self.plan: dict[tuple[str, int], list[tuple[PointRows, torch.Tensor]]] = {}
+        self.staging: StepStaging | None = None  # this step's plan and gathered rows
         self.buffers: dict[tuple[str, int], list[tuple[PointRows, np.ndarray, str]]] = (
             defaultdict(list)
         )
@@ -225,7 +227,7 @@ class _CaptureState:
     def _plan_step(self, module, args, kwargs) -> None:
         self.sites_ran = False
         if not self.mapper.registrations:
-            self.plan = {}
+            self.staging = None
             return
         batch = self.runner.input_batch
         num_reqs = batch.num_reqs
@@ -237,10 +239,7 @@ class _CaptureState:
             query_start_loc,
             positions[:num_rows].cpu().numpy(),
         )
-        self.plan = {
-            key: [(rows, torch.from_numpy(rows.row_indices)) for rows in joined]
-            for key, joined in rows_per_point(plan).items()
-        }
+        self.staging = StepStaging(rows_per_point(plan), self.runner.device)
 
     def _after_step(self, module, args, output) -> None:
         """After this stage's forward pass: everything it captured goes to the driver.
@@ -248,20 +247,24 @@ class _CaptureState:
         A planned step whose sites never ran is a model compiled without them (a
         compile cache of the same model built elsewhere without sites, say): that
         is an error on every request it touches, never an empty capture."""
-        if self.plan and not self.sites_ran:
+        staging, self.staging = self.staging, None
+        if staging is not None and staging.plan and not self.sites_ran:
             self._fail(
                 "the model's capture sites did not run in this step's forward pass: it was "
                 "compiled without them; restart the engine with --enforce-eager, or after "
                 "clearing vLLM's compile cache (torch_compile_cache under $VLLM_CACHE_ROOT, "
                 "~/.cache/vllm by default)"
             )
+        if staging is not None:
+            for point_rows, array, dtype in staging.collect():
+                self.buffers[(point_rows.point, point_rows.layer)].append((point_rows, array, dtype))
         if self.pusher is not None and (self.buffers or self.errors or self.mapper.gaps):
             self.pusher.push(self.drain())
 
     def _receive(self, tensor_type: str, layer: int, tensor: torch.Tensor, addend: torch.Tensor | None) -> None:
         """One site's tensor this step (residual_stream: hidden states and residual)."""
         self.sites_ran = True
-        planned = self.plan.get((tensor_type, layer))
+        planned = self.staging.plan.get((tensor_type, layer)) if self.staging is not None else None
         if not planned:
             return
         if tensor_type == "residual_stream":
@@ -272,21 +275,11 @@ class _CaptureState:
                     f"{None if addend is None else tuple(addend.shape)}; refusing to sum them"
                 )
                 return
-            for point_rows, index in planned:
-                self._keep(point_rows, tensor[index] + addend[index])
+            for staged in planned:
+                self.staging.gather(staged, tensor, addend)
             return
-        for point_rows, index in planned:
-            self._keep(point_rows, tensor[index])
-
-    def _keep(self, point_rows: PointRows, rows: torch.Tensor) -> None:
-        """Buffers a fresh copy (indexing copies) as numpy; bfloat16 as its bits."""
-        rows = rows.detach().cpu()
-        if rows.dtype == torch.bfloat16:
-            array, dtype = rows.view(torch.int16).numpy().view(np.uint16), "bfloat16"
-        else:
-            array = rows.numpy()
-            dtype = array.dtype.name
-        self.buffers[(point_rows.point, point_rows.layer)].append((point_rows, array, dtype))
+        for staged in planned:
+            self.staging.gather(staged, tensor)
 
     def _fail(self, message: str) -> None:
         if message not in self.errors:
@@ -304,10 +297,10 @@ class _CaptureState:
                         point=point,
                         tensor_type=tensor_type_to_proto(planned[0].tensor_type),
                         layer=layer,
-                        rows=np.concatenate([c[1] for c in chunks]),
+                        rows=_end_to_end([c[1] for c in chunks]),
                         request_ids=[r for p in planned for r in p.request_ids],
-                        token_positions=np.concatenate([p.positions for p in planned]),
-                        is_generated=np.concatenate([p.is_generated for p in planned]),
+                        token_positions=_end_to_end([p.positions for p in planned]),
+                        is_generated=_end_to_end([p.is_generated for p in planned]),
                         wire_dtype=chunks[0][2],
                     )
                 )
@@ -316,6 +309,12 @@ class _CaptureState:
         gaps = [(g.request_id, g.point, g.start, g.stop) for g in self.mapper.take_gaps()]
         errors, self.errors = self.errors, []
         return {"rank": self.topology["rank"], "parts": parts, "gaps": gaps, "errors": errors}
+
+
+def _end_to_end(arrays: list[np.ndarray]) -> np.ndarray:
+    """The arrays joined; the one array itself when there is one (a worker that
+    pushes drains every step, one chunk per point and layer), as encoding copies it anyway."""
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
 def _find(module, name: str, architecture: str, path: str = ""):

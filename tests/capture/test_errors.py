@@ -115,15 +115,19 @@ async def test_the_rpc_drain_still_delivers_every_row_when_workers_do_not_push(l
 def test_a_planned_step_whose_sites_never_ran_is_an_error_not_an_empty_capture():
     """What a model compiled without its sites (a foreign compile cache) would do;
     the state's step logic alone, as no real engine can be built that way here."""
+    from engine_service.capture.staging import StepStaging
     from engine_service.capture.worker_extension import _CaptureState
+
+    def planned() -> StepStaging:
+        return StepStaging({("residual_stream", 1): []}, "cpu")
 
     state = _CaptureState.__new__(_CaptureState)
     state.errors, state.pusher = [], None
-    for plan, sites_ran in (({}, False), ({("residual_stream", 1): []}, True)):
-        state.plan, state.sites_ran = plan, sites_ran
+    for staging, sites_ran in ((None, False), (StepStaging({}, "cpu"), False), (planned(), True)):
+        state.staging, state.sites_ran = staging, sites_ran
         state._after_step(None, (), None)
         assert state.errors == []
-    state.plan, state.sites_ran = {("residual_stream", 1): []}, False
+    state.staging, state.sites_ran = planned(), False
     state._after_step(None, (), None)
     assert state.errors == [
         "the model's capture sites did not run in this step's forward pass: it was compiled "
