@@ -78,22 +78,26 @@ def rows_per_point(plan: StepPlan) -> dict[tuple[str, int], list[PointRows]]:
     gather per point and hook instead of one per request (a decode step selects
     one row per request, so the per-request gathers were mostly overhead)."""
     joined: dict[tuple[str, int], list[PointRows]] = {}
+    # A point's selections on its layers share their arrays (RowMapper.plan):
+    # the rows joined from one set of arrays serve every layer that has them.
+    rows_of: dict[tuple[str, tuple[int, ...]], tuple] = {}
     for key, selections in plan.items():
         by_point: dict[str, list[Selection]] = {}
         for selection in selections:
             by_point.setdefault(selection.point, []).append(selection)
-        joined[key] = [
-            PointRows(
-                point=point,
-                tensor_type=chosen[0].tensor_type,
-                layer=chosen[0].layer,
-                row_indices=np.concatenate([s.row_indices for s in chosen]),
-                request_ids=[s.request_id for s in chosen for _ in range(len(s.positions))],
-                positions=np.concatenate([s.positions for s in chosen]),
-                is_generated=np.concatenate([s.is_generated for s in chosen]),
-            )
-            for point, chosen in by_point.items()
-        ]
+        entries = []
+        for point, chosen in by_point.items():
+            identity = (point, tuple(id(s.row_indices) for s in chosen))
+            rows = rows_of.get(identity)
+            if rows is None:
+                rows = rows_of[identity] = (
+                    np.concatenate([s.row_indices for s in chosen]),
+                    [s.request_id for s in chosen for _ in range(len(s.positions))],
+                    np.concatenate([s.positions for s in chosen]),
+                    np.concatenate([s.is_generated for s in chosen]),
+                )
+            entries.append(PointRows(point, chosen[0].tensor_type, chosen[0].layer, *rows))
+        joined[key] = entries
     return joined
 
 
@@ -140,13 +144,17 @@ class RowMapper:
         # vLLM-internal id -> first position not yet computed; finds prefix-cache gaps.
         self._next_position: dict[str, int] = {}
         self.gaps: list[PromptGap] = []
+        # request id -> its points, each with the layers of it this rank owns.
+        self._owned: dict[str, list[tuple[ExtractionPoint, tuple[int, ...]]]] = {}
 
     def register(self, registration: Registration) -> None:
         self.registrations[registration.request_id] = registration
+        self._owned.pop(registration.request_id, None)
         self._resolved = {k: v for k, v in self._resolved.items() if v is not None}
 
     def unregister(self, request_id: str) -> None:
         self.registrations.pop(request_id, None)
+        self._owned.pop(request_id, None)
         stale = [
             internal
             for internal, record_id in self._resolved.items()
@@ -186,27 +194,32 @@ class RowMapper:
             registration = self.registrations[parent_request_id(record_id, self.registrations)]
             request_positions = np.asarray(positions[lo:hi], dtype=np.int64)
             self._note_gap(internal_id, record_id, registration, request_positions)
-            for point in registration.points:
+            for point, layers in self._owned_layers(registration):
                 picked = point.tokens.mask(request_positions, registration.prompt_len)
                 if not picked.any():
                     continue
                 local = np.flatnonzero(picked)
+                # The same rows on every layer of the point: its layers share these
+                # arrays (read-only), and rows_per_point joins them once.
+                row_indices = lo + local
                 selected_positions = request_positions[local]
-                for layer in point.capture_layers(self.num_layers):
-                    if not self._owns(layer):
-                        continue
+                is_generated = selected_positions >= registration.prompt_len
+                for layer in layers:
                     plan[(point.tensor_type, layer)].append(
-                        Selection(
-                            point=point.name,
-                            tensor_type=point.tensor_type,
-                            layer=layer,
-                            row_indices=lo + local,
-                            request_id=record_id,
-                            positions=selected_positions,
-                            is_generated=selected_positions >= registration.prompt_len,
-                        )
+                        Selection(point.name, point.tensor_type, layer, row_indices, record_id,
+                                  selected_positions, is_generated)
                     )
         return plan
+
+    def _owned_layers(self, registration: Registration) -> list[tuple[ExtractionPoint, tuple[int, ...]]]:
+        """Each point of the registration with the layers of it this rank computes."""
+        owned = self._owned.get(registration.request_id)
+        if owned is None:
+            owned = self._owned[registration.request_id] = [
+                (point, tuple(layer for layer in point.capture_layers(self.num_layers) if self._owns(layer)))
+                for point in registration.points
+            ]
+        return owned
 
     def _note_gap(
         self,
