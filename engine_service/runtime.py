@@ -322,9 +322,19 @@ class EngineRuntime:
                         request.prompt_len,
                         request.ledger,
                     )
-                async for output in self.llm.generate(
-                    TokensPrompt(prompt_token_ids=ids), params, request.request_id
-                ):
+                # Ended already (an Engine.Abort while capture registered it, say):
+                # vLLM never sees it. Ended while vLLM was still adding it: that abort
+                # found nothing in vLLM, so it is repeated once vLLM answers.
+                outputs = (
+                    self.llm.generate(TokensPrompt(prompt_token_ids=ids), params, request.request_id)
+                    if request.finish_reason == pb.FINISH_REASON_UNSPECIFIED
+                    else _no_outputs()
+                )
+                first = True
+                async for output in outputs:
+                    if first and request.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                        self._spawn(self.llm.abort(request.request_id))
+                    first = False
                     completion = output.outputs[0]
                     if completion.token_ids:
                         self._emit_tokens(request, list(completion.token_ids), completion.text)
@@ -688,3 +698,9 @@ class EngineRuntime:
         level = logging.DEBUG if request.said_unprobed else logging.WARNING
         request.said_unprobed = True
         log.log(level, "request %s continues with unprobed tokens (fail_open): %s", request.request_id, reason)
+
+
+async def _no_outputs():
+    """vLLM's outputs for a request that ended before vLLM was asked to run it."""
+    return
+    yield

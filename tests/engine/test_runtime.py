@@ -462,3 +462,26 @@ async def test_client_only_capture_finishes_after_the_last_rows_arrived(stack):
         )
         # The prompt and every fed-back token: the last sampled token is never computed.
         assert positions == list(range(len(PROMPT) + 7)), attempt
+
+
+async def test_an_abort_before_vllm_runs_the_request_ends_it_and_vllm_never_runs_it(stack):
+    """Engine.Abort finds a request as soon as it is accepted; one that lands while
+    capture registers it (before vLLM is asked) must still end it."""
+    s = await stack()
+    registering, release = asyncio.Event(), asyncio.Event()
+    register = s.capture.register
+
+    async def slow_register(*args):
+        registering.set()
+        await release.wait()
+        await register(*args)
+
+    s.capture.register = slow_register
+    running = asyncio.create_task(run(s.runtime, request("early", OPEN, max_tokens=500, gate=False)))
+    await asyncio.wait_for(registering.wait(), 5)
+    assert await s.runtime.abort("early")
+    release.set()
+    outcome = await asyncio.wait_for(running, 10)
+    assert outcome.finished.finish_reason == pb.FINISH_REASON_CLIENT_ABORT
+    assert outcome.tokens == [] and outcome.finished.generated_tokens == 0
+    assert "early" not in s.llm.running and "early" not in s.llm.aborted[1:]
