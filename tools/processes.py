@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tools.dev_security import DevSecurity
@@ -119,6 +120,17 @@ class Service:
         except ProcessLookupError:
             pass
         self.process.wait(timeout=30)
+
+
+def vllm_engine_core(service: Service) -> psutil.Process:
+    """vLLM's engine-core child of an engine process (titled VLLM::EngineCore...);
+    its own children are the workers of a multi-worker engine."""
+    children = psutil.Process(service.process.pid).children(recursive=True)
+    cores = [p for p in children if "EngineCore" in " ".join(p.cmdline())]
+    if len(cores) != 1:
+        raise RuntimeError(f"expected one vLLM engine core under {service.name}, found: "
+                           f"{[p.cmdline() for p in children]}")
+    return cores[0]
 
 
 def _security(secure: bool) -> DevSecurity | None:

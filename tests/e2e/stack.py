@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from contextlib import contextmanager
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +71,33 @@ async def generate(stub: pb_grpc.EngineServiceStub, request: pb.GenerateRequest,
             outcome.finished = response.finished
     assert outcome.finished is not None, "the stream ended without a finished message"
     return outcome
+
+
+@contextmanager
+def vllm_paused(engine_service: Service):
+    """vLLM's engine core and workers stopped (SIGSTOP) while the block runs.
+
+    A request started meanwhile stays in the engine's table, unfinished, until
+    the block ends, however fast the model and however slow the host: the tiny
+    model can decode a thousand tokens before a loaded client sees the first, so
+    a test that needs a running request must not race it. The engine service
+    itself keeps answering (nothing on its event loop waits for vLLM)."""
+    core = processes.vllm_engine_core(engine_service)
+    stopped = [core, *core.children(recursive=True)]
+    for process in stopped:
+        process.suspend()
+    try:
+        yield
+    finally:
+        for process in stopped:
+            process.resume()
+
+
+async def until_started(outcome: Outcome, stream: asyncio.Task) -> None:
+    """Until the request is in the engine's table (its `started` event)."""
+    while not outcome.request_id:
+        assert not stream.done(), stream
+        await asyncio.sleep(0.005)
 
 
 def channel(address: str, token: str | None = None) -> grpc.aio.Channel:

@@ -74,35 +74,40 @@ async def test_bad_requests_get_precise_errors_and_the_engine_keeps_serving(engi
     assert outcome.reason == "LENGTH" and len(outcome.tokens) == 4
 
 
-async def test_duplicate_running_request_id_is_refused(engine):
+async def test_duplicate_running_request_id_is_refused(engine_service, engine):
     running = stack.Outcome()
-    # As long as the model allows: the tiny model decodes hundreds of tokens a second,
-    # and the duplicate must arrive while the first still runs.
-    longest = MAX_MODEL_LEN - 16
-    first = asyncio.create_task(stack.generate(engine, simple("twice", max_tokens=longest, text="a b c"),
-                                               outcome=running))
-    for _ in range(600):  # until its first token: it is running (a fixed sleep raced a loaded host)
-        if running.tokens or first.done():
-            break
-        await asyncio.sleep(0.1)
-    assert running.tokens and not first.done()
-    await expect_error(engine, simple("twice"), grpc.StatusCode.ALREADY_EXISTS, "'twice' is already running")
-    assert (await engine.Abort(pb.AbortRequest(request_id="twice"))).found
+    with stack.vllm_paused(engine_service):  # so the first request is still running when its duplicate comes
+        first = asyncio.create_task(stack.generate(engine, simple("twice", max_tokens=400, text="a b c"),
+                                                   outcome=running))
+        await stack.until_started(running, first)
+        await expect_error(engine, simple("twice"), grpc.StatusCode.ALREADY_EXISTS, "'twice' is already running")
+        assert (await engine.Abort(pb.AbortRequest(request_id="twice"))).found
     outcome = await first
-    assert outcome.reason == "CLIENT_ABORT" and len(outcome.tokens) < longest
+    assert outcome.reason == "CLIENT_ABORT" and len(outcome.tokens) < 400, outcome.finished
+    # The id is free again.
+    assert (await stack.generate(engine, simple("twice"))).reason == "LENGTH"
 
 
 async def test_abort_of_unknown_request_reports_not_found(engine):
     assert not (await engine.Abort(pb.AbortRequest(request_id="never-started"))).found
 
 
-async def test_cancelled_stream_aborts_the_request_in_vllm(engine):
-    call = engine.Generate(simple("cancel-me", max_tokens=400))
-    async for response in call:
-        if response.WhichOneof("event") == "tokens":
+async def test_cancelled_stream_aborts_the_request_in_vllm(engine_service, engine, engine_metrics_port):
+    client_aborts = 'undercurrent_engine_requests_finished_total{reason="CLIENT_ABORT"}'
+    before = stack.scrape(engine_metrics_port).get(client_aborts, 0.0)
+    with stack.vllm_paused(engine_service):  # so the stream is cancelled while the request runs
+        call = engine.Generate(simple("cancel-me", max_tokens=400))
+        async for response in call:
+            if response.WhichOneof("event") == "started":
+                break
+        call.cancel()
+    # It ends as a client abort (read from the metrics: an Abort would end it too) ...
+    for _ in range(100):
+        if stack.scrape(engine_metrics_port).get(client_aborts, 0.0) > before:
             break
-    call.cancel()
-    # The id is free again once vLLM dropped the request.
+        await asyncio.sleep(0.1)
+    assert stack.scrape(engine_metrics_port).get(client_aborts, 0.0) == before + 1
+    # ... and its id is free again once its stream has closed.
     for _ in range(50):
         if not (await engine.Abort(pb.AbortRequest(request_id="cancel-me"))).found:
             break

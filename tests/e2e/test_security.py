@@ -16,7 +16,7 @@ pytestmark = pytest.mark.vllm
 
 
 def long_request(rid: str, max_tokens: int = 900) -> pb.GenerateRequest:
-    """Long enough (900 tokens) to still run while another caller pokes at it."""
+    """900 tokens: a request that ran to its end shows all of them."""
     return pb.GenerateRequest(request_id=rid, text="one caller's request",
                               sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
 
@@ -27,45 +27,27 @@ async def test_another_callers_abort_finds_nothing_and_the_request_finishes_norm
             stack.channel(engine_service.address, token=other_token) as theirs:
         owner, other = pb_grpc.EngineServiceStub(mine), pb_grpc.EngineServiceStub(theirs)
         await other.GetModelInfo(pb.GetModelInfoRequest())  # connected before the request starts
-        # On a fast host the request can end before the other caller's checks
-        # run, which proves nothing: then the checks run again on a new request.
-        for attempt in range(3):
-            request_id = f"mine-{attempt}"
+        with stack.vllm_paused(engine_service):  # so the request still runs when the other caller comes
             outcome = stack.Outcome()
-            running = asyncio.create_task(stack.generate(owner, long_request(request_id), outcome=outcome))
-            while not outcome.tokens:
-                assert not running.done(), running
-                await asyncio.sleep(0.005)
+            running = asyncio.create_task(stack.generate(owner, long_request("mine"), outcome=outcome))
+            await stack.until_started(outcome, running)
             # To the other caller the running request does not exist ...
-            try:
-                await stack.generate(other, long_request(request_id, max_tokens=2))
-                reused = None
-            except grpc.aio.AioRpcError as refused:
-                reused = refused
-            aborted_by_other = (await other.Abort(pb.AbortRequest(request_id=request_id))).found
-            if not running.done():
-                break
-            await running
-        assert not running.done(), "every request ended before the checks: they proved nothing"
-        assert reused is not None, "the other caller started a request under a running request's id"
-        assert not aborted_by_other
-        assert (reused.code(), reused.details()) == (
-            grpc.StatusCode.NOT_FOUND, f"request_id: {request_id!r} not found")
+            with pytest.raises(grpc.aio.AioRpcError) as reused:
+                await stack.generate(other, long_request("mine", max_tokens=2))
+            assert not (await other.Abort(pb.AbortRequest(request_id="mine"))).found
+        assert (reused.value.code(), reused.value.details()) == (
+            grpc.StatusCode.NOT_FOUND, "request_id: 'mine' not found")
         # ... and it finishes untouched.
         finished = await running
         assert finished.reason == "LENGTH" and len(finished.tokens) == 900
-        # Its owner can abort its own requests. The Abort is repeated from the
-        # request's start until it finds it: waiting for the first token lost the
-        # race three times in a row on a loaded host (the client saw its first token
-        # after this model had generated all 900), and an Abort that lands before
-        # vLLM runs the request must end it too.
-        again = asyncio.create_task(stack.generate(owner, long_request("owned")))
-        found = False
-        while not found and not again.done():
-            found = (await owner.Abort(pb.AbortRequest(request_id="owned"))).found
-        aborted = await again
-        assert found, f"the owner's Abort never found its own running request: {aborted.finished}"
-        assert aborted.reason == "CLIENT_ABORT" and len(aborted.tokens) < 900
+        # Its owner can abort its own requests.
+        with stack.vllm_paused(engine_service):
+            again = stack.Outcome()
+            owned = asyncio.create_task(stack.generate(owner, long_request("owned"), outcome=again))
+            await stack.until_started(again, owned)
+            assert (await owner.Abort(pb.AbortRequest(request_id="owned"))).found
+        aborted = await owned
+        assert aborted.reason == "CLIENT_ABORT" and len(aborted.tokens) < 900, aborted.finished
 
 
 async def test_the_engine_refuses_a_missing_or_wrong_token_and_plaintext(engine_service):

@@ -12,10 +12,10 @@ import time
 import urllib.request
 
 import grpc
-import psutil
 import pytest
 
 from tests.e2e import stack
+from tools import processes
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 
@@ -95,14 +95,6 @@ def test_make_run_shows_the_probe_lifecycle(tiny_llama_path):
 ENGINE_EXIT_BOUND_S = 60
 
 
-def engine_core_of(service) -> psutil.Process:
-    """vLLM's engine-core child of the engine process (titled VLLM::EngineCore...)."""
-    cores = [p for p in psutil.Process(service.process.pid).children(recursive=True)
-             if "EngineCore" in " ".join(p.cmdline())]
-    assert len(cores) == 1, [p.cmdline() for p in psutil.Process(service.process.pid).children(recursive=True)]
-    return cores[0]
-
-
 async def refusal_after_engine_loss(service, engine) -> grpc.aio.AioRpcError:
     """The answer to a new Generate once the engine reports NOT_SERVING (or exited)."""
     try:
@@ -129,7 +121,7 @@ async def test_the_engine_exits_when_vllms_engine_core_dies(tiny_llama_path):
             while len(progress.tokens) < 5:
                 assert not running.done(), running.result().finished
                 await asyncio.sleep(0.05)
-            engine_core_of(service).kill()
+            processes.vllm_engine_core(service).kill()
             killed_at = time.monotonic()
             outcome = await asyncio.wait_for(running, ENGINE_EXIT_BOUND_S)
             refusal = await refusal_after_engine_loss(service, engine)
