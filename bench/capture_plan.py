@@ -3,14 +3,14 @@
     python -m bench.capture_plan [--steps 2000] [--rounds 3] [--out capture_plan.json]
 
 Before every forward pass a capturing worker maps the step's flat batch to its
-registered requests' points (`RowMapper.plan`) and joins each point's rows over
-the requests (`rows_per_point`), on the worker's own thread, so this time adds
-to the step. Two shapes, decode steps (one row per request):
-every type at every layer of the bench model at batch 8 (residual, attention and
-MLP outputs on 8 layers and the final norm: 25 sites), and three types on one
-layer at batch 32. Reports process CPU milliseconds per step (time.process_time)
-per round and their median; run it alternately against another tree for a
-same-run comparison.
+registered requests' points and joins each point's rows over the requests
+(`RowMapper.plan`), on the worker's own thread, so this time adds to the step.
+Decode steps (one row per request) of three shapes: every type at every layer
+of the bench model at batch 8 (residual, attention and MLP outputs on 8 layers
+and the final norm: 25 sites), and three types on one layer at batch 32 and
+256. Reports process CPU milliseconds per step (time.process_time) per round
+and their median; run it alternately against another tree for a same-run
+comparison.
 """
 
 from __future__ import annotations
@@ -23,13 +23,14 @@ import numpy as np
 
 from bench import results_file
 from common.capture_spec import ExtractionPoint, Scope, TokenSelector
-from engine_service.capture.row_mapping import Registration, RowMapper, rows_per_point
+from engine_service.capture.row_mapping import Registration, RowMapper
 
 LAYERS = 8  # the bench model's
 PROMPT = 16
 SHAPES = {
     "batch 8, every type at every layer": (8, True),
     "batch 32, three types on one layer": (32, False),
+    "batch 256, three types on one layer": (256, False),
 }
 
 
@@ -50,7 +51,7 @@ def plan_ms(requests: int, every_layer: bool, steps: int) -> float:
     query_start_loc = np.arange(requests + 1)
     started = time.process_time()
     for step in range(steps):
-        rows_per_point(mapper.plan(internal_ids, query_start_loc, np.full(requests, PROMPT + step)))
+        mapper.plan(internal_ids, query_start_loc, np.full(requests, PROMPT + step))
     return (time.process_time() - started) / steps * 1e3
 
 

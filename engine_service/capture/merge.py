@@ -1,7 +1,8 @@
 """Driver-side merge: every worker's drained rows -> ordered blocks, exactly once.
 
-Each worker ships plain bytes per (point, layer). The driver takes the union,
-drops duplicate keys (TP ranks hold identical values; only tp_rank 0 of each
+Each worker ships plain bytes per (point, tensor type, layer): a point's name
+is its request's own, so two requests may name different tensors alike. The
+driver takes the union, drops duplicate keys (TP ranks hold identical values; only tp_rank 0 of each
 pipeline stage ships, and this dedup is the guard), drops keys an earlier
 drain already delivered (a preempted request recomputes its positions), and
 orders everything: blocks by (point, layer), rows by (request, position).
@@ -21,21 +22,21 @@ from engine_service.capture.row_mapping import parent_request_id
 
 
 class ShapeMismatch(ValueError):
-    """Rows of one (point, layer) whose widths disagree across workers."""
+    """Rows of one (point, tensor type, layer) whose widths disagree across workers."""
 
 
 def merge_blocks(blocks: list[Block]) -> list[Block]:
-    """Union of blocks from any workers and steps, one block per (point, layer).
+    """Union of blocks from any workers and steps, one per (point, tensor type, layer).
 
     Duplicate (request, position) keys keep their first copy. Blocks come out
     ordered by (point, layer), rows by (request, position).
     """
-    groups: dict[tuple[str, int], list[Block]] = defaultdict(list)
+    groups: dict[tuple[str, int, int], list[Block]] = defaultdict(list)
     for block in blocks:
-        groups[(block.point, block.layer)].append(block)
+        groups[(block.point, block.layer, block.tensor_type)].append(block)
     in_order = ByIdentity(lambda ids, positions: _strictly_increasing(_request_codes(ids), positions))
     merged = []
-    for (point, layer), parts in sorted(groups.items()):
+    for (point, layer, tensor_type), parts in sorted(groups.items()):
         widths = {p.rows.shape[1:] for p in parts}
         if len(widths) > 1:
             raise ShapeMismatch(
@@ -61,7 +62,7 @@ def merge_blocks(blocks: list[Block]) -> list[Block]:
         merged.append(
             Block(
                 point=point,
-                tensor_type=parts[0].tensor_type,
+                tensor_type=tensor_type,
                 layer=layer,
                 rows=rows[keep],
                 request_ids=[request_ids[i] for i in keep.tolist()],

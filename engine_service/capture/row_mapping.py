@@ -13,7 +13,6 @@ It needs numpy only, so it is tested without vLLM.
 from __future__ import annotations
 
 import re
-from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,19 +33,6 @@ class Registration:
 
 
 @dataclass(frozen=True)
-class Selection:
-    """The rows one point copies from one (tensor type, layer) in one step."""
-
-    point: str
-    tensor_type: str
-    layer: int
-    row_indices: np.ndarray  # int64 indexes into the step's flat batch
-    request_id: str
-    positions: np.ndarray  # int64
-    is_generated: np.ndarray  # bool
-
-
-@dataclass(frozen=True)
 class PromptGap:
     """Selected positions a request never computed (served from the prefix cache)."""
 
@@ -54,9 +40,6 @@ class PromptGap:
     point: str
     start: int
     stop: int
-
-
-StepPlan = dict[tuple[str, int], list[Selection]]
 
 
 @dataclass(frozen=True)
@@ -73,32 +56,51 @@ class PointRows:
     is_generated: np.ndarray  # bool
 
 
-def rows_per_point(plan: StepPlan) -> dict[tuple[str, int], list[PointRows]]:
-    """The plan with each point's selections of a (tensor type, layer) joined: one
-    gather per point and hook instead of one per request (a decode step selects
-    one row per request, so the per-request gathers were mostly overhead)."""
-    joined: dict[tuple[str, int], list[PointRows]] = {}
-    # A point's selections on its layers share their arrays (RowMapper.plan):
-    # the rows joined from one set of arrays serve every layer that has them.
-    rows_of: dict[tuple[str, tuple[int, ...]], tuple] = {}
-    for key, selections in plan.items():
-        by_point: dict[str, list[Selection]] = {}
-        for selection in selections:
-            by_point.setdefault(selection.point, []).append(selection)
-        entries = []
-        for point, chosen in by_point.items():
-            identity = (point, tuple(id(s.row_indices) for s in chosen))
-            rows = rows_of.get(identity)
-            if rows is None:
-                rows = rows_of[identity] = (
-                    np.concatenate([s.row_indices for s in chosen]),
-                    [s.request_id for s in chosen for _ in range(len(s.positions))],
-                    np.concatenate([s.positions for s in chosen]),
-                    np.concatenate([s.is_generated for s in chosen]),
-                )
-            entries.append(PointRows(point, chosen[0].tensor_type, chosen[0].layer, *rows))
-        joined[key] = entries
-    return joined
+StepPlan = dict[tuple[str, int], list[PointRows]]
+
+
+class _PointGroup:
+    """The requests of one step that share one point (equal specs), collected slot
+    by slot so the selector runs once over all their rows."""
+
+    def __init__(self, point: ExtractionPoint, layers: tuple[int, ...]) -> None:
+        self.point = point
+        self.layers = layers
+        self.starts: list[int] = []
+        self.stops: list[int] = []
+        self.record_ids: list[str] = []
+        self.prompt_lens: list[int] = []
+
+    def add(self, start: int, stop: int, record_id: str, prompt_len: int) -> None:
+        self.starts.append(start)
+        self.stops.append(stop)
+        self.record_ids.append(record_id)
+        self.prompt_lens.append(prompt_len)
+
+    def rows(self, positions: np.ndarray) -> tuple[np.ndarray, list[str], np.ndarray, np.ndarray] | None:
+        """(row indices, request id per row, positions, is_generated) the point
+        selects, in batch order; None when it selects nothing this step."""
+        starts = np.array(self.starts, dtype=np.int64)
+        counts = np.array(self.stops, dtype=np.int64) - starts
+        total = int(counts.sum())
+        if total == len(starts):  # one row each: a decode step
+            rows, prompt_lens = starts, np.array(self.prompt_lens, dtype=np.int64)
+        else:  # each request's rows are [start, stop): one arange over all of them
+            first_out = np.cumsum(counts) - counts
+            rows = np.arange(total, dtype=np.int64) + np.repeat(starts - first_out, counts)
+            prompt_lens = np.repeat(np.array(self.prompt_lens, dtype=np.int64), counts)
+        row_positions = positions[rows]
+        picked = self.point.tokens.mask(row_positions, prompt_lens)
+        if picked.all():
+            record_ids = (self.record_ids if total == len(starts)
+                          else [r for r, n in zip(self.record_ids, counts.tolist()) for _ in range(n)])
+            return rows, record_ids, row_positions, row_positions >= prompt_lens
+        local = np.flatnonzero(picked)
+        if not len(local):
+            return None
+        owner = np.repeat(np.arange(len(starts)), counts)[local]
+        return (rows[local], [self.record_ids[i] for i in owner.tolist()], row_positions[local],
+                row_positions[local] >= prompt_lens[local])
 
 
 def record_request_id(internal_id: str, registered: set[str] | dict) -> str | None:
@@ -144,17 +146,25 @@ class RowMapper:
         # vLLM-internal id -> first position not yet computed; finds prefix-cache gaps.
         self._next_position: dict[str, int] = {}
         self.gaps: list[PromptGap] = []
-        # request id -> its points, each with the layers of it this rank owns.
+        # request id -> its points (one shared instance per spec), each with the
+        # layers of it this rank owns; points it owns no layer of are left out.
         self._owned: dict[str, list[tuple[ExtractionPoint, tuple[int, ...]]]] = {}
+        # point spec -> [its shared instance, how many registrations use it]
+        self._shared: dict[ExtractionPoint, list] = {}
 
     def register(self, registration: Registration) -> None:
+        self._forget_points(registration.request_id)
         self.registrations[registration.request_id] = registration
-        self._owned.pop(registration.request_id, None)
+        self._owned[registration.request_id] = [
+            (self._share(point), layers)
+            for point in registration.points
+            if (layers := tuple(layer for layer in point.capture_layers(self.num_layers) if self._owns(layer)))
+        ]
         self._resolved = {k: v for k, v in self._resolved.items() if v is not None}
 
     def unregister(self, request_id: str) -> None:
         self.registrations.pop(request_id, None)
-        self._owned.pop(request_id, None)
+        self._forget_points(request_id)
         stale = [
             internal
             for internal, record_id in self._resolved.items()
@@ -164,6 +174,19 @@ class RowMapper:
         for internal in stale:
             del self._resolved[internal]
             self._next_position.pop(internal, None)
+
+    def _share(self, point: ExtractionPoint) -> ExtractionPoint:
+        """The one instance of this spec: requests with equal points group by identity."""
+        entry = self._shared.setdefault(point, [point, 0])
+        entry[1] += 1
+        return entry[0]
+
+    def _forget_points(self, request_id: str) -> None:
+        for point, _ in self._owned.pop(request_id, ()):
+            entry = self._shared[point]
+            entry[1] -= 1
+            if not entry[1]:
+                del self._shared[point]
 
     def _owns(self, layer: int) -> bool:
         return layer in self.owned_layers or (self.has_final_norm and layer == self.num_layers)
@@ -180,63 +203,52 @@ class RowMapper:
 
         req_ids[s] is the vLLM id in batch slot s; query_start_loc has
         len(req_ids) + 1 entries; positions covers at least the real rows.
+        The requests that share a point are selected together, with one mask
+        over all their rows, and a point's layers share the arrays (read-only):
+        the work grows with the points in the step, not with requests x points.
         """
-        plan: StepPlan = defaultdict(list)
+        plan: StepPlan = {}
         if not self.registrations:
             return plan
+        positions = np.asarray(positions, dtype=np.int64)
+        bounds = np.asarray(query_start_loc, dtype=np.int64).tolist()
+        groups: dict[int, _PointGroup] = {}
         for slot, internal_id in enumerate(req_ids):
             record_id = self._resolve(internal_id)
             if record_id is None:
                 continue
-            lo, hi = int(query_start_loc[slot]), int(query_start_loc[slot + 1])
+            lo, hi = bounds[slot], bounds[slot + 1]
             if hi <= lo:
                 continue
             registration = self.registrations[parent_request_id(record_id, self.registrations)]
-            request_positions = np.asarray(positions[lo:hi], dtype=np.int64)
-            self._note_gap(internal_id, record_id, registration, request_positions)
-            for point, layers in self._owned_layers(registration):
-                picked = point.tokens.mask(request_positions, registration.prompt_len)
-                if not picked.any():
-                    continue
-                local = np.flatnonzero(picked)
-                # The same rows on every layer of the point: its layers share these
-                # arrays (read-only), and rows_per_point joins them once.
-                row_indices = lo + local
-                selected_positions = request_positions[local]
-                is_generated = selected_positions >= registration.prompt_len
-                for layer in layers:
-                    plan[(point.tensor_type, layer)].append(
-                        Selection(point.name, point.tensor_type, layer, row_indices, record_id,
-                                  selected_positions, is_generated)
-                    )
+            self._note_gap(internal_id, record_id, registration, int(positions[lo]), int(positions[hi - 1]))
+            for point, layers in self._owned[registration.request_id]:
+                group = groups.get(id(point))
+                if group is None:
+                    group = groups[id(point)] = _PointGroup(point, layers)
+                group.add(lo, hi, record_id, registration.prompt_len)
+        for group in groups.values():
+            selected = group.rows(positions)
+            if selected is None:
+                continue
+            point = group.point
+            for layer in group.layers:
+                plan.setdefault((point.tensor_type, layer), []).append(
+                    PointRows(point.name, point.tensor_type, layer, *selected)
+                )
         return plan
 
-    def _owned_layers(self, registration: Registration) -> list[tuple[ExtractionPoint, tuple[int, ...]]]:
-        """Each point of the registration with the layers of it this rank computes."""
-        owned = self._owned.get(registration.request_id)
-        if owned is None:
-            owned = self._owned[registration.request_id] = [
-                (point, tuple(layer for layer in point.capture_layers(self.num_layers) if self._owns(layer)))
-                for point in registration.points
-            ]
-        return owned
-
     def _note_gap(
-        self,
-        internal_id: str,
-        record_id: str,
-        registration: Registration,
-        request_positions: np.ndarray,
+        self, internal_id: str, record_id: str, registration: Registration, first: int, last: int
     ) -> None:
         """Records selected positions that were skipped (a prefix-cache hit)."""
         expected = self._next_position.get(internal_id, 0)
-        first = int(request_positions[0])
         if first > expected:
             skipped = np.arange(expected, first)
             for point in registration.points:
                 if point.tokens.mask(skipped, registration.prompt_len).any():
                     self.gaps.append(PromptGap(record_id, point.name, expected, first))
-        self._next_position[internal_id] = max(expected, int(request_positions[-1]) + 1)
+        self._next_position[internal_id] = max(expected, last + 1)
 
     def take_gaps(self) -> list[PromptGap]:
         gaps, self.gaps = self.gaps, []

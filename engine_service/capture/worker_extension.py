@@ -32,7 +32,7 @@ import torch
 from common.activations import Block, WirePart, encode_part
 from common.capture_spec import ExtractionPoint, tensor_type_to_proto
 from engine_service.capture.push import Pusher
-from engine_service.capture.row_mapping import PointRows, Registration, RowMapper, rows_per_point
+from engine_service.capture.row_mapping import PointRows, Registration, RowMapper
 from engine_service.capture.staging import StepStaging
 from engine_service.capture.sites import (
     VERIFIED_ARCHITECTURES,
@@ -141,7 +141,9 @@ class _CaptureState:
         self.ships = tp_group.rank_in_group == 0
         self.mapper = RowMapper(range(start_layer, end_layer), num_layers, has_final_norm)
         self.staging: StepStaging | None = None  # this step's plan and gathered rows
-        self.buffers: dict[tuple[str, int], list[tuple[PointRows, np.ndarray, str]]] = (
+        # (point, tensor type, layer) -> this drain's chunks: a point's name is its
+        # request's own, so two requests may name different tensors alike.
+        self.buffers: dict[tuple[str, str, int], list[tuple[PointRows, np.ndarray, str]]] = (
             defaultdict(list)
         )
         self.errors: list[str] = []
@@ -239,7 +241,7 @@ class _CaptureState:
             query_start_loc,
             positions[:num_rows].cpu().numpy(),
         )
-        self.staging = StepStaging(rows_per_point(plan), self.runner.device)
+        self.staging = StepStaging(plan, self.runner.device)
 
     def _after_step(self, module, args, output) -> None:
         """After this stage's forward pass: everything it captured goes to the driver.
@@ -257,7 +259,8 @@ class _CaptureState:
             )
         if staging is not None:
             for point_rows, array, dtype in staging.collect():
-                self.buffers[(point_rows.point, point_rows.layer)].append((point_rows, array, dtype))
+                key = (point_rows.point, point_rows.tensor_type, point_rows.layer)
+                self.buffers[key].append((point_rows, array, dtype))
         if self.pusher is not None and (self.buffers or self.errors or self.mapper.gaps):
             self.pusher.push(self.drain())
 
@@ -289,13 +292,13 @@ class _CaptureState:
     def drain(self) -> dict:
         """Everything buffered since the last drain, as plain values and bytes."""
         parts: list[WirePart] = []
-        for (point, layer), chunks in self.buffers.items():
+        for (point, tensor_type, layer), chunks in self.buffers.items():
             planned = [c[0] for c in chunks]
             parts.append(
                 encode_part(
                     Block(
                         point=point,
-                        tensor_type=tensor_type_to_proto(planned[0].tensor_type),
+                        tensor_type=tensor_type_to_proto(tensor_type),
                         layer=layer,
                         rows=_end_to_end([c[1] for c in chunks]),
                         request_ids=[r for p in planned for r in p.request_ids],

@@ -1,5 +1,7 @@
 """Driver-side merge: union, TP dedup, exactly once across drains, forward order."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -77,6 +79,16 @@ def test_forget_frees_a_request_and_its_children():
     delivered.forget({"a"})
     again = delivered.filter(merge_blocks([block("p", 0, [("a", 5), ("0_a", 5), ("b", 5)])]))
     assert keys_of(again[0]) == [("0_a", 5), ("a", 5)]
+
+
+def test_points_named_alike_by_two_requests_stay_apart_by_tensor_type():
+    residual = block("x", 1, [("a", 0), ("a", 1)])
+    attn = dataclasses.replace(block("x", 1, [("b", 0)]), tensor_type=pb.TENSOR_TYPE_ATTN_OUT)
+    merged = merge_blocks([residual, attn])
+    assert [(b.point, b.layer, b.tensor_type, keys_of(b)) for b in merged] == [
+        ("x", 1, pb.TENSOR_TYPE_RESIDUAL_STREAM, [("a", 0), ("a", 1)]),
+        ("x", 1, pb.TENSOR_TYPE_ATTN_OUT, [("b", 0)]),
+    ]
 
 
 def test_rows_of_different_widths_raise_instead_of_merging():

@@ -6,6 +6,7 @@ from common.capture_spec import ExtractionPoint, Scope, TokenSelector
 from tests.capture.engines import Request, run_requests
 from tests.capture.oracle import RELATIVE_TOLERANCE, compare_with_oracle
 from tests.capture.workloads import every_tensor_type, prompt
+from undercurrent.v1 import undercurrent_pb2 as pb
 
 pytestmark = pytest.mark.vllm
 
@@ -39,6 +40,23 @@ async def test_every_tensor_type_on_every_layer_matches_transformers(engine_and_
             and b.token_positions[i] == len(request.prompt_token_ids)
         ]
         assert generated and all(generated)
+
+
+async def test_requests_naming_points_alike_keep_their_own_tensor_types(engine_and_oracle):
+    """A point's name is its request's own: two requests in the same steps may both
+    call a point "x", on one layer, for different tensor types."""
+    engine, controller, oracle = engine_and_oracle
+    requests = [
+        Request("named-mlp", prompt(7, 4), [ExtractionPoint("x", "mlp_out", (1,))], max_tokens=4),
+        Request("named-attn", prompt(7, 5), [ExtractionPoint("x", "attn_out", (1,))], max_tokens=4),
+    ]
+    run = await run_requests(engine, controller, requests)
+    types: dict[str, set[int]] = {}
+    for block in run.blocks:
+        for request_id in set(block.request_ids):
+            types.setdefault(request_id, set()).add(block.tensor_type)
+    assert types == {"named-mlp": {pb.TENSOR_TYPE_MLP_OUT}, "named-attn": {pb.TENSOR_TYPE_ATTN_OUT}}
+    compare_with_oracle(oracle, run, requests)
 
 
 async def test_n_samples_are_captured_per_child(engine_and_oracle):

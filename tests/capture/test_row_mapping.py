@@ -8,7 +8,6 @@ from engine_service.capture.row_mapping import (
     Registration,
     RowMapper,
     record_request_id,
-    rows_per_point,
 )
 
 
@@ -41,10 +40,10 @@ def test_plan_selects_rows_per_request_with_chunked_prefill_and_padding():
 
     assert sorted(plan) == [("residual_stream", 0), ("residual_stream", 1)]
     (a,) = plan[("residual_stream", 0)]
-    assert (a.request_id, a.point, a.row_indices.tolist(), a.positions.tolist()) == ("a", "last", [3], [5])
+    assert (a.request_ids, a.point, a.row_indices.tolist(), a.positions.tolist()) == (["a"], "last", [3], [5])
     assert a.is_generated.tolist() == [False]
     (b,) = plan[("residual_stream", 1)]  # layer 3 belongs to another stage
-    assert (b.request_id, b.point, b.row_indices.tolist(), b.positions.tolist()) == ("b", "gen", [4], [2])
+    assert (b.request_ids, b.point, b.row_indices.tolist(), b.positions.tolist()) == (["b"], "gen", [4], [2])
     assert b.is_generated.tolist() == [True]
 
 
@@ -54,14 +53,41 @@ def test_each_points_rows_of_a_step_are_joined_in_batch_order_for_one_gather():
         mapper.register(Registration(request_id, (point("all", layers=(0, 1)), point("gen", layers=(1,),
                                                   selector=TokenSelector(Scope.GENERATED))), prompt_len))
     # Slot 0: "a" prefills positions 0..2; slot 1: "b" decodes position 2 (generated).
-    plan = mapper.plan(["a-00000000", "b-11111111"], np.array([0, 3, 4]), np.array([0, 1, 2, 2]))
-    joined = rows_per_point(plan)
+    joined = mapper.plan(["a-00000000", "b-11111111"], np.array([0, 3, 4]), np.array([0, 1, 2, 2]))
     assert [(p.point, p.layer) for p in joined[("residual_stream", 0)]] == [("all", 0)]
     everything, generated = joined[("residual_stream", 1)]
     assert (everything.point, everything.row_indices.tolist(), everything.request_ids,
             everything.positions.tolist(), everything.is_generated.tolist()) == (
         "all", [0, 1, 2, 3], ["a", "a", "a", "b"], [0, 1, 2, 2], [False, False, False, True])
     assert (generated.point, generated.row_indices.tolist(), generated.request_ids) == ("gen", [3], ["b"])
+    # A point's layers share the rows, computed once.
+    assert joined[("residual_stream", 0)][0].row_indices is everything.row_indices
+
+
+def test_requests_sharing_a_point_are_selected_together_each_by_its_own_prompt_length():
+    """Equal specs registered by different requests make one selection over all
+    their rows (prefill chunks and decodes mixed), in batch order; a spec with the
+    same name but another selector stays apart."""
+    mapper = RowMapper(range(2), num_layers=2, has_final_norm=False)
+    last_prompt = TokenSelector(Scope.PROMPT, (-1,))
+    for request_id, prompt_len in (("a", 4), ("b", 2), ("c", 3)):
+        mapper.register(Registration(request_id, (point("last", selector=last_prompt),
+                                                  point("gen", selector=TokenSelector(Scope.GENERATED))), prompt_len))
+    mapper.register(Registration("d", (point("last", selector=TokenSelector(Scope.ALL)),), 1))
+    # "a" prefills 0..3, "x" is not captured, "b" decodes position 2, "c" prefills 1..2, "d" decodes 5.
+    req_ids = ["a-00000000", "x-00000000", "b-00000000", "c-00000000", "d-00000000"]
+    plan = mapper.plan(req_ids, np.array([0, 4, 5, 6, 8, 9]), np.array([0, 1, 2, 3, 7, 2, 1, 2, 5]))
+    last, gen, last_of_d = plan[("residual_stream", 0)]
+    assert (last.point, last.row_indices.tolist(), last.request_ids, last.positions.tolist(),
+            last.is_generated.tolist()) == ("last", [3, 7], ["a", "c"], [3, 2], [False, False])
+    assert (gen.point, gen.row_indices.tolist(), gen.request_ids, gen.positions.tolist(),
+            gen.is_generated.tolist()) == ("gen", [5], ["b"], [2], [True])
+    assert (last_of_d.point, last_of_d.row_indices.tolist(), last_of_d.request_ids) == ("last", [8], ["d"])
+    # Unregistered, a request no longer shares anything; the others still select.
+    mapper.unregister("a")
+    plan = mapper.plan(req_ids[2:4], np.array([0, 1, 3]), np.array([3, 1, 2]))
+    assert [(p.point, p.request_ids, p.positions.tolist()) for p in plan[("residual_stream", 0)]] == [
+        ("last", ["c"], [2]), ("gen", ["b"], [3])]
 
 
 def test_final_norm_only_on_the_last_stage():
@@ -84,7 +110,7 @@ def test_unregister_stops_capture_and_n_children_resolve_to_the_parent():
     mapper = RowMapper(range(4), num_layers=4, has_final_norm=True)
     mapper.register(Registration("p", (point("all"),), 2))
     plan = mapper.plan(["0_p-00000000", "1_p-00000000"], np.array([0, 1, 2]), np.array([2, 2]))
-    assert [s.request_id for s in plan[("residual_stream", 0)]] == ["0_p", "1_p"]
+    assert [s.request_ids for s in plan[("residual_stream", 0)]] == [["0_p", "1_p"]]
     mapper.unregister("p")
     assert dict(mapper.plan(["0_p-00000000"], np.array([0, 1]), np.array([3]))) == {}
 

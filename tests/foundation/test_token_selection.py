@@ -1,6 +1,6 @@
 """One table of token-selector cases, run through both services' real code paths.
 
-The engine decides which rows it captures (`RowMapper.plan`, per request); the
+The engine decides which rows it captures (`RowMapper.plan`, over the requests that share a point); the
 router decides which delivered rows a probe reads (a live Session scoring a
 batch). Both call `common.capture_spec.TokenSelector.mask`; this table pins the
 semantics and proves that neither side has a rule of its own.
@@ -53,11 +53,11 @@ def engine_selection(selector: TokenSelector) -> dict[str, list[int]]:
     query_start_loc = np.arange(len(req_ids) + 1) * TOTAL
     positions = np.tile(np.arange(TOTAL), len(req_ids))
     got = {r: [] for r in PROMPT_LENGTHS}
-    for selection in mapper.plan(req_ids, query_start_loc, positions).get(("residual_stream", 1), []):
-        got[selection.request_id] = selection.positions.tolist()
-        assert selection.is_generated.tolist() == [
-            p >= PROMPT_LENGTHS[selection.request_id] for p in selection.positions.tolist()
-        ]
+    for rows in mapper.plan(req_ids, query_start_loc, positions).get(("residual_stream", 1), []):
+        for request_id, position, generated in zip(rows.request_ids, rows.positions.tolist(),
+                                                   rows.is_generated.tolist()):
+            got[request_id].append(position)
+            assert generated == (position >= PROMPT_LENGTHS[request_id])
     return got
 
 
