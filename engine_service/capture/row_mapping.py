@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -59,48 +60,38 @@ class PointRows:
 StepPlan = dict[tuple[str, int], list[PointRows]]
 
 
-class _PointGroup:
-    """The requests of one step that share one point (equal specs), collected slot
-    by slot so the selector runs once over all their rows."""
+# One capturing request in a step: (first row, row after its last, record id, prompt length).
+_Slot = tuple[int, int, str, int]
 
-    def __init__(self, point: ExtractionPoint, layers: tuple[int, ...]) -> None:
-        self.point = point
-        self.layers = layers
-        self.starts: list[int] = []
-        self.stops: list[int] = []
-        self.record_ids: list[str] = []
-        self.prompt_lens: list[int] = []
 
-    def add(self, start: int, stop: int, record_id: str, prompt_len: int) -> None:
-        self.starts.append(start)
-        self.stops.append(stop)
-        self.record_ids.append(record_id)
-        self.prompt_lens.append(prompt_len)
-
-    def rows(self, positions: np.ndarray) -> tuple[np.ndarray, list[str], np.ndarray, np.ndarray] | None:
-        """(row indices, request id per row, positions, is_generated) the point
-        selects, in batch order; None when it selects nothing this step."""
-        starts = np.array(self.starts, dtype=np.int64)
-        counts = np.array(self.stops, dtype=np.int64) - starts
-        total = int(counts.sum())
-        if total == len(starts):  # one row each: a decode step
-            rows, prompt_lens = starts, np.array(self.prompt_lens, dtype=np.int64)
-        else:  # each request's rows are [start, stop): one arange over all of them
-            first_out = np.cumsum(counts) - counts
-            rows = np.arange(total, dtype=np.int64) + np.repeat(starts - first_out, counts)
-            prompt_lens = np.repeat(np.array(self.prompt_lens, dtype=np.int64), counts)
-        row_positions = positions[rows]
-        picked = self.point.tokens.mask(row_positions, prompt_lens)
-        if picked.all():
-            record_ids = (self.record_ids if total == len(starts)
-                          else [r for r, n in zip(self.record_ids, counts.tolist()) for _ in range(n)])
-            return rows, record_ids, row_positions, row_positions >= prompt_lens
-        local = np.flatnonzero(picked)
-        if not len(local):
-            return None
-        owner = np.repeat(np.arange(len(starts)), counts)[local]
-        return (rows[local], [self.record_ids[i] for i in owner.tolist()], row_positions[local],
-                row_positions[local] >= prompt_lens[local])
+def _select(point: ExtractionPoint, slots: list[_Slot], positions: np.ndarray
+            ) -> tuple[np.ndarray, list[str], np.ndarray, np.ndarray] | None:
+    """(row indices, request id per row, positions, is_generated) the point
+    selects from these requests' rows (given in batch order), with one mask over
+    all of them, each row with its own request's prompt length; None when it
+    selects nothing this step."""
+    starts_, stops_, record_ids, prompt_lens_ = zip(*slots)
+    starts = np.array(starts_, dtype=np.int64)
+    counts = np.array(stops_, dtype=np.int64) - starts
+    total = int(counts.sum())
+    if total == len(starts):  # one row each: a decode step
+        rows, prompt_lens = starts, np.array(prompt_lens_, dtype=np.int64)
+    else:  # each request's rows are [start, stop): one arange over all of them
+        first_out = np.cumsum(counts) - counts
+        rows = np.arange(total, dtype=np.int64) + np.repeat(starts - first_out, counts)
+        prompt_lens = np.repeat(np.array(prompt_lens_, dtype=np.int64), counts)
+    row_positions = positions[rows]
+    picked = point.tokens.mask(row_positions, prompt_lens)
+    if picked.all():
+        per_row = (list(record_ids) if total == len(starts)
+                   else [r for r, n in zip(record_ids, counts.tolist()) for _ in range(n)])
+        return rows, per_row, row_positions, row_positions >= prompt_lens
+    local = np.flatnonzero(picked)
+    if not len(local):
+        return None
+    owner = np.repeat(np.arange(len(starts)), counts)[local]
+    return (rows[local], [record_ids[i] for i in owner.tolist()], row_positions[local],
+            row_positions[local] >= prompt_lens[local])
 
 
 def record_request_id(internal_id: str, registered: set[str] | dict) -> str | None:
@@ -146,20 +137,22 @@ class RowMapper:
         # vLLM-internal id -> first position not yet computed; finds prefix-cache gaps.
         self._next_position: dict[str, int] = {}
         self.gaps: list[PromptGap] = []
-        # request id -> its points (one shared instance per spec), each with the
-        # layers of it this rank owns; points it owns no layer of are left out.
-        self._owned: dict[str, list[tuple[ExtractionPoint, tuple[int, ...]]]] = {}
-        # point spec -> [its shared instance, how many registrations use it]
-        self._shared: dict[ExtractionPoint, list] = {}
+        # request id -> its points, each with the layers of it this rank owns (points
+        # it owns no layer of left out). Equal point specs, and equal sets of them,
+        # are one shared instance each, so a step groups its requests by identity:
+        # usually every request of a step has the same set (the same probes).
+        self._owned: dict[str, tuple[tuple[ExtractionPoint, tuple[int, ...]], ...]] = {}
+        # a point spec or a set of them -> [its shared instance, registrations using it]
+        self._shared: dict[object, list] = {}
 
     def register(self, registration: Registration) -> None:
         self._forget_points(registration.request_id)
         self.registrations[registration.request_id] = registration
-        self._owned[registration.request_id] = [
+        self._owned[registration.request_id] = self._share(tuple(
             (self._share(point), layers)
             for point in registration.points
             if (layers := tuple(layer for layer in point.capture_layers(self.num_layers) if self._owns(layer)))
-        ]
+        ))
         self._resolved = {k: v for k, v in self._resolved.items() if v is not None}
 
     def unregister(self, request_id: str) -> None:
@@ -175,18 +168,21 @@ class RowMapper:
             del self._resolved[internal]
             self._next_position.pop(internal, None)
 
-    def _share(self, point: ExtractionPoint) -> ExtractionPoint:
-        """The one instance of this spec: requests with equal points group by identity."""
-        entry = self._shared.setdefault(point, [point, 0])
+    def _share(self, spec):
+        """The one instance of this point spec (or set of them), counted per registration."""
+        entry = self._shared.setdefault(spec, [spec, 0])
         entry[1] += 1
         return entry[0]
 
     def _forget_points(self, request_id: str) -> None:
-        for point, _ in self._owned.pop(request_id, ()):
-            entry = self._shared[point]
+        owned = self._owned.pop(request_id, None)
+        if owned is None:
+            return
+        for spec in (owned, *(point for point, _ in owned)):
+            entry = self._shared[spec]
             entry[1] -= 1
             if not entry[1]:
-                del self._shared[point]
+                del self._shared[spec]
 
     def _owns(self, layer: int) -> bool:
         return layer in self.owned_layers or (self.has_final_norm and layer == self.num_layers)
@@ -203,16 +199,18 @@ class RowMapper:
 
         req_ids[s] is the vLLM id in batch slot s; query_start_loc has
         len(req_ids) + 1 entries; positions covers at least the real rows.
-        The requests that share a point are selected together, with one mask
-        over all their rows, and a point's layers share the arrays (read-only):
-        the work grows with the points in the step, not with requests x points.
+        Each request is filed once, under its set of points; then the requests
+        that share a point are selected together, with one mask over all their
+        rows, and a point's layers share the arrays (read-only). Beyond one
+        append per request, the work grows with the distinct points in the
+        step, not with requests x points x layers.
         """
         plan: StepPlan = {}
         if not self.registrations:
             return plan
         positions = np.asarray(positions, dtype=np.int64)
         bounds = np.asarray(query_start_loc, dtype=np.int64).tolist()
-        groups: dict[int, _PointGroup] = {}
+        by_point_set: dict[int, tuple[tuple, list[_Slot]]] = {}
         for slot, internal_id in enumerate(req_ids):
             record_id = self._resolve(internal_id)
             if record_id is None:
@@ -222,17 +220,21 @@ class RowMapper:
                 continue
             registration = self.registrations[parent_request_id(record_id, self.registrations)]
             self._note_gap(internal_id, record_id, registration, int(positions[lo]), int(positions[hi - 1]))
-            for point, layers in self._owned[registration.request_id]:
-                group = groups.get(id(point))
-                if group is None:
-                    group = groups[id(point)] = _PointGroup(point, layers)
-                group.add(lo, hi, record_id, registration.prompt_len)
-        for group in groups.values():
-            selected = group.rows(positions)
+            point_set = self._owned[registration.request_id]
+            requests = by_point_set.get(id(point_set))
+            if requests is None:
+                requests = by_point_set[id(point_set)] = (point_set, [])
+            requests[1].append((lo, hi, record_id, registration.prompt_len))
+        by_point: dict[int, tuple[ExtractionPoint, tuple[int, ...], list[list[_Slot]]]] = {}
+        for point_set, slots in by_point_set.values():
+            for point, layers in point_set:
+                by_point.setdefault(id(point), (point, layers, []))[2].append(slots)
+        for point, layers, slot_lists in by_point.values():
+            slots = slot_lists[0] if len(slot_lists) == 1 else sorted(chain.from_iterable(slot_lists))
+            selected = _select(point, slots, positions)
             if selected is None:
                 continue
-            point = group.point
-            for layer in group.layers:
+            for layer in layers:
                 plan.setdefault((point.tensor_type, layer), []).append(
                     PointRows(point.name, point.tensor_type, layer, *selected)
                 )

@@ -38,20 +38,29 @@ class StagedRows:
 
 class StepStaging:
     def __init__(self, joined: dict[SiteKey, list[PointRows]], device: torch.device | str) -> None:
-        flat = [rows.row_indices for entries in joined.values() for rows in entries]
-        self.rows = sum(len(index) for index in flat)
-        # Every index of the step in one host-to-device copy.
-        indexes = torch.from_numpy(np.concatenate(flat) if flat else np.empty(0, np.int64))
+        # A point's layers share one index array (RowMapper.plan): each distinct
+        # array goes to the device once, in one host-to-device copy for the step.
+        distinct: dict[int, tuple[np.ndarray, int]] = {}  # id(row_indices) -> (it, start)
+        size = 0
+        for entries in joined.values():
+            for rows in entries:
+                if id(rows.row_indices) not in distinct:
+                    distinct[id(rows.row_indices)] = (rows.row_indices, size)
+                    size += len(rows.row_indices)
+        arrays = [array for array, _ in distinct.values()]
+        indexes = torch.from_numpy(np.concatenate(arrays) if arrays else np.empty(0, np.int64))
         indexes = indexes.to(device, non_blocking=True)
         self.plan: dict[SiteKey, list[StagedRows]] = {}
-        offset = 0
+        offset = 0  # into the step's buffer: every (point, layer) has rows of its own
         for key, entries in joined.items():
             staged = []
             for rows in entries:
                 count = len(rows.row_indices)
-                staged.append(StagedRows(rows, offset, indexes[offset : offset + count]))
+                start = distinct[id(rows.row_indices)][1]
+                staged.append(StagedRows(rows, offset, indexes[start : start + count]))
                 offset += count
             self.plan[key] = staged
+        self.rows = offset
         # One buffer per (dtype, row shape) a site brought; a model's sites share one.
         self._buffers: dict[_BufferKey, torch.Tensor] = {}
         self._gathered: list[tuple[StagedRows, _BufferKey]] = []

@@ -74,20 +74,26 @@ def test_requests_sharing_a_point_are_selected_together_each_by_its_own_prompt_l
         mapper.register(Registration(request_id, (point("last", selector=last_prompt),
                                                   point("gen", selector=TokenSelector(Scope.GENERATED))), prompt_len))
     mapper.register(Registration("d", (point("last", selector=TokenSelector(Scope.ALL)),), 1))
-    # "a" prefills 0..3, "x" is not captured, "b" decodes position 2, "c" prefills 1..2, "d" decodes 5.
-    req_ids = ["a-00000000", "x-00000000", "b-00000000", "c-00000000", "d-00000000"]
-    plan = mapper.plan(req_ids, np.array([0, 4, 5, 6, 8, 9]), np.array([0, 1, 2, 3, 7, 2, 1, 2, 5]))
+    mapper.register(Registration("e", (point("gen", selector=TokenSelector(Scope.GENERATED)),), 1))
+    # "a" prefills 0..3, "e" decodes 3, "x" is not captured, "b" decodes 2, "c"
+    # prefills 1..2, "d" decodes 5. "e" registered "gen" alone, yet joins the others'.
+    req_ids = ["a-00000000", "e-00000000", "x-00000000", "b-00000000", "c-00000000", "d-00000000"]
+    plan = mapper.plan(req_ids, np.array([0, 4, 5, 6, 7, 9, 10]), np.array([0, 1, 2, 3, 3, 7, 2, 1, 2, 5]))
     last, gen, last_of_d = plan[("residual_stream", 0)]
     assert (last.point, last.row_indices.tolist(), last.request_ids, last.positions.tolist(),
-            last.is_generated.tolist()) == ("last", [3, 7], ["a", "c"], [3, 2], [False, False])
+            last.is_generated.tolist()) == ("last", [3, 8], ["a", "c"], [3, 2], [False, False])
     assert (gen.point, gen.row_indices.tolist(), gen.request_ids, gen.positions.tolist(),
-            gen.is_generated.tolist()) == ("gen", [5], ["b"], [2], [True])
-    assert (last_of_d.point, last_of_d.row_indices.tolist(), last_of_d.request_ids) == ("last", [8], ["d"])
+            gen.is_generated.tolist()) == ("gen", [4, 6], ["e", "b"], [3, 2], [True, True])
+    assert (last_of_d.point, last_of_d.row_indices.tolist(), last_of_d.request_ids) == ("last", [9], ["d"])
     # Unregistered, a request no longer shares anything; the others still select.
     mapper.unregister("a")
-    plan = mapper.plan(req_ids[2:4], np.array([0, 1, 3]), np.array([3, 1, 2]))
+    plan = mapper.plan(req_ids[3:5], np.array([0, 1, 3]), np.array([3, 1, 2]))
     assert [(p.point, p.request_ids, p.positions.tolist()) for p in plan[("residual_stream", 0)]] == [
         ("last", ["c"], [2]), ("gen", ["b"], [3])]
+    # Nothing is kept for the point specs of requests that ended.
+    for request_id in "bcde":
+        mapper.unregister(request_id)
+    assert mapper._shared == {} and mapper._owned == {}
 
 
 def test_final_norm_only_on_the_last_stage():

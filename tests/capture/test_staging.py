@@ -66,3 +66,20 @@ def test_sites_of_another_dtype_get_a_buffer_of_their_own():
 def test_a_step_with_no_rows_planned():
     staging = StepStaging({}, "cpu")
     assert staging.rows == 0 and staging.plan == {} and staging.collect() == []
+
+
+def test_a_points_layers_share_one_index_on_the_device_and_keep_their_own_rows():
+    shared = rows("res", "residual_stream", 0, [1, 3])
+    on_layer_1 = PointRows("res", "residual_stream", 1, shared.row_indices, shared.request_ids,
+                           shared.positions, shared.is_generated)  # as RowMapper.plan shares them
+    plan = {("residual_stream", 0): [shared], ("residual_stream", 1): [on_layer_1]}
+    staging = StepStaging(plan, "cpu")
+    first, second = staging.plan[("residual_stream", 0)][0], staging.plan[("residual_stream", 1)][0]
+    assert first.index.data_ptr() == second.index.data_ptr() and first.index.tolist() == [1, 3]
+    assert (staging.rows, first.offset, second.offset) == (4, 0, 2)
+    layer_0, layer_1 = torch.randn(5, 4), torch.randn(5, 4)
+    staging.gather(first, layer_0)
+    staging.gather(second, layer_1)
+    (_, got_0, _), (_, got_1, _) = staging.collect()
+    np.testing.assert_array_equal(got_0, layer_0[[1, 3]].numpy())
+    np.testing.assert_array_equal(got_1, layer_1[[1, 3]].numpy())

@@ -19,6 +19,11 @@ TRIGGER_MIN_INDEX = 3
 # 2-core host PP=2 measured 47, 47, 51 and 63 (load average 5-14). An abort
 # that never lands runs to MAX_TOKENS, over 190 tokens past the trigger.
 ABORT_LATENCY_BOUND = 80
+# A load spike that keeps the router from a CPU delays one abort (TP=2 once
+# measured 154 in CI); an abort path that is slow, or never lands, is so in
+# every attempt. So one of ATTEMPTS aborts must land within the bound, each
+# attempt checked in full.
+ATTEMPTS = 3
 # These tests time aborts, not router outages: with the e2e stack's 1.5 s router
 # timeout, the request that is not aborted ended ROUTER_UNAVAILABLE (fail_closed)
 # in half of the TP=2 runs at a load average of 16-22, the router process
@@ -59,6 +64,19 @@ class Armed:
         after_trigger = len(aborted.tokens) - (trigger + 1)
         assert aborted.finished.generated_tokens == len(aborted.tokens) < MAX_TOKENS
         return after_trigger
+
+    async def abort_latencies(self, tag: str) -> list[int]:
+        """Probed pairs until an abort lands within ABORT_LATENCY_BOUND, at most
+        ATTEMPTS: the tokens after the trigger of each. The other request runs
+        to its end untouched in every pair."""
+        latencies: list[int] = []
+        for attempt in range(ATTEMPTS):
+            aborted, other = await self.probed_pair(f"{tag}-{attempt}")
+            latencies.append(self.check_abort(aborted))
+            assert other.reason == "LENGTH" and other.tokens == self.baseline[1].tokens, other.finished
+            if latencies[-1] <= ABORT_LATENCY_BOUND:
+                break
+        return latencies
 
     async def probed_pair(self, tag: str) -> tuple[stack.Outcome, stack.Outcome]:
         """PROMPTS run concurrently with the probe bound: (the aborted one, the other)."""
