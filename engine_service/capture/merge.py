@@ -2,10 +2,11 @@
 
 Each worker ships plain bytes per (point, tensor type, layer): a point's name
 is its request's own, so two requests may name different tensors alike. The
-driver takes the union, drops duplicate keys (TP ranks hold identical values; only tp_rank 0 of each
-pipeline stage ships, and this dedup is the guard), drops keys an earlier
-drain already delivered (a preempted request recomputes its positions), and
-orders everything: blocks by (point, layer), rows by (request, position).
+driver takes the union, drops duplicate keys (TP ranks hold identical values;
+only tp_rank 0 of each pipeline stage ships, and this dedup is the guard),
+drops keys an earlier drain already delivered (a preempted request recomputes
+its positions), and orders everything: blocks by (point, layer), rows by
+(request, position).
 `common.activations.forward_order` then yields (token_position, layer) order
 even when one point's layers live on different pipeline stages, which drain
 at different times within a step. No vLLM import: tested without vLLM.

@@ -148,11 +148,13 @@ class RowMapper:
     def register(self, registration: Registration) -> None:
         self._forget_points(registration.request_id)
         self.registrations[registration.request_id] = registration
-        self._owned[registration.request_id] = self._share(tuple(
-            (self._share(point), layers)
-            for point in registration.points
-            if (layers := tuple(layer for layer in point.capture_layers(self.num_layers) if self._owns(layer)))
-        ))
+        owned = []
+        for point in registration.points:
+            wanted = point.capture_layers(self.num_layers)
+            layers = tuple(layer for layer in wanted if self._owns(layer))
+            if layers:
+                owned.append((self._share(point), layers))
+        self._owned[registration.request_id] = self._share(tuple(owned))
         self._resolved = {k: v for k, v in self._resolved.items() if v is not None}
 
     def unregister(self, request_id: str) -> None:
@@ -219,7 +221,8 @@ class RowMapper:
             if hi <= lo:
                 continue
             registration = self.registrations[parent_request_id(record_id, self.registrations)]
-            self._note_gap(internal_id, record_id, registration, int(positions[lo]), int(positions[hi - 1]))
+            first, last = int(positions[lo]), int(positions[hi - 1])
+            self._note_gap(internal_id, record_id, registration, first, last)
             point_set = self._owned[registration.request_id]
             requests = by_point_set.get(id(point_set))
             if requests is None:
@@ -230,7 +233,8 @@ class RowMapper:
             for point, layers in point_set:
                 by_point.setdefault(id(point), (point, layers, []))[2].append(slots)
         for point, layers, slot_lists in by_point.values():
-            slots = slot_lists[0] if len(slot_lists) == 1 else sorted(chain.from_iterable(slot_lists))
+            # Several sets hold this point: their requests again in batch order.
+            slots = slot_lists[0] if len(slot_lists) == 1 else sorted(chain(*slot_lists))
             selected = _select(point, slots, positions)
             if selected is None:
                 continue
