@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from contextlib import contextmanager
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
