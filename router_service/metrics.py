@@ -27,7 +27,7 @@ class RouterMetrics:
         self.probe_seconds = Histogram(
             "undercurrent_router_probe_seconds",
             "Time one probe spends on one batch after the shared matrix product "
-            "(ordering, scope, scores, rule)",
+            "(ordering, scope, scores, rule); probes scored together share the common part equally",
             ["probe"],
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1),
             registry=r,

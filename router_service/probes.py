@@ -290,35 +290,37 @@ class ProjectionPlan:
 def first_firing_segments(
     scores: np.ndarray,
     starts: np.ndarray,
-    threshold: float,
-    min_tokens: int,
-    patience: int,
+    threshold: np.ndarray,
+    min_tokens: np.ndarray,
+    patience: np.ndarray,
     seen: np.ndarray,
     streak: np.ndarray,
 ) -> np.ndarray:
-    """The rule over many requests at once: per segment, the index of its first firing row, or -1.
+    """The rule over many requests and probes at once: per segment and probe, the
+    index of its first firing row, or -1.
 
-    Segments are back to back (starts ascending), each one request's rows in forward
-    order. Row i fires when scores[i] >= threshold, the last `patience` rows of its
-    request (this one included, across batches) all were, and at least `min_tokens`
-    rows were scored. seen and streak carry each segment's state in, updated in place.
+    scores is [rows, probes]; threshold, min_tokens and patience are per probe
+    ([probes]). Segments are back to back (starts ascending), each one request's
+    rows in forward order. Row i fires for a probe when its score >= threshold, the
+    last `patience` rows of its request (this one included, across batches) all
+    were, and at least `min_tokens` rows were scored. seen and streak ([segments,
+    probes]) carry each segment's state in, updated in place.
     """
     n = scores.shape[0]
-    index = np.arange(n)
+    index = np.arange(n)[:, None]
     lengths = np.diff(np.append(starts, n))
     segment = np.repeat(np.arange(starts.size), lengths)
-    segment_start = starts[segment]
+    segment_start = starts[segment][:, None]
     above = scores >= threshold
     # The last row below threshold, where a segment's start counts as one just before it.
     marks = np.where(above, -1, index)
-    marks[starts] = np.maximum(marks[starts], starts - 1)
-    last_below = np.maximum.accumulate(marks)
+    marks[starts] = np.maximum(marks[starts], (starts - 1)[:, None])
+    last_below = np.maximum.accumulate(marks, axis=0)
     run = index - last_below
     run_rows = np.where(last_below < segment_start, run + streak[segment], run)
     seen_rows = seen[segment] + (index - segment_start + 1)
     fires = above & (run_rows >= patience) & (seen_rows >= min_tokens)
-    first = np.minimum.reduceat(np.where(fires, index, n), starts)
-    seen += lengths
+    first = np.minimum.reduceat(np.where(fires, index, n), starts, axis=0)
+    seen += lengths[:, None]
     streak[:] = run_rows[starts + lengths - 1]
     return np.where(first < n, first, -1)
-

@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
@@ -326,11 +326,8 @@ class SessionState:
                 out += self._block_error(batch, _block_request_ids(batch, i), "INTERNAL",
                                          f"blocks[{i}]: internal error: {type(err).__name__}: {err}", reported)
         candidates: dict[int, list[_Candidate]] = {}
-        orders: dict[tuple, _Order] = {}
-        for part in gathered.values():
-            probe_started = time.perf_counter()
-            out += self._score_probe(part, table, orders, candidates)
-            self.metrics.probe_seconds.labels(part.probe.name).observe(time.perf_counter() - probe_started)
+        for parts in _sharing_an_order(gathered.values()):
+            out += self._score_group(parts, table, candidates)
         for slot, found in candidates.items():
             request = requests[slot]
             if not request.aborted:
@@ -421,47 +418,70 @@ class SessionState:
             part.values.append(values[take, plan.columns[id(probe)]])
         return out
 
-    def _score_probe(
-        self, part: _Gathered, table: _SlotTable, orders: dict[tuple, _Order],
-        candidates: dict[int, list[_Candidate]],
+    def _score_group(
+        self, parts: list[_Gathered], table: _SlotTable, candidates: dict[int, list[_Candidate]],
     ) -> list[pb.SessionResponse]:
-        """Scores one probe over all its requests' rows; files abort candidates; returns scores."""
-        probe, m = part.probe, part.probe.manifest
-        key = (tuple(part.sources), m.tokens)
-        order = orders.get(key)
-        if order is None:
-            order = orders[key] = _Order.of(part, m.tokens, table.prompt_lengths)
+        """Scores probes that read the same rows under one token selector, over all
+        their requests' rows: one forward order and one run of the decision rule
+        for all of them. Files abort candidates; returns scores."""
+        started = time.perf_counter()
+        order = _Order.of(parts[0], parts[0].probe.manifest.tokens, table.prompt_lengths)
+        probes = [part.probe for part in parts]
         if order.selected.size == 0:
+            self._observe_probe_seconds(probes, [0.0] * len(probes), time.perf_counter() - started)
             return []
         positions, layers, starts, ends = order.positions, order.layers, order.starts, order.ends
-        values = np.concatenate(part.values)[order.selected]
         segment_slots = order.slots[starts]
-        _, binding_rows, by_slot = table.bindings_of(probe)
-        if probe.stateless:
-            scores = probe.score(values, None)
-        else:
-            scores = np.concatenate([probe.score(values[a:b], by_slot[s].state)
-                                     for a, b, s in zip(starts, ends, segment_slots.tolist())])
-        self.metrics.probe_rows.labels(probe.name).inc(scores.size)
-        bound = self._bound[id(probe)]
-        rows = binding_rows[segment_slots]
-        seen, streak = bound.seen[rows], bound.streak[rows]
-        hits = first_firing_segments(scores, starts, m.threshold, m.min_tokens, m.patience, seen, streak)
-        bound.seen[rows], bound.streak[rows] = seen, streak
-        abort = bound.abort[rows]
-        for k in np.flatnonzero(abort & (hits >= 0)).tolist():
-            hit, slot = hits[k], int(segment_slots[k])
+        scores, own_seconds = [], []
+        for part in parts:
+            probe_started = time.perf_counter()
+            scores.append(self._scores(part, order, table, segment_slots))
+            own_seconds.append(time.perf_counter() - probe_started)
+            self.metrics.probe_rows.labels(part.probe.name).inc(scores[-1].size)
+        bound = [self._bound[id(probe)] for probe in probes]
+        rule_rows = [table.bindings_of(probe)[1][segment_slots] for probe in probes]
+        seen = np.column_stack([b.seen[rows] for b, rows in zip(bound, rule_rows)])
+        streak = np.column_stack([b.streak[rows] for b, rows in zip(bound, rule_rows)])
+        abort = np.column_stack([b.abort[rows] for b, rows in zip(bound, rule_rows)])
+        manifests = [probe.manifest for probe in probes]
+        hits = first_firing_segments(
+            np.column_stack(scores), starts, np.array([m.threshold for m in manifests]),
+            np.array([m.min_tokens for m in manifests]), np.array([m.patience for m in manifests]),
+            seen, streak)
+        for j, (b, rows) in enumerate(zip(bound, rule_rows)):
+            b.seen[rows], b.streak[rows] = seen[:, j], streak[:, j]
+        by_slot = [table.bindings_of(probe)[2] for probe in probes]
+        for k, j in zip(*(index.tolist() for index in np.nonzero(abort & (hits >= 0)))):
+            hit, slot = hits[k, j], int(segment_slots[k])
             candidates.setdefault(slot, []).append(
-                _Candidate(int(positions[hit]), int(layers[hit]), by_slot[slot], float(scores[hit])))
+                _Candidate(int(positions[hit]), int(layers[hit]), by_slot[j][slot], float(scores[j][hit])))
         out = []
-        for k in np.flatnonzero(~abort).tolist():
+        for j, k in zip(*(index.tolist() for index in np.nonzero(~abort.T))):  # probe by probe
             slot = int(segment_slots[k])
-            binding = by_slot[slot]
+            binding = by_slot[j][slot]
             binding.pending_positions.append(positions[starts[k]:ends[k]])
-            binding.pending_scores.append(scores[starts[k]:ends[k]])
+            binding.pending_scores.append(scores[j][starts[k]:ends[k]])
             if message := self._flush_scores(table.requests[slot], binding, force=False):
                 out.append(message)
+        self._observe_probe_seconds(probes, own_seconds, time.perf_counter() - started)
         return out
+
+    @staticmethod
+    def _scores(part: _Gathered, order: _Order, table: _SlotTable, segment_slots: np.ndarray) -> np.ndarray:
+        """One probe's scores of the ordered rows (float64, one per row)."""
+        probe = part.probe
+        values = np.concatenate(part.values)[order.selected]
+        if probe.stateless:
+            return probe.score(values, None)
+        by_slot = table.bindings_of(probe)[2]
+        return np.concatenate([probe.score(values[a:b], by_slot[s].state)
+                               for a, b, s in zip(order.starts, order.ends, segment_slots.tolist())])
+
+    def _observe_probe_seconds(self, probes: list[Probe], own: list[float], total: float) -> None:
+        """Each probe's own scoring time plus an equal share of what its group shares."""
+        shared = (total - sum(own)) / len(probes)
+        for probe, seconds in zip(probes, own):
+            self.metrics.probe_seconds.labels(probe.name).observe(seconds + shared)
 
     def _abort(self, request: RequestState, binding: Binding, score: float, position: int,
                layer: int) -> pb.SessionResponse:
@@ -579,6 +599,15 @@ class SessionState:
         log.warning("request error", extra={"request_id": request_id, "probe": probe, "code": code,
                                             "step": step, "error": message})
         return error(request_id, code, message, probe, incarnation=incarnation, step=step)
+
+
+def _sharing_an_order(parts: Iterable[_Gathered]) -> list[list[_Gathered]]:
+    """The probes' gathered rows grouped by what orders them: probes that read the
+    same rows (the same blocks through the same masks) under one token selector."""
+    groups: dict[tuple, list[_Gathered]] = {}
+    for part in parts:
+        groups.setdefault((tuple(part.sources), part.probe.manifest.tokens), []).append(part)
+    return list(groups.values())
 
 
 def _joined(arrays: list[np.ndarray]) -> np.ndarray:

@@ -187,28 +187,34 @@ def test_rule_across_batches_matches_a_loop(seed):
     rng = np.random.default_rng(seed)
     scores = rng.uniform(size=30)
     threshold, min_tokens, patience = 0.4, int(rng.integers(0, 12)), int(rng.integers(1, 4))
-    seen, streak, got = np.zeros(1, np.int64), np.zeros(1, np.int64), None
+    seen, streak, got = np.zeros((1, 1), np.int64), np.zeros((1, 1), np.int64), None
     bounds = split_points(rng, len(scores))
     for a, b in zip(bounds, bounds[1:]):
-        hit = first_firing_segments(scores[a:b], np.array([0]), threshold, min_tokens, patience, seen, streak)
-        if hit[0] >= 0 and got is None:
-            got = a + int(hit[0])
+        hit = first_firing_segments(scores[a:b, None], np.array([0]), np.array([threshold]),
+                                    np.array([min_tokens]), np.array([patience]), seen, streak)
+        if hit[0, 0] >= 0 and got is None:
+            got = a + int(hit[0, 0])
     assert got == first_firing_loop(scores, threshold, min_tokens, patience)
 
 
-def test_rule_over_many_requests_at_once_matches_a_loop_per_request():
+def test_rule_over_many_requests_and_probes_at_once_matches_a_loop_per_request_and_probe():
+    """Each probe (column) keeps its own threshold, min_tokens, patience and state."""
     rng = np.random.default_rng(99)
     lengths = rng.integers(1, 9, size=40)
     starts = np.r_[0, np.cumsum(lengths)[:-1]]
-    scores = rng.uniform(size=lengths.sum())
-    carried_seen, carried_streak = rng.integers(0, 5, size=40), rng.integers(0, 3, size=40)
+    rules = [(0.5, 4, 3), (0.3, 0, 1), (0.7, 9, 2)]  # threshold, min_tokens, patience per probe
+    scores = rng.uniform(size=(lengths.sum(), len(rules)))
+    carried_seen, carried_streak = rng.integers(0, 5, size=(40, 3)), rng.integers(0, 3, size=(40, 3))
     seen, streak = carried_seen.copy(), carried_streak.copy()
-    hits = first_firing_segments(scores, starts, 0.5, 4, 3, seen, streak)
-    for k, (a, n) in enumerate(zip(starts, lengths)):
-        run, hit = int(carried_streak[k]), None
-        for i, s in enumerate(scores[a : a + n]):
-            run = run + 1 if s >= 0.5 else 0
-            if hit is None and s >= 0.5 and run >= 3 and carried_seen[k] + i + 1 >= 4:
-                hit = i
-        assert hits[k] == (-1 if hit is None else a + hit)
-        assert (seen[k], streak[k]) == (carried_seen[k] + n, run)
+    threshold, min_tokens, patience = (np.array(column) for column in zip(*rules))
+    hits = first_firing_segments(scores, starts, threshold, min_tokens, patience, seen, streak)
+    assert hits.shape == (40, 3)
+    for j, (cut, least, needed) in enumerate(rules):
+        for k, (a, n) in enumerate(zip(starts, lengths)):
+            run, hit = int(carried_streak[k, j]), None
+            for i, s in enumerate(scores[a : a + n, j]):
+                run = run + 1 if s >= cut else 0
+                if hit is None and s >= cut and run >= needed and carried_seen[k, j] + i + 1 >= least:
+                    hit = i
+            assert hits[k, j] == (-1 if hit is None else a + hit)
+            assert (seen[k, j], streak[k, j]) == (carried_seen[k, j] + n, run)

@@ -73,3 +73,51 @@ def test_unknown_enums_and_the_request_limit(state):
     assert (over.error.code, over.error.request_id, over.error.incarnation) == (
         pb.STATUS_CODE_RESOURCE_EXHAUSTED, "c", 3)
     assert sorted(state.requests) == ["a", "b"]
+
+
+def test_probes_reading_the_same_rows_keep_their_own_rules_and_state(tmp_path):
+    """Probes on the same rows are ordered and ruled together (one group), each
+    with its own threshold, patience and per-request state across batches."""
+    registry = ProbeRegistry()
+    rules = {"low": (1.0, 3), "mid": (2.0, 2), "high": (3.0, 1)}  # threshold, patience
+    for name, (threshold, patience) in rules.items():
+        registry.load(load_probe_path(linear_probe(tmp_path, name, np.eye(HIDDEN)[0], kind="linear",
+                                                   threshold=threshold, rule={"patience": patience})))
+    state = SessionState(registry, model_info(), RouterMetrics())
+    # Every request binds all three (so they read the same rows); "g" in another order.
+    values = {
+        "a": [2.5, 2.5, 0.0, 3.5, 0.0, 0.0],  # mid at 1, before high at 3
+        "b": [0.0, 2.0, 2.0, 0.0, 0.0, 0.0],  # mid at 2: its streak carried from batch 1
+        "c": [1.5, 1.5, 1.5, 0.0, 0.0, 0.0],  # low at 2: a streak of three across batches
+        "d": [1.0, 0.0, 1.0, 1.0, 0.0, 0.0],  # never
+        "e": [0.0, 0.0, 0.0, 0.0, 0.0, 3.0],  # high at 5, in the last batch
+        # low at 2. mid's streak is 0 after batch 1 (low's is 2): had mid been given
+        # low's state, it would fire at 2 too and win, bound first.
+        "g": [2.5, 1.5, 2.5, 0.0, 0.0, 0.0],
+    }
+    order = {rid: ["low", "mid", "high"] for rid in values} | {"g": ["mid", "high", "low"]}
+    for rid, names in order.items():
+        assert state.start(pb.RequestStart(request_id=rid, probes=[pb.ProbeBinding(probe=p) for p in names])) == []
+    verdicts = {}
+    for step, first in enumerate(range(0, 6, 2), 1):  # two positions per request and batch
+        ids = [rid for rid in values for _ in (0, 1)]
+        positions = [p for _ in values for p in (first, first + 1)]
+        replies = state.batch(to_batch([block(rows(*[values[r][p] for r, p in zip(ids, positions)]),
+                                              ids, positions)], step=step))
+        verdicts |= {m.abort.request_id: (m.abort.probe, m.abort.token_position)
+                     for m in replies if m.WhichOneof("message") == "abort"}
+
+    def first_firing(rid):
+        fired = []
+        for rank, name in enumerate(order[rid]):
+            threshold, patience = rules[name]
+            streak = 0
+            for position, value in enumerate(values[rid]):
+                streak = streak + 1 if value >= threshold else 0
+                if streak >= patience:
+                    fired.append((position, rank, name))
+                    break
+        return min(fired, default=None)
+
+    assert verdicts == {"a": ("mid", 1), "b": ("mid", 2), "c": ("low", 2), "e": ("high", 5), "g": ("low", 2)}
+    assert verdicts == {rid: (hit[2], hit[0]) for rid in values if (hit := first_firing(rid))}
