@@ -3,8 +3,9 @@ positions did a router score, may generated token g be shown, what was lost".
 
 Every captured probe row travels in exactly one message (one part of one
 engine step for one replica). A message is QUEUED, then SENT (it got a step
-number), then ACKED when the replica that owns the request acknowledges that
-step; or it FAILED: dropped by the send queue, lost with its replica, refused
+number), then ACKED when the replica acknowledges the step that carried it (the
+replica's session knows which messages a cumulative StepAck covers, and names
+each one); or it FAILED: dropped by the send queue, lost with its replica, refused
 or errored by the router, or left unacknowledged past the router timeout.
 FAILED and ACKED are final: a late ack never makes a failed row scored, and an
 error about a step that was already acknowledged is out of order and ignored.
@@ -58,7 +59,8 @@ _QUEUED, _SENT, _ACKED = MessageState.QUEUED, MessageState.SENT, MessageState.AC
 
 
 # Slots: a decode step makes one Message per request and touches it three times
-# (queued, sent, acknowledged), so attribute access is on the hot path.
+# (queued, sent, acknowledged), so attribute access is on the hot path. Hashed
+# by identity (eq=False): the ledger keeps its live messages as dict keys.
 @dataclass(eq=False, slots=True)
 class Message:
     """This request's rows in one message to one replica."""
@@ -98,7 +100,8 @@ class RequestLedger:
     failures: list[Failure] = field(default_factory=list, init=False)
     _positions: dict[int, _Position] = field(default_factory=dict, init=False)
     _order: list[int] = field(default_factory=list, init=False)  # captured positions, ascending
-    _live: list[Message] = field(default_factory=list, init=False)  # QUEUED or SENT, oldest first
+    # QUEUED or SENT, oldest first; a dict so an acknowledged or failed one leaves in O(1).
+    _live: dict[Message, None] = field(default_factory=dict, init=False)
     _refusal: str | None = field(default=None, init=False)
     _refusal_closes: bool = field(default=False, init=False)
     # _order[:_clean] are settled (all rows acknowledged, none failed): the
@@ -117,20 +120,21 @@ class RequestLedger:
 
     # -- rows moving forward ---------------------------------------------------
 
-    def queued(self, replica: str, rows: Mapping[int, int], now: float) -> Message:
-        """Captured rows placed on `replica`'s send queue as one message."""
-        message = Message(replica, dict(rows), now, sum(rows.values()))
-        positions = self._positions
-        for position, count in message.rows.items():
-            below_settled = position <= self._last_clean()
+    def queued(self, replica: str, rows: dict[int, int], now: float) -> Message:
+        """Captured rows placed on `replica`'s send queue as one message, which
+        keeps `rows` (token position -> rows): the caller hands the dict over."""
+        message = Message(replica, rows, now, sum(rows.values()))
+        positions, last_clean = self._positions, self._last_clean()
+        for position, count in rows.items():
             entry = positions.get(position)
             if entry is None:
                 entry = self._position(position)
             entry.outstanding += count
             entry.arrived += count
-            if below_settled:  # rows again at (or before) a settled position
+            if position <= last_clean:  # rows again at (or before) a settled position
                 self._clean = bisect.bisect_left(self._order, position)
-        self._live.append(message)
+                last_clean = self._last_clean()
+        self._live[message] = None
         if self._refusal is not None:
             # The router refused the request: nothing it is sent will be scored.
             self._fail([message], self._refusal, self._refusal_closes, dropped=False)
@@ -158,31 +162,24 @@ class RequestLedger:
             return
         message.step, message.state = step, _SENT
 
-    def acknowledged(self, replica: str, step: int) -> int:
-        """A cumulative StepAck from `replica`: every step <= `step` it was sent is
-        scored. Returns the rows that became acknowledged."""
-        settled = 0
-        kept = []
+    def acknowledged(self, message: Message) -> int:
+        """The replica acknowledged the step that carried `message`: its rows are
+        scored. Returns the rows that became acknowledged: none when the message
+        already failed (a late ack never makes a failed row scored)."""
+        if message.state is not _SENT:
+            return 0
+        message.state = _ACKED
+        del self._live[message]
         positions = self._positions
-        for message in self._live:
-            # Every live message is checked: one left SENT by an earlier session of
-            # the replica (its step numbers restarted) may sit before this one's.
-            if message.state is not _SENT or message.step > step or message.replica != replica:
-                kept.append(message)
-                continue
-            message.state = _ACKED
-            for position, count in message.rows.items():
-                entry = positions[position]
-                entry.outstanding -= count
-                entry.acknowledged += count
-            settled += message.num_rows
-        if settled:
-            self._live = kept
-        return settled
+        for position, count in message.rows.items():
+            entry = positions[position]
+            entry.outstanding -= count
+            entry.acknowledged += count
+        return message.num_rows
 
     # -- rows failing ----------------------------------------------------------
 
-    def not_sent(self, replica: str, rows: Mapping[int, int], now: float, reason: str) -> Failure:
+    def not_sent(self, replica: str, rows: dict[int, int], now: float, reason: str) -> Failure:
         """Captured rows that never made it into a message (no replica, too large)."""
         message = self.queued(replica, rows, now)
         if message.state is MessageState.FAILED:  # already counted under the refusal
@@ -266,7 +263,7 @@ class RequestLedger:
         for message in messages:
             if message.state not in (MessageState.QUEUED, MessageState.SENT):
                 continue
-            self._live.remove(message)
+            del self._live[message]
             message.state = MessageState.FAILED
             for position, count in message.rows.items():
                 entry = self._positions[position]
@@ -324,7 +321,7 @@ class RequestLedger:
 
     def oldest_in_flight(self) -> float | None:
         """When the oldest row still waiting for its ack was queued."""
-        return self._live[0].queued_at if self._live else None
+        return next(iter(self._live)).queued_at if self._live else None
 
     def unprobed_tokens(self, below: int | None = None) -> int:
         """Positions with a row that no router scored (failed, never acknowledged,

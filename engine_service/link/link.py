@@ -338,10 +338,14 @@ class RouterLink:
     def batch_unsent(self, replica: ReplicaSession, batch: QueuedBatch) -> None:
         self._drop(batch, "replica_down")
 
-    def steps_acked(self, replica: ReplicaSession, step: int, batches: list[QueuedBatch]) -> None:
-        requests = {id(r): r for batch in batches for r, _ in batch.entries}
-        for request in requests.values():
-            if request.ledger.acknowledged(replica.address, step) and self._live(request):
+    def steps_acked(self, replica: ReplicaSession, batches: list[QueuedBatch]) -> None:
+        processed: dict[int, _Request] = {}
+        for batch in batches:
+            for request, message in batch.entries:
+                if request.ledger.acknowledged(message):
+                    processed[id(request)] = request
+        for request in processed.values():
+            if self._live(request):
                 self._emit(Processed(request.request_id, request.incarnation, replica.address))
 
     def request_message(self, replica: ReplicaSession, message: pb.SessionResponse) -> None:

@@ -81,7 +81,7 @@ class SessionListener(Protocol):
 
     def batch_unsent(self, session: ReplicaSession, batch: QueuedBatch) -> None: ...
 
-    def steps_acked(self, session: ReplicaSession, step: int, batches: list[QueuedBatch]) -> None: ...
+    def steps_acked(self, session: ReplicaSession, batches: list[QueuedBatch]) -> None: ...
 
     def request_message(self, session: ReplicaSession, message: pb.SessionResponse) -> None: ...
 
@@ -314,7 +314,7 @@ class ReplicaSession:
             for sent in acked.sent_at:
                 self._metrics.ack_latency.observe(now - sent)
             if acked.batches:
-                self._listener.steps_acked(self, message.ack.step, acked.batches)
+                self._listener.steps_acked(self, acked.batches)
         elif kind in ("scores", "abort", "error"):
             self._listener.request_message(self, message)
         elif kind == "catalog":

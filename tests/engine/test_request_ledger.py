@@ -22,69 +22,62 @@ def sent(led: RequestLedger, replica: str, step: int, rows: dict[int, int], now:
 
 def test_positions_settle_only_when_every_row_is_acknowledged():
     led = ledger()
-    sent(led, "r", 1, {10: 2, 11: 2})
-    sent(led, "r", 2, {12: 2})
+    first = sent(led, "r", 1, {10: 2, 11: 2})
+    second = sent(led, "r", 2, {12: 2})
     assert (led.first_unsettled(), led.releasable_through(), led.in_flight()) == (10, -1, 6)
-    assert led.acknowledged("r", 1) == 4
+    assert led.acknowledged(first) == 4
     assert (led.first_unsettled(), led.releasable_through()) == (12, 11)
-    assert led.acknowledged("r", 2) == 2
+    assert led.acknowledged(second) == 2
     assert (led.first_unsettled(), led.releasable_through(), led.unprobed_tokens()) == (13, 12, 0)
+    assert led.acknowledged(second) == 0  # a duplicate ack settles nothing more
 
 
 def test_the_ack_of_part_0_of_a_split_step_does_not_settle_rows_in_part_1():
     led = ledger()
     # One engine step, too big for one message: layers 0..1 in part 0, layer 2 in part 1,
     # both carrying position 12.
-    sent(led, "r", 1, {12: 2})
-    sent(led, "r", 2, {12: 1})
-    led.acknowledged("r", 1)
+    part_0 = sent(led, "r", 1, {12: 2})
+    part_1 = sent(led, "r", 2, {12: 1})
+    led.acknowledged(part_0)
     assert led.releasable_through() == -1 and led.first_unsettled() == 12
-    led.acknowledged("r", 2)
+    led.acknowledged(part_1)
     assert led.releasable_through() == 12
 
 
-def test_acks_are_cumulative_and_only_count_from_the_replica_the_rows_went_to():
-    led = ledger()
-    sent(led, "a", 1, {10: 1})
-    sent(led, "a", 2, {11: 1})
-    assert led.acknowledged("b", 5) == 0  # another replica's step 5 is not ours
-    assert led.releasable_through() == -1
-    assert led.acknowledged("a", 2) == 2
-    assert led.releasable_through() == 11
-
-
-def test_an_ack_settles_its_replicas_messages_behind_other_replicas_and_stops_at_its_first_unacked():
+def test_an_ack_settles_its_messages_whatever_sits_between_them():
     led = ledger()
     # Re-homed from "a" to "b" and back: the replicas' messages interleave in the ledger.
-    sent(led, "a", 1, {10: 1})
-    sent(led, "b", 1, {11: 1})
-    sent(led, "a", 2, {12: 1})
-    sent(led, "b", 2, {13: 1})
+    a1 = sent(led, "a", 1, {10: 1})
+    b1 = sent(led, "b", 1, {11: 1})
+    a2 = sent(led, "a", 2, {12: 1})
+    b2 = sent(led, "b", 2, {13: 1})
     queued = led.queued("a", {14: 1}, 0.0)  # not sent yet
-    assert led.acknowledged("a", 1) == 1
-    assert led.acknowledged("b", 2) == 2  # both of b's, the second behind a's step 2
-    assert led.acknowledged("a", 7) == 1  # a's step 2; its queued message is not acknowledged
-    assert (led.releasable_through(), led.in_flight()) == (13, 1)
+    assert led.acknowledged(a1) == 1
+    assert led.acknowledged(b1) + led.acknowledged(b2) == 2  # b's, the second behind a's step 2
+    assert (led.releasable_through(), led.in_flight()) == (11, 2)
+    assert led.acknowledged(queued) == 0  # never sent: no ack can cover it
+    assert led.acknowledged(a2) == 1
+    assert (led.releasable_through(), led.in_flight(), queued.state) == (13, 1, MessageState.QUEUED)
     led.sent(queued, 3)
-    assert led.acknowledged("a", 3) == 1
+    assert led.acknowledged(queued) == 1
     assert (led.releasable_through(), led.in_flight()) == (14, 0)
 
 
-def test_an_ack_reaches_past_a_message_left_sent_by_an_earlier_session_of_the_replica():
+def test_an_ack_leaves_a_message_left_sent_by_an_earlier_session_of_the_replica_in_flight():
     led = ledger()
-    sent(led, "r", 7, {10: 1})  # the replica's previous session; its steps restart at 1
-    sent(led, "r", 1, {11: 1})
-    assert led.acknowledged("r", 1) == 1
+    sent(led, "r", 1, {10: 1})  # the replica's previous session; its steps restart at 1
+    current = sent(led, "r", 1, {11: 1})
+    assert led.acknowledged(current) == 1
     assert led.in_flight() == 1 and led.first_unsettled() == 10
 
 
 def test_a_router_error_about_a_step_leaves_its_rows_unscored_and_a_late_ack_changes_nothing():
     led = ledger()
-    sent(led, "r", 1, {10: 1})
-    sent(led, "r", 2, {11: 1})
+    first = sent(led, "r", 1, {10: 1})
+    second = sent(led, "r", 2, {11: 1})
     failure = led.step_failed("r", 2, "router error: INTERNAL: boom", probe=None)
     assert failure.fail_closed and failure.rows == 1 and not failure.dropped
-    led.acknowledged("r", 2)
+    assert led.acknowledged(first) + led.acknowledged(second) == 1
     assert (led.releasable_through(), led.first_unsettled(), led.unprobed_tokens()) == (10, 11, 1)
     assert led.fail_closed_failure().reason == "router error: INTERNAL: boom"
     assert led.dropped_records == 0
@@ -93,18 +86,17 @@ def test_a_router_error_about_a_step_leaves_its_rows_unscored_and_a_late_ack_cha
 
 def test_an_error_after_the_ack_is_out_of_order_and_changes_nothing():
     led = ledger()
-    sent(led, "r", 1, {10: 1, 11: 1})
-    led.acknowledged("r", 1)
+    led.acknowledged(sent(led, "r", 1, {10: 1, 11: 1}))
     assert led.step_failed("r", 1, "late error", None) is None
     assert (led.releasable_through(), led.unprobed_tokens(), led.failures) == (11, 0, [])
 
 
 def test_a_failure_of_a_fail_open_binding_counts_but_does_not_hold_tokens():
     led = ledger(strict=CLOSED, lenient=OPEN)
-    sent(led, "r", 1, {10: 1})
-    sent(led, "r", 2, {11: 1})
+    first = sent(led, "r", 1, {10: 1})
+    second = sent(led, "r", 2, {11: 1})
     failure = led.step_failed("r", 2, "bad row for lenient", probe="lenient")
-    led.acknowledged("r", 2)
+    led.acknowledged(first), led.acknowledged(second)
     assert not failure.fail_closed
     assert led.releasable_through() == 11 and led.unprobed_tokens() == 1
     assert led.fail_closed_failure() is None
@@ -118,8 +110,7 @@ def test_fail_open_only_request_releases_past_failures():
     led = ledger(p=OPEN)
     message = led.queued("r", {10: 1}, 0.0)
     led.dropped(message, "drop_oldest")
-    sent(led, "r", 1, {11: 1})
-    led.acknowledged("r", 1)
+    led.acknowledged(sent(led, "r", 1, {11: 1}))
     assert led.releasable_through() == 11
     assert (led.unprobed_tokens(), led.dropped_records, led.fail_closed_failure()) == (1, 1, None)
 
@@ -142,14 +133,13 @@ def test_rows_with_no_replica_are_dropped():
 
 def test_a_lost_replica_takes_its_unacknowledged_rows_with_it():
     led = ledger()
-    sent(led, "a", 1, {10: 1})
-    sent(led, "a", 2, {11: 1})
-    led.acknowledged("a", 1)
+    led.acknowledged(sent(led, "a", 1, {10: 1}))
+    lost = sent(led, "a", 2, {11: 1})
     queued = led.queued("b", {12: 1}, 0.0)
     failure = led.replica_failed("a", "a down")
     assert failure.rows == 1 and not failure.dropped
     assert queued.state is MessageState.QUEUED  # rows bound for another replica stay in flight
-    led.acknowledged("a", 2)  # a late ack from the lost session
+    assert led.acknowledged(lost) == 0  # a late ack from the lost session
     assert (led.releasable_through(), led.first_unsettled(), led.unprobed_tokens()) == (10, 11, 2)
 
 
@@ -161,7 +151,7 @@ def test_a_refused_request_fails_what_is_in_flight_and_everything_after():
     later = led.queued("r", {11: 1}, 0.0)
     assert later.state is MessageState.FAILED
     led.sent(later, 2)
-    led.acknowledged("r", 2)
+    assert led.acknowledged(later) == 0
     assert led.unprobed_tokens() == 2 and led.first_unsettled() == 10
     # Rows at or past the first token the client never got are not its tokens.
     assert led.unprobed_tokens(below=11) == 1
@@ -177,19 +167,18 @@ def test_a_refusal_with_nothing_in_flight_is_still_a_failure():
 def test_rows_unacknowledged_past_the_timeout_expire():
     led = ledger()
     sent(led, "r", 1, {10: 1}, now=1.0)
-    sent(led, "r", 2, {11: 1}, now=5.0)
+    second = sent(led, "r", 2, {11: 1}, now=5.0)
     assert led.oldest_in_flight() == 1.0
     failure = led.expire(older_than=4.0, reason="no ack for 3.0 s")
     assert failure.rows == 1 and led.oldest_in_flight() == 5.0
     assert led.expire(older_than=4.0, reason="again") is None
-    led.acknowledged("r", 2)
+    led.acknowledged(second)
     assert (led.first_unsettled(), led.releasable_through(), led.unprobed_tokens()) == (10, -1, 1)
 
 
 def test_rows_again_at_a_settled_position_unsettle_it():
     led = ledger()
-    sent(led, "r", 1, {10: 1, 11: 1})
-    led.acknowledged("r", 1)
+    led.acknowledged(sent(led, "r", 1, {10: 1, 11: 1}))
     assert led.first_unsettled() == 12
     sent(led, "r", 2, {11: 1})  # recomputed after preemption
     assert (led.first_unsettled(), led.releasable_through()) == (11, 10)
@@ -205,10 +194,10 @@ def test_nothing_captured():
 
 def test_a_position_is_scored_acknowledged_failed_or_still_in_flight():
     led = ledger()
-    sent(led, "r", 1, {10: 2})
+    first = sent(led, "r", 1, {10: 2})
     sent(led, "r", 2, {11: 1})
     assert [led.outcome_at(p) for p in (9, 10, 11)] == [None, None, None]
-    led.acknowledged("r", 1)
+    led.acknowledged(first)
     led.replica_failed("r", "lost")
     assert [led.outcome_at(p) for p in (10, 11)] == [True, False]
 
@@ -223,11 +212,11 @@ def test_scores_are_shown_only_where_the_ledger_counts_rows_scored():
     withheld, so shown scores plus unprobed positions equal the positions fed."""
     led = ledger()
     held = HeldScores()
-    sent(led, "r", 1, {10: 1, 11: 1})
+    first = sent(led, "r", 1, {10: 1, 11: 1})
     sent(led, "r", 2, {12: 1})
     held.add(scores([10, 11]))
     assert held.release(led) == []  # not acknowledged yet: held
-    led.acknowledged("r", 1)
+    led.acknowledged(first)
     held.add(scores([12]))  # its ack never comes
     assert [list(s.token_positions) for s in held.release(led)] == [[10, 11]]
     assert [list(s.token_positions) for s in held.release(led)] == []
@@ -239,15 +228,15 @@ def test_scores_are_shown_only_where_the_ledger_counts_rows_scored():
 def test_a_message_is_split_at_the_settled_positions_and_the_end_withholds_the_rest():
     led = ledger()
     held = HeldScores()
-    sent(led, "r", 1, {10: 1})
+    first = sent(led, "r", 1, {10: 1})
     sent(led, "s", 1, {11: 1})  # re-homed to another replica, whose ack never comes
-    sent(led, "r", 2, {12: 1})
+    second = sent(led, "r", 2, {12: 1})
     held.add(scores([10, 11, 12]))
-    led.acknowledged("r", 1)
+    led.acknowledged(first)
     shown = held.release(led)
     assert [(list(s.token_positions), list(s.scores)) for s in shown] == [([10], [10.0])]
     assert shown[0].probe == "p" and shown[0].request_id == "q"
-    led.acknowledged("r", 2)
+    led.acknowledged(second)
     # The request ends: position 12 belongs to a token the client never received,
     # position 11 is still in flight: both withheld.
     shown = held.release(led, below=12)
@@ -276,22 +265,18 @@ def test_expected_rows_follow_each_points_token_selector():
 def test_a_computed_position_waits_for_every_row_capture_owes_it():
     led = expecting()
     led.computed_below(6)  # prompt 0..3 and generated positions 4, 5 were computed
-    sent(led, "r", 1, {0: 2, 1: 2, 2: 2, 3: 2, 5: 3})  # position 4's rows have not come
-    led.acknowledged("r", 1)
+    led.acknowledged(sent(led, "r", 1, {0: 2, 1: 2, 2: 2, 3: 2, 5: 3}))  # position 4's rows have not come
     assert (led.releasable_through(), led.first_unsettled(), led.outcome_at(4)) == (3, 4, None)
-    sent(led, "r", 2, {4: 2})  # two of its three rows
-    led.acknowledged("r", 2)
+    led.acknowledged(sent(led, "r", 2, {4: 2}))  # two of its three rows
     assert (led.releasable_through(), led.first_unsettled()) == (3, 4)
-    sent(led, "r", 3, {4: 1})
-    led.acknowledged("r", 3)
+    led.acknowledged(sent(led, "r", 3, {4: 1}))
     assert (led.releasable_through(), led.first_unsettled(), led.outcome_at(4)) == (5, 6, True)
     assert led.capture_lost() is None and led.unprobed_tokens() == 0
 
 
 def test_rows_that_arrived_before_their_position_was_known_computed_still_count():
     led = expecting()
-    sent(led, "r", 1, {0: 2, 1: 2, 2: 2, 3: 2, 4: 3})
-    led.acknowledged("r", 1)
+    led.acknowledged(sent(led, "r", 1, {0: 2, 1: 2, 2: 2, 3: 2, 4: 3}))
     assert led.releasable_through() == 4
     led.computed_below(5)
     assert led.releasable_through() == 4 and led.first_unsettled() == 5
@@ -302,8 +287,7 @@ def test_rows_that_arrived_before_their_position_was_known_computed_still_count(
 def test_rows_capture_never_delivered_fail_closed_at_their_position_and_count_as_dropped():
     led = expecting()
     led.computed_below(8)
-    sent(led, "r", 1, {0: 2, 1: 2, 2: 2, 3: 2, 4: 3, 6: 3, 7: 3})  # position 5: nothing
-    led.acknowledged("r", 1)
+    led.acknowledged(sent(led, "r", 1, {0: 2, 1: 2, 2: 2, 3: 2, 4: 3, 6: 3, 7: 3}))  # position 5: nothing
     assert led.releasable_through() == 4  # never past the position capture lost
     failure = led.capture_lost()
     assert failure.fail_closed and failure.dropped and failure.rows == 3
@@ -318,8 +302,7 @@ def test_rows_capture_never_delivered_fail_closed_at_their_position_and_count_as
 def test_lost_rows_of_a_fail_open_request_are_counted_and_do_not_hold_tokens():
     led = expecting(p=OPEN)
     led.computed_below(7)
-    sent(led, "r", 1, {0: 2, 1: 2, 2: 2, 3: 2, 4: 1, 6: 3})  # position 4: 1 of 3; 5: none
-    led.acknowledged("r", 1)
+    led.acknowledged(sent(led, "r", 1, {0: 2, 1: 2, 2: 2, 3: 2, 4: 1, 6: 3}))  # position 4: 1 of 3; 5: none
     failure = led.capture_lost(reported_dropped=1)  # a worker reported one of them
     assert not failure.fail_closed and failure.rows == 5
     assert led.releasable_through() == 6 and led.fail_closed_failure() is None
