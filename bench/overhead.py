@@ -59,6 +59,7 @@ import psutil  # noqa: E402
 
 from bench import results_file  # noqa: E402
 from common import embedded_model  # noqa: E402
+from common.gc_heap import freeze_startup_heap  # noqa: E402
 from router_service.probe_files import write_probe  # noqa: E402
 from tools import processes  # noqa: E402
 from undercurrent.v1 import undercurrent_pb2 as pb  # noqa: E402
@@ -200,6 +201,8 @@ class Engines:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"router catalog incomplete: {sorted(self.runtime.link.catalog())}")
             await asyncio.sleep(0.1)
+        # This process is the engine service's front end: freeze its start-up heap as the service does.
+        print(f"start-up heap frozen: {freeze_startup_heap()} objects", flush=True)
 
     async def run(self, mode: str, prompts: list[list[int]], tokens: int, tag: str) -> tuple[float, int]:
         """Runs len(prompts) concurrent requests; returns (seconds, tokens generated)."""

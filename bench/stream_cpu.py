@@ -1,7 +1,7 @@
 """CPU per step of the engine-to-router stream's Python, both ends, without a network.
 
     python -m bench.stream_cpu [--steps 150] [--rows 256] [--hidden 4096] [--probes 10] [--blocks 1]
-                               [--rounds 1] [--out stream_cpu.json]
+                               [--rounds 1] [--service-heap] [--no-gc-freeze] [--out stream_cpu.json]
 
 Each step carries `--blocks` blocks (layers 0..blocks-1) of `--rows` requests
 with one bf16 row each: the default is one layer's decode step of 256
@@ -19,6 +19,13 @@ engine link: `RouterLink.send_step` of the merged blocks (partition, split,
 router: `SessionState.batch` on a worker thread for a parsed batch of the same
     rows, every request bound to `--probes` logistic probes reading every layer.
 
+`--service-heap` first imports what the engine service process holds (vLLM,
+torch, transformers: some 670,000 objects the garbage collector tracks), so
+the engine end's collections walk a heap of the service's size; the setup is
+then frozen out of the collector's way, as both services do after start-up,
+unless `--no-gc-freeze`. Each round also reports the engine end's garbage
+collections (count per generation, and the milliseconds they took).
+
 Reports process CPU milliseconds per step (time.process_time), which shared
 cores inflate less than wall time, per round and the median over `--rounds`,
 and writes them to bench/results/stream_cpu.json (or `--out`); run it
@@ -34,6 +41,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
+import gc  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -45,6 +53,7 @@ import numpy as np  # noqa: E402
 
 from bench import results_file  # noqa: E402
 from common import tensor_codec  # noqa: E402
+from common.gc_heap import freeze_startup_heap  # noqa: E402
 from common.activations import Block, decode_parts, encode_part, session_request_bytes, to_batch  # noqa: E402
 from undercurrent.v1 import undercurrent_pb2 as pb  # noqa: E402
 
@@ -62,8 +71,29 @@ def step_blocks(args, bits: np.ndarray, request_ids: list[str], step: int) -> li
             for layer in range(args.blocks)]
 
 
-async def engine(args) -> tuple[float, float]:
-    """CPU seconds per step: (drain, link)."""
+class Collections:
+    """The garbage collector's runs while measuring: per generation, how many and their milliseconds."""
+
+    def __init__(self) -> None:
+        self.count, self.ms, self._started = [0, 0, 0], [0.0, 0.0, 0.0], 0.0
+
+    def __enter__(self) -> "Collections":
+        gc.callbacks.append(self._on)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._on)
+
+    def _on(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.count[info["generation"]] += 1
+            self.ms[info["generation"]] += 1e3 * (time.perf_counter() - self._started)
+
+
+async def engine(args) -> tuple[float, float, Collections]:
+    """CPU seconds per step (drain, link), and the collections while measuring."""
     from engine_service.capture.merge import DeliveredPositions, merge_blocks
     from engine_service.link import RouterLink, RouterLinkConfig
     from engine_service.link.session import ReplicaSession
@@ -87,21 +117,26 @@ async def engine(args) -> tuple[float, float]:
     shipments = [msgspec.msgpack.encode({"rank": 0, "seq": step, "parts": [
         encode_part(b) for b in step_blocks(args, bits, request_ids, step)]}) for step in range(1, args.steps + 1)]
     delivered, drain_s, link_s = DeliveredPositions(), 0.0, 0.0
-    for data in shipments:
-        started = time.process_time()
-        blocks = delivered.filter(merge_blocks(decode_parts(msgspec.msgpack.decode(data)["parts"])))
-        drained = time.process_time()
-        link.send_step(blocks)
-        item = replica.queue.pop()
-        number = replica.steps.record(item, time.monotonic())
-        link.batch_sent(replica, item, number)
-        session_request_bytes(item.batch_bytes, number)
-        in_flight.append(number)
-        if len(in_flight) >= WINDOW:
-            replica._on_message(pb.SessionResponse(ack=pb.StepAck(step=in_flight.pop(0))))
-        drain_s += drained - started
-        link_s += time.process_time() - drained
-    return drain_s / args.steps, link_s / args.steps
+    if args.gc_freeze:
+        freeze_startup_heap()
+    with Collections() as collections:
+        for data in shipments:
+            started = time.process_time()
+            blocks = delivered.filter(merge_blocks(decode_parts(msgspec.msgpack.decode(data)["parts"])))
+            drained = time.process_time()
+            link.send_step(blocks)
+            item = replica.queue.pop()
+            number = replica.steps.record(item, time.monotonic())
+            link.batch_sent(replica, item, number)
+            session_request_bytes(item.batch_bytes, number)
+            in_flight.append(number)
+            if len(in_flight) >= WINDOW:
+                replica._on_message(pb.SessionResponse(ack=pb.StepAck(step=in_flight.pop(0))))
+            drain_s += drained - started
+            link_s += time.process_time() - drained
+    if args.gc_freeze:
+        gc.unfreeze()  # the next round starts from the same heap
+    return drain_s / args.steps, link_s / args.steps, collections
 
 
 def router(args) -> float:
@@ -148,20 +183,33 @@ def main() -> None:
     parser.add_argument("--probes", type=int, default=10)
     parser.add_argument("--blocks", type=int, default=1, help="blocks (layers) per step")
     parser.add_argument("--rounds", type=int, default=1, help="measure each end this many times")
+    parser.add_argument("--service-heap", action="store_true",
+                        help="import vLLM, torch and transformers first, as the engine service process does")
+    parser.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
+                        help="leave the setup's heap to the garbage collector (the services freeze it)")
     parser.add_argument("--out", default="stream_cpu.json", help="file name under bench/results/")
     args = parser.parse_args()
+    if args.service_heap:
+        import transformers  # noqa: F401
+        from vllm.v1.engine.async_llm import AsyncLLM  # noqa: F401
+
+        import engine_service.app  # noqa: F401
+        import engine_service.runtime  # noqa: F401
     started, rounds = time.time(), []
     for number in range(args.rounds):
-        drain_s, link_s = asyncio.run(engine(args))
+        drain_s, link_s, collections = asyncio.run(engine(args))
         rounds.append({"engine_drain_ms": drain_s * 1e3, "engine_link_ms": link_s * 1e3,
-                       "router_ms": router(args) * 1e3})
+                       "router_ms": router(args) * 1e3, "engine_gc_collections": collections.count,
+                       "engine_gc_ms": collections.ms})
         print(f"round {number}: engine drain {rounds[-1]['engine_drain_ms']:.2f} ms, engine link "
               f"{rounds[-1]['engine_link_ms']:.2f} ms, router {rounds[-1]['router_ms']:.2f} ms CPU per step "
               f"({args.blocks} block(s) of {args.rows} rows x {args.hidden} bf16, {args.probes} probes); "
+              f"engine collections per generation {collections.count}, "
+              f"{' / '.join(f'{ms:.0f}' for ms in collections.ms)} ms; "
               f"load average {os.getloadavg()[0]:.1f}", flush=True)
     results_file.write(args.out, {
         **results_file.provenance(started), "args": vars(args), "unit": "CPU ms per step", "rounds": rounds,
-        "medians": {key: statistics.median(r[key] for r in rounds) for key in rounds[0]},
+        "medians": {key: statistics.median(r[key] for r in rounds) for key in rounds[0] if key.endswith("_ms")},
     })
 
 

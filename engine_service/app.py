@@ -9,6 +9,7 @@ import uuid
 
 from common.cli import fail
 from common.errors import Unavailable
+from common.gc_heap import freeze_startup_heap
 from common.grpc_server import PortInUse, SERVICE_FULL_NAMES, start_server
 from common.security.config import CLIENT_TOKENS, SecurityConfigError, security_from_args
 from common.security.tls import ChannelFactory
@@ -116,6 +117,7 @@ async def run(args) -> int:
     )
     await runtime.start()
     holder["runtime"] = runtime
+    log.info("start-up heap frozen: %d objects", freeze_startup_heap())
     stop = asyncio.Event()
     health = asyncio.create_task(
         _track_health(server, runtime, args.routers_optional or not links, stop)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import signal
 import socket
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from prometheus_client import start_http_server
 
+from common.gc_heap import freeze_startup_heap
 from common.grpc_server import MAX_MESSAGE_BYTES, PortInUse
 from common.security.config import ADMIN_TOKENS, SecurityConfigError, add_security_flags, security_from_args
 from router_service import logs
@@ -23,6 +25,7 @@ from router_service.probe_files import DEFAULT_MAX_INLINE_PROBE_BYTES, ProbeFile
 from router_service.server import DEFAULT_MAX_SESSIONS, Router, RouterConfig
 from router_service.session import DEFAULT_MAX_REQUESTS_PER_SESSION
 
+log = logging.getLogger(__name__)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -113,6 +116,7 @@ async def serve(args: argparse.Namespace) -> None:
         )
     )
     await router.start()
+    log.info("start-up heap frozen", extra={"objects": freeze_startup_heap()})
     if args.metrics_port is not None:
         try:
             start_http_server(args.metrics_port, addr=args.host, registry=router.metrics.registry)

@@ -57,6 +57,9 @@ async def test_routerless_engine_serves_reports_metrics_and_drains_on_sigterm(ti
         # --on-shutdown finish (the default): the running request completes.
         assert finished.reason == "LENGTH" and len(finished.tokens) == 1000
         assert await asyncio.to_thread(service.process.wait, 60) == 0
+        # What start-up left (vLLM, torch, grpc: hundreds of thousands of objects) is frozen.
+        frozen = re.search(r"start-up heap frozen: (\d+) objects", service.log_path.read_text(errors="replace"))
+        assert frozen and int(frozen[1]) > 100_000, service.log_tail()
     finally:
         service.kill()
 

@@ -61,6 +61,8 @@ async def test_serves_health_and_metrics_drains_on_sigterm_and_exits_cleanly(tmp
     assert "router started" in messages and "draining" in messages and messages[-1] == "stopped"
     assert any(e["level"] == "warning" and e["msg"].startswith("--insecure: serving PLAINTEXT") for e in logs)
     assert next(e for e in logs if e["msg"] == "probe loaded")["probe"] == "p"
+    # The heap left by start-up (grpc, numpy, protobuf: tens of thousands of objects) is frozen.
+    assert next(e for e in logs if e["msg"] == "start-up heap frozen")["objects"] > 10_000
     assert next(e for e in logs if e["msg"] == "stopped")["requests_cut_off"] == 0
 
 
