@@ -42,6 +42,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import gc  # noqa: E402
+import importlib  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -77,7 +78,7 @@ class Collections:
     def __init__(self) -> None:
         self.count, self.ms, self._started = [0, 0, 0], [0.0, 0.0, 0.0], 0.0
 
-    def __enter__(self) -> "Collections":
+    def __enter__(self) -> Collections:
         gc.callbacks.append(self._on)
         return self
 
@@ -190,11 +191,8 @@ def main() -> None:
     parser.add_argument("--out", default="stream_cpu.json", help="file name under bench/results/")
     args = parser.parse_args()
     if args.service_heap:
-        import transformers  # noqa: F401
-        from vllm.v1.engine.async_llm import AsyncLLM  # noqa: F401
-
-        import engine_service.app  # noqa: F401
-        import engine_service.runtime  # noqa: F401
+        for module in ("transformers", "vllm.v1.engine.async_llm", "engine_service.app", "engine_service.runtime"):
+            importlib.import_module(module)
     started, rounds = time.time(), []
     for number in range(args.rounds):
         drain_s, link_s, collections = asyncio.run(engine(args))
