@@ -24,7 +24,7 @@ torch, transformers: some 670,000 objects the garbage collector tracks), so
 the engine end's collections walk a heap of the service's size; the setup is
 then frozen out of the collector's way, as both services do after start-up,
 unless `--no-gc-freeze`. Each round also reports the engine end's garbage
-collections (count per generation, and the milliseconds they took).
+collections (per generation: how many, their milliseconds, the longest one).
 
 Reports process CPU milliseconds per step (time.process_time), which shared
 cores inflate less than wall time, per round and the median over `--rounds`,
@@ -73,10 +73,11 @@ def step_blocks(args, bits: np.ndarray, request_ids: list[str], step: int) -> li
 
 
 class Collections:
-    """The garbage collector's runs while measuring: per generation, how many and their milliseconds."""
+    """The garbage collector's runs while measuring: per generation, how many, their
+    milliseconds in all and the longest one (what held the event loop longest)."""
 
     def __init__(self) -> None:
-        self.count, self.ms, self._started = [0, 0, 0], [0.0, 0.0, 0.0], 0.0
+        self.count, self.ms, self.longest_ms, self._started = [0, 0, 0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0], 0.0
 
     def __enter__(self) -> Collections:
         gc.callbacks.append(self._on)
@@ -89,8 +90,10 @@ class Collections:
         if phase == "start":
             self._started = time.perf_counter()
         else:
-            self.count[info["generation"]] += 1
-            self.ms[info["generation"]] += 1e3 * (time.perf_counter() - self._started)
+            generation, ms = info["generation"], 1e3 * (time.perf_counter() - self._started)
+            self.count[generation] += 1
+            self.ms[generation] += ms
+            self.longest_ms[generation] = max(self.longest_ms[generation], ms)
 
 
 async def engine(args) -> tuple[float, float, Collections]:
@@ -198,16 +201,18 @@ def main() -> None:
         drain_s, link_s, collections = asyncio.run(engine(args))
         rounds.append({"engine_drain_ms": drain_s * 1e3, "engine_link_ms": link_s * 1e3,
                        "router_ms": router(args) * 1e3, "engine_gc_collections": collections.count,
-                       "engine_gc_ms": collections.ms})
+                       "engine_gc_ms": collections.ms, "engine_gc_longest_ms": collections.longest_ms})
         print(f"round {number}: engine drain {rounds[-1]['engine_drain_ms']:.2f} ms, engine link "
               f"{rounds[-1]['engine_link_ms']:.2f} ms, router {rounds[-1]['router_ms']:.2f} ms CPU per step "
               f"({args.blocks} block(s) of {args.rows} rows x {args.hidden} bf16, {args.probes} probes); "
               f"engine collections per generation {collections.count}, "
-              f"{' / '.join(f'{ms:.0f}' for ms in collections.ms)} ms; "
+              f"{' / '.join(f'{ms:.0f}' for ms in collections.ms)} ms (longest "
+              f"{' / '.join(f'{ms:.0f}' for ms in collections.longest_ms)}); "
               f"load average {os.getloadavg()[0]:.1f}", flush=True)
     results_file.write(args.out, {
         **results_file.provenance(started), "args": vars(args), "unit": "CPU ms per step", "rounds": rounds,
-        "medians": {key: statistics.median(r[key] for r in rounds) for key in rounds[0] if key.endswith("_ms")},
+        "medians": {key: statistics.median(r[key] for r in rounds)
+                    for key, value in rounds[0].items() if isinstance(value, float)},
     })
 
 
