@@ -73,18 +73,9 @@ class Message:
     state: MessageState = MessageState.QUEUED
 
 
-@dataclass(slots=True)
-class _Position:
-    outstanding: int = 0  # rows queued or sent, not yet acknowledged or failed
-    acknowledged: int = 0
-    failed: int = 0
-    blocking: bool = False  # a failure that concerns a fail_closed binding
-    expected: int = 0  # rows capture must make here (0: no expectation)
-    arrived: int = 0  # rows queued here, or declared lost by capture_lost
-
-    def open(self) -> bool:
-        """Not settled: rows in flight, failed, or not yet arrived."""
-        return bool(self.outstanding or self.failed or self.arrived < self.expected)
+def _record():
+    """A per-position record of the ledger: position -> value."""
+    return field(default_factory=dict, init=False)
 
 
 @dataclass
@@ -98,7 +89,14 @@ class RequestLedger:
     expected: ExpectedRows | None = None
     dropped_records: int = field(default=0, init=False)
     failures: list[Failure] = field(default_factory=list, init=False)
-    _positions: dict[int, _Position] = field(default_factory=dict, init=False)
+    # Per captured position, each one a key of all five records: dicts of ints,
+    # which the garbage collector does not track, so the records of many long
+    # requests cost a full collection nothing (an object per position did).
+    _outstanding: dict[int, int] = _record()  # rows queued or sent, neither acknowledged nor failed
+    _failed: dict[int, int] = _record()  # rows failed
+    _blocking: dict[int, bool] = _record()  # a failure there concerns a fail_closed binding
+    _expected: dict[int, int] = _record()  # rows capture must make there (0: no expectation)
+    _arrived: dict[int, int] = _record()  # rows queued there, or declared lost by capture_lost
     _order: list[int] = field(default_factory=list, init=False)  # captured positions, ascending
     # QUEUED or SENT, oldest first; a dict so an acknowledged or failed one leaves in O(1).
     _live: dict[Message, None] = field(default_factory=dict, init=False)
@@ -124,13 +122,12 @@ class RequestLedger:
         """Captured rows placed on `replica`'s send queue as one message, which
         keeps `rows` (token position -> rows): the caller hands the dict over."""
         message = Message(replica, rows, now, sum(rows.values()))
-        positions, last_clean = self._positions, self._last_clean()
+        outstanding, arrived, last_clean = self._outstanding, self._arrived, self._last_clean()
         for position, count in rows.items():
-            entry = positions.get(position)
-            if entry is None:
-                entry = self._position(position)
-            entry.outstanding += count
-            entry.arrived += count
+            if position not in outstanding:
+                self._add_position(position)
+            outstanding[position] += count
+            arrived[position] += count
             if position <= last_clean:  # rows again at (or before) a settled position
                 self._clean = bisect.bisect_left(self._order, position)
                 last_clean = self._last_clean()
@@ -149,12 +146,11 @@ class RequestLedger:
         for position, count in enumerate(self.expected.between(start, bound), start):
             if not count:
                 continue
-            entry = self._positions.get(position)
-            if entry is None:
-                entry = self._position(position)
+            if position not in self._expected:
+                self._add_position(position)
             elif position <= self._last_clean():  # settled before its expectation was known
                 self._clean = bisect.bisect_left(self._order, position)
-            entry.expected = count
+            self._expected[position] = count
 
     def sent(self, message: Message, step: int) -> None:
         """The message went out as `step` of its replica's session."""
@@ -170,11 +166,9 @@ class RequestLedger:
             return 0
         message.state = _ACKED
         del self._live[message]
-        positions = self._positions
+        outstanding = self._outstanding
         for position, count in message.rows.items():
-            entry = positions[position]
-            entry.outstanding -= count
-            entry.acknowledged += count
+            outstanding[position] -= count
         return message.num_rows
 
     # -- rows failing ----------------------------------------------------------
@@ -236,13 +230,12 @@ class RequestLedger:
         lost: dict[int, tuple[int, int]] = {}  # position -> (arrived, expected)
         closes = self.closes(None)
         for position in self._order[self._clean :]:
-            entry = self._positions[position]
-            if entry.arrived < entry.expected:
-                lost[position] = (entry.arrived, entry.expected)
-                missing = entry.expected - entry.arrived
-                entry.arrived += missing
-                entry.failed += missing
-                entry.blocking = entry.blocking or closes
+            arrived, expected = self._arrived[position], self._expected[position]
+            if arrived < expected:
+                lost[position] = (arrived, expected)
+                self._arrived[position] = expected
+                self._failed[position] += expected - arrived
+                self._blocking[position] = self._blocking[position] or closes
         if not lost:
             return None
         rows = sum(expected - arrived for arrived, expected in lost.values())
@@ -266,10 +259,9 @@ class RequestLedger:
             del self._live[message]
             message.state = MessageState.FAILED
             for position, count in message.rows.items():
-                entry = self._positions[position]
-                entry.outstanding -= count
-                entry.failed += count
-                entry.blocking = entry.blocking or closes
+                self._outstanding[position] -= count
+                self._failed[position] += count
+                self._blocking[position] = self._blocking[position] or closes
             rows += message.num_rows
         if not rows:
             return None
@@ -287,7 +279,7 @@ class RequestLedger:
         when all are settled, 0 before any."""
         self._advance_clean()
         for position in self._order[self._clean :]:
-            if self._positions[position].open():
+            if self._open(position):
                 return position
         return self._order[-1] + 1 if self._order else 0
 
@@ -297,8 +289,8 @@ class RequestLedger:
         self._advance_clean()
         through = self._last_clean()
         for position in self._order[self._clean :]:
-            entry = self._positions[position]
-            if entry.outstanding or entry.blocking or entry.arrived < entry.expected:
+            if (self._outstanding[position] or self._blocking[position]
+                    or self._arrived[position] < self._expected[position]):
                 break
             through = position
         return through
@@ -306,12 +298,11 @@ class RequestLedger:
     def outcome_at(self, position: int) -> bool | None:
         """True once every row captured at `position` was acknowledged, False once
         one of them failed, None while rows are in flight (or none was captured)."""
-        entry = self._positions.get(position)
-        if entry is None:
+        if position not in self._outstanding:
             return None
-        if entry.failed:
+        if self._failed[position]:
             return False
-        if entry.outstanding or entry.arrived < entry.expected:
+        if self._outstanding[position] or self._arrived[position] < self._expected[position]:
             return None
         return True
 
@@ -329,11 +320,8 @@ class RequestLedger:
 
         `below` excludes positions at or past it: rows vLLM computed after the
         engine stopped a request belong to tokens the client never received."""
-        return sum(
-            1
-            for position, e in self._positions.items()
-            if e.open() and (below is None or position < below)
-        )
+        return sum(1 for position in self._order
+                   if (below is None or position < below) and self._open(position))
 
     def fail_closed_failure(self) -> Failure | None:
         """The first failure a fail_closed binding cannot accept."""
@@ -341,19 +329,24 @@ class RequestLedger:
 
     def _advance_clean(self) -> None:
         while self._clean < len(self._order):
-            if self._positions[self._order[self._clean]].open():
+            if self._open(self._order[self._clean]):
                 return
             self._clean += 1
 
     def _last_clean(self) -> int:
         return self._order[self._clean - 1] if self._clean else -1
 
-    def _position(self, position: int) -> _Position:
-        entry = self._positions.get(position)
-        if entry is None:
-            entry = self._positions[position] = _Position()
-            if not self._order or position > self._order[-1]:
-                self._order.append(position)
-            else:
-                bisect.insort(self._order, position)
-        return entry
+    def _open(self, position: int) -> bool:
+        """Not settled: rows in flight, failed, or not yet arrived."""
+        return bool(self._outstanding[position] or self._failed[position]
+                    or self._arrived[position] < self._expected[position])
+
+    def _add_position(self, position: int) -> None:
+        """A position seen for the first time: zero in every record, and in order."""
+        for record in (self._outstanding, self._failed, self._expected, self._arrived):
+            record[position] = 0
+        self._blocking[position] = False
+        if not self._order or position > self._order[-1]:
+            self._order.append(position)
+        else:
+            bisect.insort(self._order, position)

@@ -1,5 +1,7 @@
 """The per-request ledger: which positions are settled, what went unscored, what was dropped."""
 
+import gc
+
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 from common.capture_spec import ExtractionPoint, Scope, TokenSelector
@@ -307,3 +309,16 @@ def test_lost_rows_of_a_fail_open_request_are_counted_and_do_not_hold_tokens():
     assert not failure.fail_closed and failure.rows == 5
     assert led.releasable_through() == 6 and led.fail_closed_failure() is None
     assert (led.unprobed_tokens(), led.dropped_records) == (2, 4)
+
+
+def test_a_long_requests_positions_add_nothing_for_the_garbage_collector_to_walk():
+    """Full collections walk every tracked object, on the event loop; a request's
+    per-position records must not add one per position."""
+    led = ledger()
+    gc.collect()
+    before = len(gc.get_objects())
+    for step in range(1, 5001):
+        led.acknowledged(sent(led, "r", step, {10 + step: 3}))
+    gc.collect()
+    assert len(gc.get_objects()) - before < 50
+    assert (led.first_unsettled(), led.releasable_through(), led.in_flight()) == (5011, 5010, 0)
