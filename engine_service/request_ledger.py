@@ -73,11 +73,6 @@ class Message:
     state: MessageState = MessageState.QUEUED
 
 
-def _record():
-    """A per-position record of the ledger: position -> value."""
-    return field(default_factory=dict, init=False)
-
-
 @dataclass
 class RequestLedger:
     """Per-request row accounting; `policies` maps each bound probe to its
@@ -92,11 +87,15 @@ class RequestLedger:
     # Per captured position, each one a key of all five records: dicts of ints,
     # which the garbage collector does not track, so the records of many long
     # requests cost a full collection nothing (an object per position did).
-    _outstanding: dict[int, int] = _record()  # rows queued or sent, neither acknowledged nor failed
-    _failed: dict[int, int] = _record()  # rows failed
-    _blocking: dict[int, bool] = _record()  # a failure there concerns a fail_closed binding
-    _expected: dict[int, int] = _record()  # rows capture must make there (0: no expectation)
-    _arrived: dict[int, int] = _record()  # rows queued there, or declared lost by capture_lost
+    # rows queued or sent, neither acknowledged nor failed
+    _outstanding: dict[int, int] = field(default_factory=dict, init=False)
+    _failed: dict[int, int] = field(default_factory=dict, init=False)  # rows failed
+    # a failure there concerns a fail_closed binding
+    _blocking: dict[int, bool] = field(default_factory=dict, init=False)
+    # rows capture must make there (0: no expectation)
+    _expected: dict[int, int] = field(default_factory=dict, init=False)
+    # rows queued there, or declared lost by capture_lost
+    _arrived: dict[int, int] = field(default_factory=dict, init=False)
     _order: list[int] = field(default_factory=list, init=False)  # captured positions, ascending
     # QUEUED or SENT, oldest first; a dict so an acknowledged or failed one leaves in O(1).
     _live: dict[Message, None] = field(default_factory=dict, init=False)
