@@ -439,7 +439,8 @@ class SessionState:
             own_seconds.append(time.perf_counter() - probe_started)
             self.metrics.probe_rows.labels(part.probe.name).inc(scores[-1].size)
         bound = [self._bound[id(probe)] for probe in probes]
-        rule_rows = [table.bindings_of(probe)[1][segment_slots] for probe in probes]
+        _, rows_by_slot, by_slot = zip(*(table.bindings_of(probe) for probe in probes))
+        rule_rows = [rows[segment_slots] for rows in rows_by_slot]
         seen = np.column_stack([b.seen[rows] for b, rows in zip(bound, rule_rows)])
         streak = np.column_stack([b.streak[rows] for b, rows in zip(bound, rule_rows)])
         abort = np.column_stack([b.abort[rows] for b, rows in zip(bound, rule_rows)])
@@ -450,7 +451,6 @@ class SessionState:
             seen, streak)
         for j, (b, rows) in enumerate(zip(bound, rule_rows)):
             b.seen[rows], b.streak[rows] = seen[:, j], streak[:, j]
-        by_slot = [table.bindings_of(probe)[2] for probe in probes]
         for k, j in zip(*(index.tolist() for index in np.nonzero(abort & (hits >= 0)))):
             hit, slot = hits[k, j], int(segment_slots[k])
             candidates.setdefault(slot, []).append(
