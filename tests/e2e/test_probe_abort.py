@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from tests.e2e import probes, stack
-from tests.processes.aborts import ATTEMPTS
+from tests.processes.aborts import until_within
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 
@@ -66,16 +66,16 @@ async def firing_probe(baseline, start_router, engine):
 
 async def test_probe_aborts_exactly_the_request_it_fires_on(engine, baseline, firing_probe, router_ports):
     binding = pb.ProbeBinding(probe=firing_probe.name, failure_policy=pb.FAILURE_POLICY_FAIL_CLOSED)
-    latencies = []
-    for attempt in range(ATTEMPTS):  # one abort within the bound (tests/processes/aborts.py)
+
+    async def attempt(number: int) -> int:
         outcomes = await asyncio.gather(*[
-            stack.generate(engine, request(p, f"probed-{attempt}-{i}", probes=[binding]))
+            stack.generate(engine, request(p, f"probed-{number}-{i}", probes=[binding]))
             for i, p in enumerate(PROMPTS)
         ])
         aborted, *others = outcomes
         assert aborted.reason == "PROBE_ABORT"
         verdict = aborted.finished.verdict
-        assert verdict.probe == firing_probe.name and verdict.request_id == f"probed-{attempt}-0"
+        assert verdict.probe == firing_probe.name and verdict.request_id == f"probed-{number}-0"
         assert verdict.token_position == firing_probe.position
         assert verdict.score >= firing_probe.threshold
         assert verdict.router == f"127.0.0.1:{router_ports[0]}"
@@ -92,9 +92,9 @@ async def test_probe_aborts_exactly_the_request_it_fires_on(engine, baseline, fi
             assert outcome.finished.unprobed_tokens == 0 and outcome.finished.dropped_records == 0
         # Negative when the verdict overtook the triggering token on its way to the
         # client (rows and tokens leave the engine by different paths).
-        latencies.append(len(aborted.tokens) - (trigger_index + 1))
-        if latencies[-1] <= ABORT_LATENCY_BOUND:
-            break
+        return len(aborted.tokens) - (trigger_index + 1)
+
+    latencies = await until_within(ABORT_LATENCY_BOUND, attempt)  # one abort within the bound
     print(f"abort latency: {latencies} tokens after the triggering token")
     assert min(latencies) <= ABORT_LATENCY_BOUND, latencies
 
