@@ -96,8 +96,9 @@ class Collections:
             self.longest_ms[generation] = max(self.longest_ms[generation], ms)
 
 
-async def engine(args) -> tuple[float, float, Collections]:
-    """CPU seconds per step (drain, link), and the collections while measuring."""
+async def engine(args) -> tuple[float, float, Collections, int]:
+    """CPU seconds per step (drain, link), the collections while measuring, and how
+    many objects the setup froze (0 with --no-gc-freeze)."""
     from engine_service.capture.merge import DeliveredPositions, merge_blocks
     from engine_service.link import RouterLink, RouterLinkConfig
     from engine_service.link.session import ReplicaSession
@@ -121,8 +122,7 @@ async def engine(args) -> tuple[float, float, Collections]:
     shipments = [msgspec.msgpack.encode({"rank": 0, "seq": step, "parts": [
         encode_part(b) for b in step_blocks(args, bits, request_ids, step)]}) for step in range(1, args.steps + 1)]
     delivered, drain_s, link_s = DeliveredPositions(), 0.0, 0.0
-    if args.gc_freeze:
-        freeze_startup_heap()
+    frozen = freeze_startup_heap() if args.gc_freeze else 0
     with Collections() as collections:
         for data in shipments:
             started = time.process_time()
@@ -140,7 +140,7 @@ async def engine(args) -> tuple[float, float, Collections]:
             link_s += time.process_time() - drained
     if args.gc_freeze:
         gc.unfreeze()  # the next round starts from the same heap
-    return drain_s / args.steps, link_s / args.steps, collections
+    return drain_s / args.steps, link_s / args.steps, collections, frozen
 
 
 def router(args) -> float:
@@ -198,14 +198,15 @@ def main() -> None:
             importlib.import_module(module)
     started, rounds = time.time(), []
     for number in range(args.rounds):
-        drain_s, link_s, collections = asyncio.run(engine(args))
+        drain_s, link_s, collections, frozen = asyncio.run(engine(args))
         rounds.append({"engine_drain_ms": drain_s * 1e3, "engine_link_ms": link_s * 1e3,
                        "router_ms": router(args) * 1e3, "engine_gc_collections": collections.count,
-                       "engine_gc_ms": collections.ms, "engine_gc_longest_ms": collections.longest_ms})
+                       "engine_gc_ms": collections.ms, "engine_gc_longest_ms": collections.longest_ms,
+                       "engine_frozen_objects": frozen})
         print(f"round {number}: engine drain {rounds[-1]['engine_drain_ms']:.2f} ms, engine link "
               f"{rounds[-1]['engine_link_ms']:.2f} ms, router {rounds[-1]['router_ms']:.2f} ms CPU per step "
               f"({args.blocks} block(s) of {args.rows} rows x {args.hidden} bf16, {args.probes} probes); "
-              f"engine collections per generation {collections.count}, "
+              f"{frozen} objects frozen; engine collections per generation {collections.count}, "
               f"{' / '.join(f'{ms:.0f}' for ms in collections.ms)} ms (longest "
               f"{' / '.join(f'{ms:.0f}' for ms in collections.longest_ms)}); "
               f"load average {os.getloadavg()[0]:.1f}", flush=True)
