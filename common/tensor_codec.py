@@ -87,8 +87,11 @@ def unpack(dtype: str, shape, data: bytes, as_float32: bool = True) -> np.ndarra
         array = np.frombuffer(data, dtype=storage).reshape(shape)
     except (ValueError, OverflowError, MemoryError) as err:  # e.g. a zero-size shape numpy cannot index
         raise TensorDecodeError(f"tensor.shape {list(shape)}: {err}") from None
-    if not as_float32:
-        return array
+    return to_float32(array, dtype) if as_float32 else array
+
+
+def to_float32(array: np.ndarray, dtype: str) -> np.ndarray:
+    """Values unpacked with as_float32=False (bfloat16 as its bits) as float32."""
     if dtype == "bfloat16":
         return bfloat16_bits_to_float32(array)
     return array.astype(np.float32, copy=False)

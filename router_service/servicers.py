@@ -12,9 +12,11 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
+import math
 import time
 from typing import TYPE_CHECKING, AsyncIterator
 
+from common import tensor_codec
 from common.enum_checks import check_enums
 from common.errors import InvalidArgument, ResourceExhausted
 from router_service.probe_files import ProbeFileError, check_inline_size, load_probe_bytes, load_probe_path
@@ -131,7 +133,14 @@ class LiveSession:
 
 
 def row_bytes(batch: pb.ActivationBatch) -> int:
-    return sum(len(block.rows.data) for block in batch.blocks)
+    """The bytes of rows a batch's blocks declare (shape x the dtype's width; an
+    unknown dtype counts as float32). Reading `rows.data` would copy every byte
+    (protobuf hands out a new bytes object) on the event loop just to count them;
+    a block whose data disagrees with its shape is rejected when it is decoded."""
+    return sum(math.prod(block.rows.shape) * _ITEM_BYTES.get(block.rows.dtype, 4) for block in batch.blocks)
+
+
+_ITEM_BYTES = {name: tensor_codec.storage_dtype(name).itemsize for name in tensor_codec.SUPPORTED_DTYPES}
 
 
 class SessionServicer(undercurrent_pb2_grpc.ProbeRouterServiceServicer):

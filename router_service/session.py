@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from common import tensor_codec
-from common.activations import BatchDecodeError, BatchReader
+from common.activations import BatchDecodeError, BatchReader, Block
 from common.enum_checks import unknown_enum
 from common.errors import UndercurrentError, status_code_value
 from router_service.metrics import RouterMetrics
@@ -122,6 +122,19 @@ class _Gathered:
     positions: list[np.ndarray] = field(default_factory=list)
     layers: list[np.ndarray] = field(default_factory=list)
     values: list[np.ndarray] = field(default_factory=list)
+
+
+@dataclass
+class _Checked:
+    """A block whose fields passed the checks, its rows still as they came (bfloat16
+    as bits); `usable` excludes rows of unknown requests and bad positions."""
+
+    index: int
+    where: str  # "blocks[i] (point@layer)", for errors
+    block: Block
+    slots: np.ndarray  # each row's index into batch.request_ids
+    usable: np.ndarray
+    readers: tuple[Probe, ...]  # the session's probes that read the block's (tensor type, layer)
 
 
 @dataclass
@@ -316,15 +329,23 @@ class SessionState:
         reported: set[tuple[str, str]] = set()  # (request, problem): one error per batch each
         table = self._slots(batch)
         requests = table.requests
-        reader = BatchReader(batch)
-        gathered: dict[int, _Gathered] = {}
+        reader = BatchReader(batch, as_float32=False)
+        read_alike: dict[tuple, list[_Checked]] = {}
         for i in range(len(batch.blocks)):
             try:
-                out += self._gather_block(reader, i, table, gathered, reported)
+                checked, errors = self._check_block(reader, i, table, reported)
             except Exception as err:  # a bug on one block must not cost the others their scores
-                log.exception("block failed", extra={"step": batch.step, "block": i})
-                out += self._block_error(batch, _block_request_ids(batch, i), "INTERNAL",
-                                         f"blocks[{i}]: internal error: {type(err).__name__}: {err}", reported)
+                checked, errors = None, self._internal_error(batch, [i], err, reported)
+            out += errors
+            if checked is not None:
+                key = (tuple(id(p) for p in checked.readers), checked.block.wire_dtype)
+                read_alike.setdefault(key, []).append(checked)
+        gathered: dict[int, _Gathered] = {}
+        for group in read_alike.values():
+            try:
+                out += self._gather_group(batch, group, table, gathered, reported)
+            except Exception as err:
+                out += self._internal_error(batch, [c.index for c in group], err, reported)
         candidates: dict[int, list[_Candidate]] = {}
         for parts in _sharing_an_order(gathered.values()):
             out += self._score_group(parts, table, candidates)
@@ -345,75 +366,101 @@ class SessionState:
             self._slot_table = (ids, _SlotTable([self.requests.get(rid) for rid in ids]))
         return self._slot_table[1]
 
-    def _gather_block(
-        self,
-        reader: BatchReader,
-        i: int,
-        table: _SlotTable,
-        gathered: dict[int, _Gathered],
-        reported: set[tuple[str, str]],
-    ) -> list[pb.SessionResponse]:
-        """Checks block i and files its usable rows under each probe that reads them.
+    def _check_block(
+        self, reader: BatchReader, i: int, table: _SlotTable, reported: set[tuple[str, str]],
+    ) -> tuple[_Checked | None, list[pb.SessionResponse]]:
+        """Checks block i's fields and rows; the block to score (None: nothing to
+        score in it), and the errors to send.
 
         A step carries one block per (point, layer), so this runs 25 to 100 times
-        per batch: the checks cost a few array operations when nothing is wrong."""
+        per batch: it costs a few array operations when nothing is wrong, and leaves
+        the rows' values to _gather_group, which takes the blocks the same probes
+        read together."""
         batch = reader.batch
         msg = batch.blocks[i]
         if bad := unknown_enum(msg, f"blocks[{i}]"):
             self.metrics.bytes.inc(len(msg.rows.data))
-            return self._block_error(batch, _block_request_ids(batch, i), "INVALID_ARGUMENT", bad, reported)
+            return None, self._block_error(batch, _block_request_ids(batch, i), "INVALID_ARGUMENT", bad,
+                                           reported)
         try:
             block, slots = reader.block(i)
         except BatchDecodeError as err:
             self.metrics.bytes.inc(len(msg.rows.data))
-            return self._block_error(batch, _block_request_ids(batch, i), "INVALID_ARGUMENT", str(err),
-                                     reported)
+            return None, self._block_error(batch, _block_request_ids(batch, i), "INVALID_ARGUMENT", str(err),
+                                           reported)
         where = f"blocks[{i}] ({msg.point}@{msg.layer})"
         # Counted from the decoded rows: each read of msg.rows.data copies the bytes.
-        self.metrics.bytes.inc(block.rows.size * tensor_codec.storage_dtype(block.wire_dtype).itemsize)
+        self.metrics.bytes.inc(block.rows.nbytes)
         self.metrics.rows.inc(block.num_rows)
         if block.num_rows == 0:
-            return []
+            return None, []
         if block.rows.shape[1] != self.model.hidden_size:
-            return self._block_error(
+            return None, self._block_error(
                 batch, block.request_ids, "INVALID_ARGUMENT",
                 f"{where}.rows.shape: hidden size {block.rows.shape[1]} does not match the "
                 f"model's hidden_size {self.model.hidden_size}", reported,
             )
-        requests = table.requests
         out = []
         usable = table.known[slots]
         if not usable.all():
             for j in np.unique(slots[~usable]):
                 out += self._unknown_request(batch.request_ids[j], where, batch.step, reported)
-        for problem, bad_rows in (
-            ("with a negative token position", block.token_positions < 0),
-            ("with NaN or Inf", ~np.isfinite(block.rows).all(axis=1)),
-        ):
-            if bad_rows.any():
-                for j in np.unique(slots[usable & bad_rows]):
-                    out += self._rows_error(batch, requests[j], where, problem,
-                                            block.token_positions[(slots == j) & bad_rows], reported)
-                usable = usable & ~bad_rows
+        negative = block.token_positions < 0
+        if negative.any():
+            out += self._bad_rows(batch, table, where, "with a negative token position", block, slots,
+                                  usable & negative, reported)
+            usable = usable & ~negative
+        readers = tuple(bound.probe for bound in self._bound.values()
+                        if bound.probe.manifest.reads(block.tensor_type, block.layer))
+        # A block no probe reads still has its rows checked (in a group of its own kind).
+        return _Checked(i, where, block, slots, usable, readers), out
+
+    def _gather_group(
+        self,
+        batch: pb.ActivationBatch,
+        group: list[_Checked],
+        table: _SlotTable,
+        gathered: dict[int, _Gathered],
+        reported: set[tuple[str, str]],
+    ) -> list[pb.SessionResponse]:
+        """Widens, checks and projects the rows of blocks that the same probes read
+        as one array (one matrix product for all of them), and files the usable
+        rows under each probe that reads them."""
+        first = group[0]
+        joined = (lambda parts: parts[0] if len(parts) == 1 else np.concatenate(parts))
+        rows = tensor_codec.to_float32(joined([c.block.rows for c in group]), first.block.wire_dtype)
+        slots = joined([c.slots for c in group])
+        usable = joined([c.usable for c in group])
+        out = []
+        finite = np.isfinite(rows).all(axis=1)
+        if not finite.all():
+            start = 0
+            for c in group:
+                end = start + c.block.num_rows
+                bad = c.usable & ~finite[start:end]
+                if bad.any():
+                    out += self._bad_rows(batch, table, c.where, "with NaN or Inf", c.block, c.slots, bad, reported)
+                start = end
+            usable = usable & finite
         readers = []
-        for probe in [bound.probe for bound in self._bound.values()]:
-            if not probe.manifest.reads(block.tensor_type, block.layer):
-                continue
-            rows = usable & table.bindings_of(probe)[0][slots]
-            if rows.any():
-                readers.append((probe, rows))
+        for probe in first.readers:
+            reads = usable & table.bindings_of(probe)[0][slots]
+            if reads.any():
+                readers.append((probe, reads))
         if not readers:
             return out
         plan = self._plan(tuple(probe for probe, _ in readers))
-        values = plan.apply(block.rows)
-        layers = np.full(block.num_rows, block.layer, dtype=np.int64)
+        values = plan.apply(rows)
+        positions = joined([c.block.token_positions for c in group])
+        layers = np.repeat(np.array([c.block.layer for c in group], dtype=np.int64),
+                           [c.block.num_rows for c in group])
         masks: dict[bytes, int] = {}  # readers with the same rows share one mask number
-        for probe, rows in readers:
+        for probe, reads in readers:
             part = gathered.setdefault(id(probe), _Gathered(probe))
-            part.sources.append((i, masks.setdefault(rows.tobytes(), len(masks))))
-            take = slice(None) if rows.all() else rows  # the usual case: views, no copies through a mask
+            part.sources.append((first.index, masks.setdefault(reads.tobytes(), len(masks))))
+            take = slice(None) if reads.all() else reads  # the usual case: views, no copies through a mask
             part.slots.append(slots[take])
-            part.positions.append(block.token_positions[take])
+            part.positions.append(positions[take])
             part.layers.append(layers[take])
             part.values.append(values[take, plan.columns[id(probe)]])
         return out
@@ -557,6 +604,25 @@ class SessionState:
         return [self._error(rid, "NOT_FOUND",
                             f"{where}: request {rid!r} was never started on this session "
                             "(no request_start); its records were not scored", step=step)]
+
+    def _bad_rows(self, batch: pb.ActivationBatch, table: _SlotTable, where: str, problem: str, block: Block,
+                  slots: np.ndarray, bad: np.ndarray, reported: set[tuple[str, str]]) -> list[pb.SessionResponse]:
+        """An error per request with `bad` rows (of known requests) in the block."""
+        out = []
+        for j in np.unique(slots[bad]):
+            out += self._rows_error(batch, table.requests[j], where, problem,
+                                    block.token_positions[(slots == j) & bad], reported)
+        return out
+
+    def _internal_error(self, batch: pb.ActivationBatch, blocks: list[int], err: Exception,
+                        reported: set[tuple[str, str]]) -> list[pb.SessionResponse]:
+        """A bug while reading some blocks: INTERNAL for their requests; the other blocks are still scored."""
+        log.exception("blocks failed", extra={"step": batch.step, "blocks": blocks})
+        out = []
+        for i in blocks:
+            out += self._block_error(batch, _block_request_ids(batch, i), "INTERNAL",
+                                     f"blocks[{i}]: internal error: {type(err).__name__}: {err}", reported)
+        return out
 
     def _rows_error(self, batch: pb.ActivationBatch, request: RequestState, where: str, problem: str,
                     positions: np.ndarray, reported: set[tuple[str, str]]) -> list[pb.SessionResponse]:

@@ -9,6 +9,7 @@ import pytest
 
 from common.activations import to_batch
 from router_service.probe_files import write_probe
+from router_service.probes import ProjectionPlan
 from router_service.servicers import INLINE_SCORING_BYTES, row_bytes
 from tests.router.helpers import (
     HIDDEN, SessionClient, block, errors, kinds, linear_probe, manifest, model_info,
@@ -256,6 +257,16 @@ async def test_scores_rate_limited_flush_at_request_end(make_router, probes_dir)
     await client.close()
 
 
+def test_a_batchs_row_bytes_are_what_its_blocks_shapes_declare():
+    rows = np.zeros((3, HIDDEN))
+    blocks = [block(rows, ["r"] * 3, [0, 1, 2], dtype=dtype) for dtype in ("float32", "bfloat16", "float16")]
+    batch = to_batch(blocks)
+    assert row_bytes(batch) == sum(len(b.rows.data) for b in batch.blocks) == 3 * HIDDEN * (4 + 2 + 2)
+    # A block whose data is short of its shape is sized by the shape (and its decode rejects it).
+    batch.blocks[0].rows.ClearField("data")
+    assert row_bytes(batch) == 3 * HIDDEN * (4 + 2 + 2)
+
+
 def corrupt(batch: pb.ActivationBatch, edit) -> pb.ActivationBatch:
     edit(batch.blocks[0])
     return batch
@@ -283,6 +294,9 @@ async def test_bad_records_get_in_band_errors_and_the_stream_lives_on(make_route
     def bad_index(b):
         b.request_index[1] = 5
 
+    def huge_shape(b):  # sized by its shape, so scored off the event loop, where decoding rejects it
+        b.rows.shape[0] = 2**40
+
     cases = [
         (corrupt(good_batch(), set_dtype), "r", pb.STATUS_CODE_INVALID_ARGUMENT,
          "blocks[0] (p@1).rows: tensor.dtype 'int8' is not supported"),
@@ -292,6 +306,8 @@ async def test_bad_records_get_in_band_errors_and_the_stream_lives_on(make_route
          "blocks[0] (p@1).rows.shape: hidden size 17 does not match the model's hidden_size 16"),
         (corrupt(good_batch(), bad_index), "r", pb.STATUS_CODE_INVALID_ARGUMENT,
          "blocks[0] (p@1).request_index: index out of range of 1 request ids"),
+        (corrupt(good_batch(), huge_shape), "r", pb.STATUS_CODE_INVALID_ARGUMENT,
+         f"blocks[0] (p@1).rows: tensor.data has 128 bytes but shape [{2**40}, 16] of float32 needs"),
         (good_batch("never"), "never", pb.STATUS_CODE_NOT_FOUND,
          "blocks[0] (p@1): request 'never' was never started on this session"),
         (good_batch("gone"), "gone", pb.STATUS_CODE_FAILED_PRECONDITION,
@@ -339,6 +355,33 @@ async def test_one_bad_block_does_not_stop_the_good_blocks_of_its_batch(make_rou
     assert kinds(replies) == ["error", "abort", "ack"]
     assert replies[0].error.message.startswith("blocks[1] (p@3).rows: tensor.dtype 'float8'")
     assert replies[1].abort.token_position == 1
+    await client.close()
+
+
+async def test_a_fault_in_blocks_read_alike_spares_the_blocks_other_probes_read(make_router, probes_dir,
+                                                                               monkeypatch):
+    router = await make_router(probes_dir)
+    client = SessionClient(router)
+    await client.open()
+    client.start("r", "tox", "deep", prompt_length=0)
+    await client.sync()
+    apply = ProjectionPlan.apply
+
+    def broken_for_deep_alone(plan, rows):  # layer 2 is read by "deep" alone, layer 1 by both
+        if [p.name for p in plan.probes] == ["deep"]:
+            raise RuntimeError("injected fault")
+        return apply(plan, rows)
+
+    monkeypatch.setattr(ProjectionPlan, "apply", broken_for_deep_alone)
+    hot = np.full((2, HIDDEN), 8.0)
+    step = client.batch(block(hot, ["r"] * 2, [0, 1], layer=1), block(hot, ["r"] * 2, [0, 1], layer=2))
+    replies = await client.until_ack(step)
+    assert kinds(replies) == ["error", "scores", "abort", "ack"]
+    assert (replies[0].error.code, replies[0].error.step) == (pb.STATUS_CODE_INTERNAL, step)
+    assert replies[0].error.message == (
+        "blocks[1]: internal error: RuntimeError: injected fault; the block was not scored")
+    assert (replies[1].scores.probe, list(replies[1].scores.token_positions)) == ("deep", [0, 1])
+    assert (replies[2].abort.probe, replies[2].abort.token_position) == ("tox", 1)
     await client.close()
 
 
