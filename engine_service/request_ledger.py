@@ -342,12 +342,10 @@ class RequestLedger:
 
     def _add_position(self, position: int) -> None:
         """A position seen for the first time: zero in every record, and in order."""
-        # Runs once per request and step while decoding: chained stores, not a loop over the records.
-        self._outstanding[position] = self._failed[position] = 0
-        self._expected[position] = self._arrived[position] = 0
+        for record in (self._outstanding, self._failed, self._expected, self._arrived):
+            record[position] = 0
         self._blocking[position] = False
-        order = self._order
-        if not order or position > order[-1]:
-            order.append(position)
+        if not self._order or position > self._order[-1]:
+            self._order.append(position)
         else:
-            bisect.insort(order, position)
+            bisect.insort(self._order, position)
