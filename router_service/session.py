@@ -427,10 +427,9 @@ class SessionState:
         as one array (one matrix product for all of them), and files the usable
         rows under each probe that reads them."""
         first = group[0]
-        joined = (lambda parts: parts[0] if len(parts) == 1 else np.concatenate(parts))
-        rows = tensor_codec.to_float32(joined([c.block.rows for c in group]), first.block.wire_dtype)
-        slots = joined([c.slots for c in group])
-        usable = joined([c.usable for c in group])
+        rows = tensor_codec.to_float32(_joined([c.block.rows for c in group]), first.block.wire_dtype)
+        slots = _joined([c.slots for c in group])
+        usable = _joined([c.usable for c in group])
         out = []
         finite = np.isfinite(rows).all(axis=1)
         if not finite.all():
@@ -451,7 +450,7 @@ class SessionState:
             return out
         plan = self._plan(tuple(probe for probe, _ in readers))
         values = plan.apply(rows)
-        positions = joined([c.block.token_positions for c in group])
+        positions = _joined([c.block.token_positions for c in group])
         layers = np.repeat(np.array([c.block.layer for c in group], dtype=np.int64),
                            [c.block.num_rows for c in group])
         masks: dict[bytes, int] = {}  # readers with the same rows share one mask number
@@ -678,7 +677,7 @@ def _sharing_an_order(parts: Iterable[_Gathered]) -> list[list[_Gathered]]:
 
 def _joined(arrays: list[np.ndarray]) -> np.ndarray:
     """The arrays end to end; the one array itself when there is one (every batch
-    flushes with no scores interval)."""
+    flushes with no scores interval; a group of one block)."""
     return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
