@@ -37,6 +37,14 @@ def storage_dtype(name: str) -> np.dtype:
     return storage
 
 
+def declared_nbytes(tensor: pb.Tensor) -> int:
+    """The bytes a Tensor message's shape and dtype declare (an unknown dtype
+    counts as float32), without reading `data`: protobuf hands out a new bytes
+    object, a copy of all of it, on every read. decode() checks the two agree."""
+    storage = _STORAGE.get(tensor.dtype)
+    return math.prod(tensor.shape) * (storage.itemsize if storage is not None else 4)
+
+
 def wire_dtype_of(array: np.ndarray, dtype: str | None = None) -> str:
     """The wire name of an array's rows: `dtype` when given, else the array's own."""
     return dtype or array.dtype.name

@@ -12,7 +12,6 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
-import math
 import time
 from typing import TYPE_CHECKING, AsyncIterator
 
@@ -133,14 +132,9 @@ class LiveSession:
 
 
 def row_bytes(batch: pb.ActivationBatch) -> int:
-    """The bytes of rows a batch's blocks declare (shape x the dtype's width; an
-    unknown dtype counts as float32). Reading `rows.data` would copy every byte
-    (protobuf hands out a new bytes object) on the event loop just to count them;
-    a block whose data disagrees with its shape is rejected when it is decoded."""
-    return sum(math.prod(block.rows.shape) * _ITEM_BYTES.get(block.rows.dtype, 4) for block in batch.blocks)
-
-
-_ITEM_BYTES = {name: tensor_codec.storage_dtype(name).itemsize for name in tensor_codec.SUPPORTED_DTYPES}
+    """The bytes of rows a batch's blocks declare: counting the bytes themselves
+    would copy them on the event loop."""
+    return sum(tensor_codec.declared_nbytes(block.rows) for block in batch.blocks)
 
 
 class SessionServicer(undercurrent_pb2_grpc.ProbeRouterServiceServicer):

@@ -358,6 +358,26 @@ async def test_one_bad_block_does_not_stop_the_good_blocks_of_its_batch(make_rou
     await client.close()
 
 
+async def test_nan_rows_in_blocks_read_alike_are_named_by_their_own_block(make_router, probes_dir):
+    router = await make_router(probes_dir)
+    client = SessionClient(router)
+    await client.open()
+    client.start("r", "watch", prompt_length=0)  # an observe probe: its scores name what it read
+    client.start("s", "watch", prompt_length=0)
+    await client.sync()
+    clean, dirty = np.zeros((3, HIDDEN)), np.zeros((3, HIDDEN))
+    dirty[2, 4] = np.nan  # the third row of the second block: s at position 7
+    replies = await client.until_ack(client.batch(
+        block(clean, ["r", "r", "s"], [5, 6, 7], point="p"), block(dirty, ["r", "r", "s"], [5, 6, 7], point="q")))
+    assert kinds(replies) == ["error", "scores", "scores", "ack"]
+    assert replies[0].error.request_id == "s"
+    assert replies[0].error.message.startswith(
+        "blocks[1] (q@1).rows: 1 row(s) with NaN or Inf at token_positions [7]")
+    by_request = {m.scores.request_id: list(m.scores.token_positions) for m in replies[1:3]}
+    assert by_request == {"r": [5, 5, 6, 6], "s": [7]}
+    await client.close()
+
+
 async def test_a_fault_in_blocks_read_alike_spares_the_blocks_other_probes_read(make_router, probes_dir,
                                                                                monkeypatch):
     router = await make_router(probes_dir)
