@@ -44,15 +44,20 @@ async def test_routerless_engine_serves_reports_metrics_and_drains_on_sigterm(ti
             assert "undercurrent_engine_tokens_generated_total 5.0" in metrics
             assert 'undercurrent_engine_requests_finished_total{reason="LENGTH"} 1.0' in metrics
 
-            # Long enough to still be running while the checks below look.
-            running = asyncio.create_task(stack.generate(engine, request("draining", 1000)))
-            await asyncio.sleep(0.5)
-            service.process.send_signal(15)
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await stack.generate(engine, request("late", 3))
-            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert "shutting down" in refused.value.details()
-            await service.wait_health(want_serving=False, timeout=30)
+            draining = stack.Outcome()
+            running = asyncio.create_task(stack.generate(engine, request("draining", 1000), outcome=draining))
+            await stack.until_started(draining, running)
+            # vLLM held, so the request still runs while the checks below look: the tiny
+            # model decodes its thousand tokens in about two seconds, and the engine
+            # exits as soon as it has.
+            with stack.vllm_paused(service):
+                service.process.send_signal(15)
+                await service.wait_health(want_serving=False, timeout=30)
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stack.generate(engine, request("late", 3))
+                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "shutting down" in refused.value.details()
+                assert not running.done()
             finished = await running
         # --on-shutdown finish (the default): the running request completes.
         assert finished.reason == "LENGTH" and len(finished.tokens) == 1000
