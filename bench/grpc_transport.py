@@ -7,7 +7,10 @@ no protobuf): the floor under every step the engine service writes to a router.
 The server runs in a process of its own and reports its CPU time. Options
 compared, round by round: gRPC's defaults (the project's channels use them),
 16 MiB HTTP/2 frames, a fixed 16 MiB stream window without BDP probing, both,
-and an 8 MiB write buffer. Writes bench/results/grpc_transport.json (or --out).
+and an 8 MiB write buffer; and gRPC's defaults over a Unix socket instead of
+TCP on loopback (on loopback the kernel also delivers each write to the receiving
+socket inside the sender's `sendmsg`; a router on the engine's host could listen
+on a Unix socket). Writes bench/results/grpc_transport.json (or --out).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import multiprocessing
 import os
 import resource
 import statistics
+import tempfile
 import time
 
 import grpc
@@ -35,7 +39,9 @@ OPTIONS = {
     "16MiB_fixed_window": FIXED_WINDOW,
     "frames_and_window": BIG_FRAMES + FIXED_WINDOW,
     "8MiB_write_buffer": [("grpc.http2.write_buffer_size", 8 << 20)],
+    "unix_socket": [],
 }
+UNIX_SOCKET_MODES = {"unix_socket"}
 IN_FLIGHT = 4
 CPU_QUERY = b"cpu?"
 
@@ -45,7 +51,7 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-async def serve(options: list, ports: multiprocessing.Queue) -> None:
+async def serve(options: list, listen: str, targets: multiprocessing.Queue) -> None:
     async def echo_ack(messages, context):
         async for message in messages:
             yield json.dumps(cpu_seconds()).encode() if message == CPU_QUERY else b"a"
@@ -54,19 +60,19 @@ async def serve(options: list, ports: multiprocessing.Queue) -> None:
         "bench.Transport", {"Stream": grpc.stream_stream_rpc_method_handler(echo_ack)})
     server = aio.server(options=LIMITS + options)
     server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(listen)
     await server.start()
-    ports.put(port)
+    targets.put(listen if listen.startswith("unix:") else f"127.0.0.1:{port}")
     await server.wait_for_termination()
 
 
-def server_process(options: list, ports: multiprocessing.Queue) -> None:
-    asyncio.run(serve(options, ports))
+def server_process(options: list, listen: str, targets: multiprocessing.Queue) -> None:
+    asyncio.run(serve(options, listen, targets))
 
 
-async def measure(options: list, port: int, size: int, count: int) -> dict:
+async def measure(options: list, target: str, size: int, count: int) -> dict:
     """Wall and CPU milliseconds per message, sender and receiver."""
-    async with aio.insecure_channel(f"127.0.0.1:{port}", options=LIMITS + options) as channel:
+    async with aio.insecure_channel(target, options=LIMITS + options) as channel:
         call = channel.stream_stream("/bench.Transport/Stream")()
 
         async def server_cpu() -> float:
@@ -96,15 +102,17 @@ async def measure(options: list, port: int, size: int, count: int) -> dict:
             "receiver_cpu_ms": 1e3 * server / count}
 
 
-def run_one(options: list, size: int, count: int) -> dict:
-    ports: multiprocessing.Queue = multiprocessing.Queue()
-    server = multiprocessing.Process(target=server_process, args=(options, ports), daemon=True)
-    server.start()
-    try:
-        return asyncio.run(measure(options, ports.get(timeout=30), size, count))
-    finally:
-        server.kill()
-        server.join()
+def run_one(options: list, unix_socket: bool, size: int, count: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="grpc-transport-") as directory:
+        listen = f"unix:{directory}/stream.sock" if unix_socket else "127.0.0.1:0"
+        targets: multiprocessing.Queue = multiprocessing.Queue()
+        server = multiprocessing.Process(target=server_process, args=(options, listen, targets), daemon=True)
+        server.start()
+        try:
+            return asyncio.run(measure(options, targets.get(timeout=30), size, count))
+        finally:
+            server.kill()
+            server.join()
 
 
 def main() -> None:
@@ -118,7 +126,7 @@ def main() -> None:
     started, rounds = time.time(), {name: [] for name in OPTIONS}
     for number in range(args.rounds):
         for name, options in OPTIONS.items():
-            result = run_one(options, args.bytes, args.messages)
+            result = run_one(options, name in UNIX_SOCKET_MODES, args.bytes, args.messages)
             rounds[name].append(result)
             print(f"round {number} {name:20s} wall {result['wall_ms']:.2f} ms  sender CPU "
                   f"{result['sender_cpu_ms']:.2f} ms  receiver CPU {result['receiver_cpu_ms']:.2f} ms per message",
