@@ -130,6 +130,14 @@ class LiveSession:
         if self._scoring is not None and not self._scoring.cancelled():
             await asyncio.gather(asyncio.wrap_future(self._scoring), return_exceptions=True)
 
+    async def close(self) -> None:
+        """Stops the tasks, frees every request, and leaves the router's sessions."""
+        await self.stop()
+        freed = self.state.close()
+        self.router.session_closed(self)
+        log.info("session closed", extra={"session": self.id, "engine_id": self.engine_id,
+                                          "requests_freed": freed})
+
 
 def row_bytes(batch: pb.ActivationBatch) -> int:
     """The bytes of rows a batch's blocks declare: counting the bytes themselves
@@ -140,6 +148,7 @@ def row_bytes(batch: pb.ActivationBatch) -> int:
 class SessionServicer(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
     def __init__(self, router: "Router"):
         self.router = router
+        self._closing: set[asyncio.Task] = set()  # clean-ups that outlive their cancelled handler
 
     async def Session(self, request_iterator, context):
         try:
@@ -180,11 +189,14 @@ class SessionServicer(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
                 yield message
         finally:
             unsubscribe()
-            await session.stop()
-            freed = session.state.close()
-            self.router.session_closed(session)
-            log.info("session closed", extra={"session": session.id, "engine_id": session.engine_id,
-                                              "requests_freed": freed})
+            # An engine that goes away half-closes and cancels, and the two can arrive
+            # together: the cancel then lands while the clean-up waits for the session's
+            # tasks. Shielded, the clean-up finishes anyway; cut short, the session's
+            # requests would stay for the router's life.
+            closing = asyncio.get_running_loop().create_task(session.close())
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
+            await asyncio.shield(closing)
 
 
 class AdminServicer(undercurrent_pb2_grpc.ProbeAdminServiceServicer):

@@ -10,7 +10,7 @@ import pytest
 from common.activations import to_batch
 from router_service.probe_files import write_probe
 from router_service.probes import ProjectionPlan
-from router_service.servicers import INLINE_SCORING_BYTES, row_bytes
+from router_service.servicers import INLINE_SCORING_BYTES, LiveSession, row_bytes
 from tests.router.helpers import (
     HIDDEN, SessionClient, block, errors, kinds, linear_probe, manifest, model_info,
 )
@@ -239,6 +239,43 @@ async def test_state_freed_at_request_end_and_on_session_drop(make_router, probe
     assert router.live_requests() == 0 and tox.active_requests == 0
     assert router.metrics.live_requests._value.get() == 0
     assert router.metrics.sessions._value.get() == 0
+
+
+async def test_state_freed_when_the_engines_cancel_lands_during_the_clean_up(
+        make_router, probes_dir, monkeypatch):
+    """An engine that goes away half-closes its stream and cancels it, and the two
+    can reach the router together: the half-close ends the session, and the cancel
+    lands while its clean-up is still waiting. The cancel must not cut the clean-up
+    short: state left behind would stay for the router's life."""
+    router = await make_router(probes_dir)
+    tox = next(p for p in router.registry.probes() if p.name == "tox")
+    stopping, release = asyncio.Event(), asyncio.Event()
+    stop = LiveSession.stop
+
+    async def held_stop(session):  # holds the clean-up open until the cancel has landed
+        stopping.set()
+        await release.wait()
+        await stop(session)
+
+    monkeypatch.setattr(LiveSession, "stop", held_stop)
+    client = SessionClient(router)
+    await client.open()
+    for i in range(5):
+        client.start(f"r{i}", "tox")
+    await client.sync()
+    assert router.live_requests() == 5
+    client.outgoing.put_nowait(None)  # the half-close: the session ends, its clean-up starts
+    await asyncio.wait_for(stopping.wait(), 20)
+    client.call.cancel()
+    await asyncio.sleep(1.0)  # the cancel reaches the router's handler over loopback
+    release.set()
+    deadline = asyncio.get_running_loop().time() + 20
+    while router.sessions and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.02)
+    assert not router.sessions
+    assert router.live_requests() == 0 and tox.active_requests == 0
+    assert router.metrics.sessions._value.get() == 0
+    await client.channel.close()
 
 
 async def test_scores_rate_limited_flush_at_request_end(make_router, probes_dir):
