@@ -1,10 +1,13 @@
 """Engine-to-router stream throughput, against raw gRPC bidi of the same payloads.
 
-Two servers run as separate processes on loopback: the real router
+Three servers run as separate processes on loopback: the real router
 (`python -m router_service`, 10 logistic probes, every request bound to all of
-them) and an ack-only servicer that answers every batch with its StepAck and
-nothing else (the ceiling the transport sets). Two senders feed them the same
-rows, taking turns round by round:
+them); an ack-only servicer that answers every batch with its StepAck and
+nothing else (the ceiling the transport sets); and an arithmetic-only servicer
+that does what no router can skip for those probes before the ack, the rows
+widened and projected by the router's own `ProjectionPlan` (the ceiling a
+numpy router reaches on these cores: no checks, order, rule or state). Two
+senders feed them the same rows, taking turns round by round:
   engine link   the engine's own path: `RouterLink.send_step` of merged blocks
                 (bf16 bits, as the capture workers ship them) -> partition per
                 replica -> split by size -> ActivationBatch -> bounded queue ->
@@ -20,10 +23,13 @@ bench/results/stream_throughput.md and .json.
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy: the servers' BLAS as in the router
+
 import argparse
 import asyncio
 import json
-import os
 import platform
 import re
 import subprocess
@@ -40,7 +46,8 @@ import numpy as np
 from common import tensor_codec
 from common.activations import Block
 from common.grpc_server import SERVICE_FULL_NAMES, channel_options, start_server
-from router_service.probe_files import write_probe
+from router_service.probe_files import load_probe_path, probe_paths, write_probe
+from router_service.probes import ProjectionPlan
 from tools.processes import free_port
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc
@@ -63,9 +70,29 @@ class AckOnly(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
                 yield pb.SessionResponse(ack=pb.StepAck(step=message.batch.step))
 
 
-async def serve_ack_only() -> None:
+class ArithmeticOnly(AckOnly):
+    """The probes' arithmetic alone: each batch's rows widened and projected
+    through every probe at once, then acknowledged."""
+
+    def __init__(self, probes_dir: Path):
+        self.plan = ProjectionPlan(tuple(load_probe_path(path) for path in probe_paths(probes_dir)))
+
+    async def Session(self, request_iterator, context):
+        async for message in request_iterator:
+            kind = message.WhichOneof("message")
+            if kind == "hello":
+                yield pb.SessionResponse(hello=pb.RouterHello(router_id="arithmetic-only"))
+            elif kind == "batch":
+                for block in message.batch.blocks:
+                    rows = block.rows
+                    self.plan.apply(tensor_codec.to_float32(
+                        tensor_codec.unpack(rows.dtype, rows.shape, rows.data, as_float32=False), rows.dtype))
+                yield pb.SessionResponse(ack=pb.StepAck(step=message.batch.step))
+
+
+async def serve(servicer: AckOnly) -> None:
     handle = await start_server(
-        [(undercurrent_pb2_grpc.add_ProbeRouterServiceServicer_to_server, AckOnly(), SERVICE_FULL_NAMES["ProbeRouterService"])],
+        [(undercurrent_pb2_grpc.add_ProbeRouterServiceServicer_to_server, servicer, SERVICE_FULL_NAMES["ProbeRouterService"])],
         "127.0.0.1", 0,
     )
     print(f"listening on 127.0.0.1:{handle.port}", flush=True)
@@ -289,7 +316,7 @@ def write_probes(directory: Path, count: int, hidden: int) -> list[str]:
 
 
 def report(args, results: list[Result], batch_ms: float) -> str:
-    link_router, raw_router, link_ack, raw_ack, one_replica, two_replicas = results
+    link_router, raw_router, link_ack, raw_ack, raw_arithmetic, one_replica, two_replicas = results
     command = "python -m bench.stream_throughput" + "".join(f" {a}" for a in sys.argv[1:])
     lines = [
         "# Engine-to-router stream throughput",
@@ -327,6 +354,10 @@ def report(args, results: list[Result], batch_ms: float) -> str:
         f"{raw_router.seconds / max(raw_router.steps, 1) * 1e3:.1f} ms; {batch_ms:.1f} ms of it went to "
         "decoding and scoring on a worker thread (its `undercurrent_router_batch_seconds` metric), "
         "the rest to gRPC, protobuf parsing and the event loop, which share the two cores with the client.",
+        f"- Arithmetic-only / ack-only, both fed by raw gRPC (what widening and projecting the rows "
+        f"through {args.probes} probes leaves of the transport's rate on these cores, the ceiling of "
+        f"the router's own ratio): {raw_arithmetic.rows_per_second / raw_ack.rows_per_second:.2f}; the "
+        f"router reaches {raw_router.rows_per_second / raw_arithmetic.rows_per_second:.2f} of it.",
         f"- Router scaling, the engine link to two replicas against one (alternating rounds after the "
         f"rows above): {two_replicas.rows_per_second / one_replica.rows_per_second:.2f}x. Both replicas "
         "share this machine's two cores with the sender, so this measures the link's spreading, not "
@@ -346,6 +377,8 @@ async def run(args) -> None:
              "--metrics-port", str(metrics_port), "--insecure"], router_log)
         raw, raw_port = start_process(["-m", "bench.stream_throughput", "--serve-ack-only"],
                                       Path(tmp) / "ack_only.log")
+        arithmetic, arithmetic_port = start_process(
+            ["-m", "bench.stream_throughput", "--serve-arithmetic-only", tmp], Path(tmp) / "arithmetic_only.log")
         second, second_port = start_process(
             ["-m", "router_service", "--port", "0", "--host", "127.0.0.1", "--probes", tmp,
              "--insecure"],
@@ -355,7 +388,9 @@ async def run(args) -> None:
             rounds = [(await drive_link(f"engine link -> router, {args.probes} probes", router_port, args, names, tensors),
                        await drive(f"raw gRPC -> router, {args.probes} probes", router_port, args, names, tensors),
                        await drive_link("engine link -> ack-only", raw_port, args, [], tensors),
-                       await drive("raw gRPC -> ack-only", raw_port, args, [], tensors))
+                       await drive("raw gRPC -> ack-only", raw_port, args, [], tensors),
+                       await drive(f"raw gRPC -> arithmetic-only, {args.probes} probes", arithmetic_port, args,
+                                   [], tensors))
                       for _ in range(args.rounds)]
             results = [sum(r[1:], r[0]) for r in zip(*rounds)]
             batch_ms = router_batch_seconds(metrics_port) * 1e3
@@ -366,9 +401,9 @@ async def run(args) -> None:
                        for _ in range(args.rounds)]
             results += [sum(r[1:], r[0]) for r in zip(*scaling)]
         finally:
-            for proc in (router, raw, second):
+            for proc in (router, raw, arithmetic, second):
                 proc.terminate()
-            for proc in (router, raw, second):
+            for proc in (router, raw, arithmetic, second):
                 try:
                     proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
@@ -398,8 +433,14 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=8, help="steps in flight")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--serve-ack-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-arithmetic-only", type=Path, metavar="PROBES_DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    asyncio.run(serve_ack_only() if args.serve_ack_only else run(args))
+    if args.serve_ack_only:
+        asyncio.run(serve(AckOnly()))
+    elif args.serve_arithmetic_only:
+        asyncio.run(serve(ArithmeticOnly(args.serve_arithmetic_only)))
+    else:
+        asyncio.run(run(args))
 
 
 if __name__ == "__main__":
