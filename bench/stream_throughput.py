@@ -61,12 +61,18 @@ STALL_SECONDS = 30.0
 class AckOnly(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
     """The transport alone: hello answered, every batch acknowledged, nothing decoded."""
 
+    router_id = "ack-only"
+
+    def process(self, batch: pb.ActivationBatch) -> None:
+        """What the server does with a batch before its ack: nothing."""
+
     async def Session(self, request_iterator, context):
         async for message in request_iterator:
             kind = message.WhichOneof("message")
             if kind == "hello":
-                yield pb.SessionResponse(hello=pb.RouterHello(router_id="ack-only"))
+                yield pb.SessionResponse(hello=pb.RouterHello(router_id=self.router_id))
             elif kind == "batch":
+                self.process(message.batch)
                 yield pb.SessionResponse(ack=pb.StepAck(step=message.batch.step))
 
 
@@ -74,20 +80,16 @@ class ArithmeticOnly(AckOnly):
     """The probes' arithmetic alone: each batch's rows widened and projected
     through every probe at once, then acknowledged."""
 
+    router_id = "arithmetic-only"
+
     def __init__(self, probes_dir: Path):
         self.plan = ProjectionPlan(tuple(load_probe_path(path) for path in probe_paths(probes_dir)))
 
-    async def Session(self, request_iterator, context):
-        async for message in request_iterator:
-            kind = message.WhichOneof("message")
-            if kind == "hello":
-                yield pb.SessionResponse(hello=pb.RouterHello(router_id="arithmetic-only"))
-            elif kind == "batch":
-                for block in message.batch.blocks:
-                    rows = block.rows
-                    self.plan.apply(tensor_codec.to_float32(
-                        tensor_codec.unpack(rows.dtype, rows.shape, rows.data, as_float32=False), rows.dtype))
-                yield pb.SessionResponse(ack=pb.StepAck(step=message.batch.step))
+    def process(self, batch: pb.ActivationBatch) -> None:
+        for block in batch.blocks:
+            rows = block.rows
+            self.plan.apply(tensor_codec.to_float32(
+                tensor_codec.unpack(rows.dtype, rows.shape, rows.data, as_float32=False), rows.dtype))
 
 
 async def serve(servicer: AckOnly) -> None:
