@@ -59,11 +59,13 @@ class ErroringRouter(_TLSRouterDouble):
         super().__init__("erroring", probes=[probe_info(probe)], heartbeat_s=0.5)
         self.probe = probe
         self.errors_sent = 0
+        self.errored: set[str] = set()  # the requests that were sent an error
 
     def _score(self, batch: pb.ActivationBatch) -> list[pb.SessionResponse]:
         replies = []
         for request_id in dict.fromkeys(r for b in from_batch(batch) for r in b.request_ids):
             self.errors_sent += 1
+            self.errored.add(request_id)
             replies.append(self._error(request_id, pb.STATUS_CODE_INTERNAL, "probe evaluation failed",
                                        probe=self.probe, step=batch.step))
         replies.append(pb.SessionResponse(ack=pb.StepAck(step=batch.step)))

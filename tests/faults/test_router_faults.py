@@ -20,6 +20,7 @@ pytestmark = pytest.mark.vllm
 
 CLOSED, OPEN = pb.FAILURE_POLICY_FAIL_CLOSED, pb.FAILURE_POLICY_FAIL_OPEN
 LONG = 900  # tokens: far more than a request generates before any fault ends it
+POLICY_ENDS = 'undercurrent_engine_aborts_total{reason="ROUTER_UNAVAILABLE"}'
 # Router state after a silent fault heals: the engine gave up on the silent
 # session (at most its 6 s heartbeat timeout), reconnects with backoff, and the
 # router drops the old session's requests when that connection closes.
@@ -90,15 +91,19 @@ class StoppedRouter(Blackhole):
 
 
 @pytest.mark.parametrize("fault_kind", [Blackhole, StoppedRouter], ids=lambda k: k.name)
-async def test_silent_router(engine, start_router, proxy, fault_kind):
+async def test_silent_router(engine_service, engine, start_router, proxy, fault_kind):
     router = await start_router()
     fault = fault_kind(proxy, router)
     closed, closed_progress = start(engine, f"{fault.name}-closed", CLOSED, gate=True)
-    opened, open_progress = start(engine, f"{fault.name}-open", OPEN, max_tokens=400)
+    opened, open_progress = start(engine, f"{fault.name}-open", OPEN)
     await harness.wait_tokens(closed_progress, 15)
     await harness.wait_tokens(open_progress, 15)
-    began = time.monotonic()
-    fault.inject()
+    # vLLM holds still while the fault goes in: a loaded client can see its 15th
+    # token after the tiny model has decoded the whole request.
+    with stack.vllm_paused(engine_service):
+        assert not (closed.done() or opened.done()), "a request ended before the fault"
+        began = time.monotonic()
+        fault.inject()
     open_tokens_at_fault = len(open_progress.tokens)  # printed only: the client may lag the engine
     try:
         closed_outcome = await closed
@@ -114,7 +119,7 @@ async def test_silent_router(engine, start_router, proxy, fault_kind):
     harness.assert_true_counts(closed_outcome)
 
     # fail_open: finishes, and counts exactly the rows no router answered.
-    assert open_outcome.reason == "LENGTH" and len(open_outcome.tokens) == 400
+    assert open_outcome.reason == "LENGTH" and len(open_outcome.tokens) == LONG
     harness.assert_true_counts(open_outcome)
     unprobed = open_outcome.finished.unprobed_tokens
     after_fault = harness.fed_positions(open_outcome) - open_tokens_at_fault
@@ -137,19 +142,28 @@ async def test_silent_router(engine, start_router, proxy, fault_kind):
     assert again.reason == "LENGTH" and again.finished.unprobed_tokens == 0
 
 
-async def test_router_answering_every_batch_with_an_error(engine, proxy):
+async def test_router_answering_every_batch_with_an_error(engine_service, engine, engine_metrics_port, proxy):
     router = await ErroringRouter("fails").start()
     try:
         proxy.retarget(router.address)
         await stack.wait_for_probe(engine, "fails", timeout=60)
+        ended = (await harness.metrics(engine_metrics_port)).get(POLICY_ENDS, 0.0)
         closed, _ = start(engine, "errors-closed", CLOSED, gate=True, probe="fails")
         opened, _ = start(engine, "errors-open", OPEN, max_tokens=60, probe="fails")
+        await router.wait_for(lambda: "errors-closed" in router.errored, timeout=60)
+        # vLLM holds still from the request's first error until the engine has ended
+        # it: on its own, not because the tiny model reached max_tokens first.
+        with stack.vllm_paused(engine_service):
+            deadline = time.monotonic() + 60
+            while (await harness.metrics(engine_metrics_port)).get(POLICY_ENDS, 0.0) == ended:
+                assert time.monotonic() < deadline, "the engine did not end the request on its error"
+                await asyncio.sleep(0.05)
         closed_outcome, open_outcome = await asyncio.wait_for(asyncio.gather(closed, opened), 120)
 
         # fail_closed: an error is not a score; the request ends, and nothing was released.
         assert harness.ended_by_policy(closed_outcome), closed_outcome.finished
         assert closed_outcome.tokens == [], "gated tokens were released although no row was scored"
-        assert closed_outcome.finished.generated_tokens < LONG, "the policy's end never reached vLLM"
+        assert closed_outcome.finished.generated_tokens < LONG
         # fail_open: finishes, every fed row counted unprobed.
         assert open_outcome.reason == "LENGTH"
         assert open_outcome.finished.unprobed_tokens == harness.fed_positions(open_outcome) == 59
