@@ -87,9 +87,8 @@ class ArithmeticOnly(AckOnly):
 
     def process(self, batch: pb.ActivationBatch) -> None:
         for block in batch.blocks:
-            rows = block.rows
-            self.plan.apply(tensor_codec.to_float32(
-                tensor_codec.unpack(rows.dtype, rows.shape, rows.data, as_float32=False), rows.dtype))
+            self.plan.apply(tensor_codec.to_float32(tensor_codec.decode(block.rows, as_float32=False),
+                                                    block.rows.dtype))
 
 
 async def serve(servicer: AckOnly) -> None:

@@ -135,6 +135,16 @@ def scrape(port: int) -> dict[str, float]:
     return values
 
 
+async def wait_metric(port: int, name: str, reached, timeout: float = 30) -> float:
+    """Scrapes until reached(value) holds for the sample `name` (absent reads 0.0),
+    and returns that value; fails after timeout seconds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not reached(value := (await asyncio.to_thread(scrape, port)).get(name, 0.0)):
+        assert asyncio.get_running_loop().time() < deadline, f"{name} still {value} after {timeout} s"
+        await asyncio.sleep(0.05)
+    return value
+
+
 def running_requests(metrics_port: int) -> int:
     """Requests an engine accepted and has not finished, from its metrics."""
     values = scrape(metrics_port)

@@ -102,11 +102,8 @@ async def test_cancelled_stream_aborts_the_request_in_vllm(engine_service, engin
                 break
         call.cancel()
     # It ends as a client abort (read from the metrics: an Abort would end it too) ...
-    for _ in range(100):
-        if stack.scrape(engine_metrics_port).get(client_aborts, 0.0) > before:
-            break
-        await asyncio.sleep(0.1)
-    assert stack.scrape(engine_metrics_port).get(client_aborts, 0.0) == before + 1
+    assert await stack.wait_metric(engine_metrics_port, client_aborts, lambda count: count > before,
+                                   timeout=10) == before + 1
     # ... and its id is free again once its stream has closed.
     for _ in range(50):
         if not (await engine.Abort(pb.AbortRequest(request_id="cancel-me"))).found:

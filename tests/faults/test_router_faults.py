@@ -154,10 +154,7 @@ async def test_router_answering_every_batch_with_an_error(engine_service, engine
         # vLLM holds still from the request's first error until the engine has ended
         # it: on its own, not because the tiny model reached max_tokens first.
         with stack.vllm_paused(engine_service):
-            deadline = time.monotonic() + 60
-            while (await harness.metrics(engine_metrics_port)).get(POLICY_ENDS, 0.0) == ended:
-                assert time.monotonic() < deadline, "the engine did not end the request on its error"
-                await asyncio.sleep(0.05)
+            await stack.wait_metric(engine_metrics_port, POLICY_ENDS, lambda count: count > ended, timeout=60)
         closed_outcome, open_outcome = await asyncio.wait_for(asyncio.gather(closed, opened), 120)
 
         # fail_closed: an error is not a score; the request ends, and nothing was released.
