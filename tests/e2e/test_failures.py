@@ -50,13 +50,6 @@ REHOMED = "undercurrent_router_link_rehomed_requests_total"
 REPLICAS_UP = "undercurrent_router_link_replicas_up"
 
 
-async def wait_metric(port: int, name: str, value: float, timeout: float = 30) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while (seen := stack.scrape(port).get(name)) != value:
-        assert asyncio.get_running_loop().time() < deadline, f"{name} is {seen}, not {value}"
-        await asyncio.sleep(0.1)
-
-
 async def wait_until_both_score(engine, addresses: set[str], timeout: float = 60) -> None:
     """The engine reconnects with backoff, so the second session may come up
     seconds after the first: probe with short requests until both replicas score."""
@@ -141,14 +134,19 @@ async def test_request_of_a_lost_replica_is_rehomed_and_finishes(
     scored, progress = asyncio.Event(), stack.Outcome()
     running = asyncio.create_task(stack.generate(
         engine, request("rehomed", pb.FAILURE_POLICY_FAIL_OPEN, 1000), scored=scored, outcome=progress))
-    await asyncio.wait_for(scored.wait(), 60)
-    home = progress.scores[0].router
-    # vLLM holds still while the replica is lost and the engine sees it: the tiny
-    # model can decode the rest of the request before a loaded engine notices.
+    while not progress.tokens:
+        assert not running.done(), running
+        await asyncio.sleep(0.005)
+    # vLLM holds still from the first token until the replica is lost and the engine
+    # has seen it: the tiny model can decode the whole request before a loaded client
+    # sees its first score, or before the engine notices the loss. The rows already
+    # decoded are scored meanwhile.
     with stack.vllm_paused(engine_service):
+        await asyncio.wait_for(scored.wait(), 60)
+        home = progress.scores[0].router
         assert not running.done(), "the request ended before its replica was lost"
         next(r for r in two_routers if r.address == home).kill()
-        await wait_metric(engine_metrics_port, REPLICAS_UP, 1.0)
+        await stack.wait_metric(engine_metrics_port, REPLICAS_UP, lambda up: up == 1.0)
     outcome = await running
     assert stack.scrape(engine_metrics_port).get(REHOMED, 0.0) == rehomed_before + 1
     # It finishes on the surviving replica; rows the lost one had not acknowledged
