@@ -87,10 +87,29 @@ def vllm_paused(engine_service: Service):
     for process in stopped:
         process.suspend()
     try:
-        yield
+        yield HeldVllm(stopped)
     finally:
         for process in stopped:
             process.resume()
+
+
+@dataclass
+class HeldVllm:
+    """vLLM's processes inside vllm_paused."""
+
+    processes: list
+
+    async def run_for(self, seconds: float) -> None:
+        """Lets vLLM run for `seconds`, then holds it again: run in short bursts,
+        the tiny model cannot outpace the engine service and a router however
+        slow the host."""
+        for process in self.processes:
+            process.resume()
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            for process in self.processes:
+                process.suspend()
 
 
 async def until_started(outcome: Outcome, stream: asyncio.Task) -> None:

@@ -131,18 +131,17 @@ async def test_a_dead_routers_probes_leave_the_catalog(engine, start_router, tmp
 async def test_request_of_a_lost_replica_is_rehomed_and_finishes(
         engine_service, engine, engine_metrics_port, two_routers):
     rehomed_before = stack.scrape(engine_metrics_port).get(REHOMED, 0.0)
-    scored, progress = asyncio.Event(), stack.Outcome()
-    running = asyncio.create_task(stack.generate(
-        engine, request("rehomed", pb.FAILURE_POLICY_FAIL_OPEN, 1000), scored=scored, outcome=progress))
-    while not progress.tokens:
-        assert not running.done(), running
-        await asyncio.sleep(0.005)
-    # vLLM holds still from the first token until the replica is lost and the engine
-    # has seen it: the tiny model can decode the whole request before a loaded client
-    # sees its first score, or before the engine notices the loss. The rows already
-    # decoded are scored meanwhile.
-    with stack.vllm_paused(engine_service):
-        await asyncio.wait_for(scored.wait(), 60)
+    progress = stack.Outcome()
+    # vLLM runs in short bursts until the first score, then holds while the home
+    # replica is lost and the engine sees it: unpaced, the tiny model decoded the
+    # whole request before a loaded client saw its first score.
+    with stack.vllm_paused(engine_service) as vllm:
+        running = asyncio.create_task(stack.generate(
+            engine, request("rehomed", pb.FAILURE_POLICY_FAIL_OPEN, 1000), outcome=progress))
+        async with asyncio.timeout(120):
+            while not progress.scores:
+                await vllm.run_for(0.02)
+                await asyncio.sleep(0.1)
         home = progress.scores[0].router
         assert not running.done(), "the request ended before its replica was lost"
         next(r for r in two_routers if r.address == home).kill()

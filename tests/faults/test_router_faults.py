@@ -148,12 +148,17 @@ async def test_router_answering_every_batch_with_an_error(engine_service, engine
         proxy.retarget(router.address)
         await stack.wait_for_probe(engine, "fails", timeout=60)
         ended = (await harness.metrics(engine_metrics_port)).get(POLICY_ENDS, 0.0)
-        closed, _ = start(engine, "errors-closed", CLOSED, gate=True, probe="fails")
-        opened, _ = start(engine, "errors-open", OPEN, max_tokens=60, probe="fails")
-        await router.wait_for(lambda: "errors-closed" in router.errored, timeout=60)
-        # vLLM holds still from the request's first error until the engine has ended
-        # it: on its own, not because the tiny model reached max_tokens first.
-        with stack.vllm_paused(engine_service):
+        # vLLM runs in short bursts until the router has answered the fail_closed
+        # request, then holds until the engine has ended it: the engine must end it
+        # on its own, not because the tiny model reached max_tokens first (unpaced, it
+        # decoded all 900 tokens before the first error reached the engine in CI).
+        with stack.vllm_paused(engine_service) as vllm:
+            closed, _ = start(engine, "errors-closed", CLOSED, gate=True, probe="fails")
+            opened, _ = start(engine, "errors-open", OPEN, max_tokens=60, probe="fails")
+            async with asyncio.timeout(120):
+                while "errors-closed" not in router.errored:
+                    await vllm.run_for(0.02)
+                    await asyncio.sleep(0.1)
             await stack.wait_metric(engine_metrics_port, POLICY_ENDS, lambda count: count > ended, timeout=60)
         closed_outcome, open_outcome = await asyncio.wait_for(asyncio.gather(closed, opened), 120)
 
