@@ -20,6 +20,8 @@ after S seconds, how each engine thread spent the next second and a `py-spy
 dump` of every engine process. `--router-nice -10` runs the router at a higher
 CPU priority than the engine, an attempt to stand in on two shared cores for a
 router with CPU of its own (BENCHMARKS.md: it made the tail worse).
+`--max-tokens-ahead 0,1` measures an engine without the bound and one with it,
+in turn, per topology.
 Writes bench/results/abort_latency.json (with the command and the machine).
 """
 
@@ -189,8 +191,10 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def measure(name: str, model: str, count: int, max_tokens: int, idle: float, idle_count: int,
-                  probes_dir: Path, stall_dump: float | None = None, router_nice: int = 0) -> dict:
+                  probes_dir: Path, stall_dump: float | None = None, router_nice: int = 0,
+                  tokens_ahead: int = 0) -> dict:
     flags, bind = TOPOLOGIES[name]
+    flags = [*flags, "--max-tokens-ahead", str(tokens_ahead)]
     router = processes.router(processes.free_port(), probes_dir, "--heartbeat-interval", "1",
                               nice=router_nice).start()
     engine = processes.engine(model, router.address, *flags, workers_bind=bind).start()
@@ -236,7 +240,7 @@ async def measure(name: str, model: str, count: int, max_tokens: int, idle: floa
         engine.kill()
         router.kill()
     return {"topology": name, "max_tokens": max_tokens, "trigger_index": trigger,
-            "router_nice": router_nice, **phases}
+            "router_nice": router_nice, "max_tokens_ahead": tokens_ahead, **phases}
 
 
 def summarize(samples: list[dict], idle: float) -> dict:
@@ -264,11 +268,13 @@ async def main_async(args) -> dict:
 
     results = []
     for name in args.topologies.split(","):
-        with tempfile.TemporaryDirectory() as probes_dir:
-            result = await measure(name, args.model, args.requests, args.max_tokens, args.idle,
-                                   args.idle_requests, Path(probes_dir), args.stall_dump, args.router_nice)
-        results.append(result)
-        write(args.out, results)  # after every topology: a long run keeps what it measured
+        for tokens_ahead in (int(n) for n in args.max_tokens_ahead.split(",")):
+            with tempfile.TemporaryDirectory() as probes_dir:
+                result = await measure(name, args.model, args.requests, args.max_tokens, args.idle,
+                                       args.idle_requests, Path(probes_dir), args.stall_dump,
+                                       args.router_nice, tokens_ahead)
+            results.append(result)
+            write(args.out, results)  # after every engine: a long run keeps what it measured
     return results
 
 
@@ -291,6 +297,8 @@ def main() -> int:
                         help="py-spy dump the engine's processes when a request runs this long")
     parser.add_argument("--router-nice", type=int, default=0,
                         help="the router's niceness (negative: before the engine for a CPU; needs root)")
+    parser.add_argument("--max-tokens-ahead", default="0",
+                        help="the engine's --max-tokens-ahead; a comma list measures each in turn")
     args = parser.parse_args()
     asyncio.run(main_async(args))
     return 0

@@ -28,6 +28,11 @@ Modes:
   MODE/rpc        (for the modes in --rpc-modes) the same with rows drained by one
                   collective_rpc per drain instead of pushed by the workers: the
                   drain before and after that change, measured in the same run
+  MODE/ahead      (for the modes in --ahead-modes) the same with the engine's
+                  --max-tokens-ahead set to --tokens-ahead: each request waits
+                  for its router's acknowledgements that far behind. With ahead
+                  modes, every uc_* mode runs on that flag's scheduler (requests
+                  without the bound take its fast path)
 
 Each request is greedy with ignore_eos, a distinct random prompt of
 --prompt-tokens tokens (no prefix-cache hits between modes), --tokens new tokens.
@@ -127,9 +132,11 @@ def generate_request(mode: str, request_id: str, prompt: list[int], tokens: int,
 class Engines:
     """The three engines of one model, and one router for the probe modes."""
 
-    def __init__(self, model: Path, parallel: str, max_model_len: int, uc_eager: bool):
+    def __init__(self, model: Path, parallel: str, max_model_len: int, uc_eager: bool, tokens_ahead: int = 0):
         self.model, self.parallel, self.max_model_len = model, parallel, max_model_len
         self.uc_eager = uc_eager
+        self.tokens_ahead = tokens_ahead
+        self.allowances = None
         self.config = json.loads((model / "config.json").read_text())
         self.vanilla: dict[str, object] = {}
         self.runtime = None
@@ -187,7 +194,15 @@ class Engines:
         await self.router.wait_health(timeout=120)
         print(f"starting the Undercurrent engine ({'eager' if self.uc_eager else 'compiled'}) ...", flush=True)
         before = children()
-        self.uc_llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**capture_engine_kwargs(**self._kwargs(enforce_eager=self.uc_eager))))
+        extra = {}
+        if self.tokens_ahead:
+            from engine_service.tokens_ahead import ADDRESS_ENV, SCHEDULER_CLS, AllowancePublisher
+
+            self.allowances = AllowancePublisher(self.tokens_ahead)
+            os.environ[ADDRESS_ENV] = self.allowances.address
+            extra["scheduler_cls"] = SCHEDULER_CLS
+        self.uc_llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**capture_engine_kwargs(
+            **self._kwargs(enforce_eager=self.uc_eager, **extra))))
         self._started("uc", before | {self.router.process.pid})
         self.runtime = EngineRuntime(
             self.uc_llm, CaptureController(self.uc_llm),
@@ -206,9 +221,10 @@ class Engines:
 
     async def run(self, mode: str, prompts: list[list[int]], tokens: int, tag: str) -> tuple[float, int]:
         """Runs len(prompts) concurrent requests; returns (seconds, tokens generated)."""
-        mode, _, drain = mode.partition("/")
+        mode, _, variant = mode.partition("/")
         if self.runtime is not None and mode.startswith("uc_"):
-            push = drain != "rpc"
+            self.runtime.allowances = self.allowances if variant == "ahead" else None
+            push = variant != "rpc"
             if getattr(self, "_push", True) != push:
                 await self.runtime.capture.use_push(push)
                 self._push = push
@@ -284,8 +300,9 @@ def cpu_seconds(roles: dict[str, list[psutil.Process]]) -> dict[str, float]:
 
 async def bench_model(name: str, args) -> dict:
     model = embedded_model.make(MODELS[name], REPO / ".cache" / "models" / MODELS[name])
-    engines = Engines(model, args.parallel, args.max_model_len, args.uc_eager)
-    modes = list(args.modes) + [f"{m}/rpc" for m in args.rpc_modes]
+    engines = Engines(model, args.parallel, args.max_model_len, args.uc_eager,
+                      args.tokens_ahead if args.ahead_modes else 0)
+    modes = list(args.modes) + [f"{m}/rpc" for m in args.rpc_modes] + [f"{m}/ahead" for m in args.ahead_modes]
     workload = Workload(engines.config["vocab_size"], args.prompt_tokens, args.tokens)
     seconds: dict[tuple[int, str], list[float]] = {}
     cpu_ms: dict[tuple[int, str], list[dict[str, float]]] = {}
@@ -360,12 +377,16 @@ def main() -> int:
                         help="run the Undercurrent engine with enforce_eager (default: compiled, as vLLM's default)")
     parser.add_argument("--cpu", action="store_true",
                         help="also report CPU ms per step per process (front end, engine core, workers, router)")
+    parser.add_argument("--ahead-modes", default="",
+                        help="Undercurrent modes also run with --max-tokens-ahead (MODE/ahead)")
+    parser.add_argument("--tokens-ahead", type=int, default=1, help="the bound of the MODE/ahead runs")
     parser.add_argument("--out", default="", help="result file name (default: overhead[-PARALLEL].json)")
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     args.modes = [m for m in args.modes.split(",") if m]
     args.rpc_modes = [m for m in args.rpc_modes.split(",") if m]
-    unknown = (set(args.modes) - set(MODES)) | (set(args.rpc_modes) - set(args.modes) - {""})
+    args.ahead_modes = [m for m in args.ahead_modes.split(",") if m]
+    unknown = (set(args.modes) - set(MODES)) | (set(args.rpc_modes + args.ahead_modes) - set(args.modes))
     if unknown:
         parser.error(f"--modes: unknown {sorted(unknown)}; choose from {list(MODES)}")
     bind = PARALLEL[args.parallel][1]
@@ -380,7 +401,8 @@ def main() -> int:
         "wall_seconds": round(time.time() - started, 1),
         "vllm": vllm.__version__,
         "parallel": args.parallel, "uc_eager": args.uc_eager, "tokens": args.tokens, "prompt_tokens": args.prompt_tokens,
-        "rounds": args.rounds, "results": results,
+        "rounds": args.rounds, **({"tokens_ahead": args.tokens_ahead} if args.ahead_modes else {}),
+        "results": results,
     }
     results_file.write(args.out or ("overhead.json" if args.parallel == "none" else f"overhead-{args.parallel}.json"),
                        report)

@@ -100,6 +100,13 @@ def build_parser():
         help="bytes of batches per router replica; past either bound the overflow policy drops "
         f"(default {DEFAULT_SEND_QUEUE_BYTES}, {DEFAULT_SEND_QUEUE_BYTES >> 20} MiB)",
     )
+    ours.add_argument(
+        "--max-tokens-ahead", type=int, default=0,
+        help="positions a probed request may compute past its first one whose rows are not yet "
+        "scored; vLLM's scheduler skips it there until its router catches up, so an abort lands "
+        "at most this many tokens after its trigger and a silent router stops the request "
+        "(default 0: no bound)",
+    )
     ours.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
     ours.add_argument(
         "--on-shutdown",
@@ -166,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--max-prompt-bytes must be >= 0")
     if args.node_timeout < 0:
         parser.error("--node-timeout must be >= 0")
+    if args.max_tokens_ahead < 0:
+        parser.error("--max-tokens-ahead must be >= 0")
+    if args.max_tokens_ahead and args.scheduler_cls:
+        parser.error("--max-tokens-ahead needs vLLM's scheduler class of its own; drop --scheduler-cls")
     from engine_service.app import run
 
     try:

@@ -165,6 +165,9 @@ class ActiveRequest:
     tokens_sent: bool = False
     said_unprobed: bool = False  # logged that it continues unprobed (fail_open): once, not per step
     backlog_dropped_records: int = 0  # rows a worker dropped past --capture-backlog-bytes
+    # (generated, settled_below) when last seen to change, and when (--max-tokens-ahead's watch).
+    progress: tuple[int, int] = (0, 0)
+    progress_at: float = field(default_factory=time.monotonic)
 
     def fail_closed(self) -> bool:
         return any(p.failure_policy == pb.FAILURE_POLICY_FAIL_CLOSED for p in self.probes)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import uuid
 
@@ -27,14 +28,20 @@ HEALTH_POLL_S = 0.5
 ENGINE_LOSS_EXIT_S = 10.0
 
 
-def create_llm(args):
-    """Starts vLLM with the capture extension and the user's engine arguments."""
+def create_llm(args, allowances=None):
+    """Starts vLLM with the capture extension and the user's engine arguments;
+    with `allowances` (an AllowancePublisher), with the scheduler that holds
+    probed requests at their allowance."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from engine_service.capture.controller import enable_capture
+    from engine_service.tokens_ahead import ADDRESS_ENV, SCHEDULER_CLS
 
     enable_capture(args)
+    if allowances is not None:
+        os.environ[ADDRESS_ENV] = allowances.address  # vLLM's engine core inherits it
+        args.scheduler_cls = SCHEDULER_CLS
     return AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(args))
 
 
@@ -68,6 +75,7 @@ async def run(args) -> int:
     from engine_service.metrics import EngineMetrics
     from engine_service.requests import RequestLimits
     from engine_service.runtime import EngineRuntime, EngineSettings
+    from engine_service.tokens_ahead import AllowancePublisher
 
     try:  # TLS files and tokens: read now, so a bad one fails before anything starts
         security, client_tls = security_from_args(args, CLIENT_TOKENS, require_client_cert=False)
@@ -89,8 +97,9 @@ async def run(args) -> int:
     except PortInUse as err:
         fail("engine_service", f"--port: {err}")
     print(f"engine_service: listening on {args.host}:{server.port}; starting vLLM ...", flush=True)
+    allowances = AllowancePublisher(args.max_tokens_ahead) if args.max_tokens_ahead else None
     try:
-        llm = create_llm(args)
+        llm = create_llm(args, allowances)
     except Exception as err:  # vLLM's own start-up errors, shown as one line
         fail("engine_service", f"vLLM could not start: {type(err).__name__}: {err}")
     if args.metrics_port:
@@ -114,6 +123,7 @@ async def run(args) -> int:
             node_timeout_s=args.node_timeout if args.nnodes > 1 and args.node_timeout > 0 else None,
         ),
         metrics=metrics,
+        allowances=allowances,
     )
     await runtime.start()
     holder["runtime"] = runtime

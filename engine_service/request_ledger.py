@@ -288,11 +288,26 @@ class RequestLedger:
         self._advance_clean()
         through = self._last_clean()
         for position in self._order[self._clean :]:
-            if (self._outstanding[position] or self._blocking[position]
-                    or self._arrived[position] < self._expected[position]):
+            if self._holds_release(position):
                 break
             through = position
         return through
+
+    def settled_below(self) -> int:
+        """The first position that holds a gated token back (as for
+        releasable_through); when none does, the first position whose
+        expectation is not yet known (`computed_below`), or one past the last
+        captured one. How far decoding may run ahead is counted from here
+        (`engine_service.tokens_ahead`)."""
+        self._advance_clean()
+        for position in self._order[self._clean :]:
+            if self._holds_release(position):
+                return position
+        return max(self._computed, self._order[-1] + 1 if self._order else 0)
+
+    def owed_by_capture(self) -> bool:
+        """Whether a computed position still waits for rows capture must make there."""
+        return any(self._arrived[p] < self._expected[p] for p in self._order[self._clean :])
 
     def outcome_at(self, position: int) -> bool | None:
         """True once every row captured at `position` was acknowledged, False once
@@ -334,6 +349,11 @@ class RequestLedger:
 
     def _last_clean(self) -> int:
         return self._order[self._clean - 1] if self._clean else -1
+
+    def _holds_release(self, position: int) -> bool:
+        """Rows in flight, a failure a fail_closed binding cannot accept, or rows owed by capture."""
+        return bool(self._outstanding[position] or self._blocking[position]
+                    or self._arrived[position] < self._expected[position])
 
     def _open(self, position: int) -> bool:
         """Not settled: rows in flight, failed, or not yet arrived."""

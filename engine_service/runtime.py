@@ -40,6 +40,7 @@ from engine_service.metrics import EngineMetrics
 from engine_service.link.batching import partition_by_owner
 from engine_service.probe_points import PROBE_POINT_PREFIX, ExpectedRows, check_client_point_names, probe_points
 from engine_service.request_ledger import Failure, RequestLedger
+from engine_service.tokens_ahead import AllowancePublisher, request_key
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ DRAIN_RETRY_S = 0.1
 SETTLE_MARGIN_S = 1.0
 # Pause between checks that vLLM's engine core still runs (a cheap flag read).
 ENGINE_CHECK_INTERVAL_S = 1.0
+# Pause between checks for requests held ahead of rows capture never delivered.
+HELD_CHECK_INTERVAL_S = 0.5
 # Pause between liveness checks of the workers (multi-node engines only: an RPC).
 NODE_CHECK_INTERVAL_S = 5.0
 
@@ -78,8 +81,11 @@ class EngineRuntime:
         link_config: links.RouterLinkConfig | None = None,
         settings: EngineSettings | None = None,
         metrics: EngineMetrics | None = None,
+        allowances: AllowancePublisher | None = None,
     ):
         self.llm = llm
+        # With --max-tokens-ahead: tells vLLM's scheduler how far each probed request may compute.
+        self.allowances = allowances
         self.capture = capture
         # Capture's running totals already added to a metric, per metric (see _count_growth).
         self._totals_counted: dict[object, int] = {}
@@ -119,6 +125,8 @@ class EngineRuntime:
         drain.add_done_callback(self._on_drain_loop_done)
         self._tasks.append(drain)
         self._tasks.append(asyncio.create_task(self._watch_engine(), name="engine-watch"))
+        if self.allowances is not None:
+            self._tasks.append(asyncio.create_task(self._watch_held_requests(), name="held-watch"))
 
     async def _watch_engine(self) -> None:
         """Checks every ENGINE_CHECK_INTERVAL_S that vLLM's engine core runs and,
@@ -155,6 +163,30 @@ class EngineRuntime:
             if self.engine_lost is not None:
                 log.error("%s", self.engine_lost)
                 return
+
+    async def _watch_held_requests(self) -> None:
+        """With --max-tokens-ahead, vLLM holds a request whose rows are not settled,
+        and only its end declares rows capture never delivered lost: a request
+        held on such rows would wait for good. One that neither generated nor
+        settled anything for the router timeout plus a margin, with nothing in
+        flight to a router (the link's watchdog ends those) but rows owed by
+        capture (drained within a step when capture works), has lost them:
+        they fail as at the end, under the request's failure policy."""
+        while True:
+            await asyncio.sleep(HELD_CHECK_INTERVAL_S)
+            now = time.monotonic()
+            for request in list(self.active.values()):
+                if not self._bounded_ahead(request) or request.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                    continue
+                progress = (request.generated, request.ledger.settled_below())
+                if progress != request.progress:
+                    request.progress, request.progress_at = progress, now
+                elif (now - request.progress_at > self.settings.router_timeout_s + SETTLE_MARGIN_S
+                      and not request.ledger.in_flight() and request.ledger.owed_by_capture()):
+                    failure = self._declare_capture_lost(request)
+                    if failure is not None:
+                        self._on_unscored(request, failure)
+                        self._allow_ahead(request)
 
     def routers_up(self) -> int:
         return len(self.link.replicas_up()) if self.link else 0
@@ -303,6 +335,8 @@ class EngineRuntime:
         from vllm.sampling_params import RequestOutputKind
 
         params = SamplingParams(output_kind=RequestOutputKind.DELTA, **choice.as_kwargs())
+        if self._bounded_ahead(request):
+            params.extra_args = self.allowances.extra_args(request_key(request.request_id, request.incarnation))
         require_prompt_computation(params, points, request.prompt_len)
         vllm_reason = None
         registered = False
@@ -366,6 +400,8 @@ class EngineRuntime:
                     message=f"engine error while finishing: {type(exc).__name__}: {exc}",
                 )))
         finally:
+            if self._bounded_ahead(request):
+                self.allowances.forget(request_key(request.request_id, request.incarnation))
             if self.link is not None:
                 self.link.end_request(request.request_id, request.finish_reason or pb.FINISH_REASON_STOP)
             if registered and request.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
@@ -391,14 +427,22 @@ class EngineRuntime:
                 break
         ledger.expire(float("inf"), "rows still unacknowledged when the request ended")
         if captured:
-            counted = ledger.dropped_records
-            if ledger.capture_lost(reported_dropped=request.backlog_dropped_records) is not None:
-                self.metrics.dropped_records.labels("capture_lost").inc(ledger.dropped_records - counted)
+            self._declare_capture_lost(request)
         failure = ledger.fail_closed_failure()
         if failure is not None and self._end(
             request, pb.FINISH_REASON_ROUTER_UNAVAILABLE, *self._unscored_verdict(request, failure)
         ):
             self.metrics.aborts.labels("ROUTER_UNAVAILABLE").inc()
+
+    def _declare_capture_lost(self, request: ActiveRequest) -> Failure | None:
+        """Rows capture owes the request's computed positions and never delivered
+        are lost: failed in the ledger and counted."""
+        ledger = request.ledger
+        counted = ledger.dropped_records
+        failure = ledger.capture_lost(reported_dropped=request.backlog_dropped_records)
+        if failure is not None:
+            self.metrics.dropped_records.labels("capture_lost").inc(ledger.dropped_records - counted)
+        return failure
 
     def _unscored_verdict(self, request: ActiveRequest, failure: Failure) -> tuple[pb.Verdict, str]:
         """The verdict of a fail_closed request whose rows went unscored: at the
@@ -428,6 +472,7 @@ class EngineRuntime:
             # Token g was sampled from position prompt_len + g - 1: every position
             # before the newest token's was computed, and owes its probe rows.
             request.ledger.computed_below(request.prompt_len + request.generated - 1)
+            self._allow_ahead(request)
         if request.gate is None:
             self._send_tokens(request, pb.TokenChunk(token_ids=token_ids, text=text, first_index=first))
             return
@@ -656,6 +701,7 @@ class EngineRuntime:
             self._stop_soon(request, pb.FINISH_REASON_PROBE_ABORT, verdict=verdict)
         elif isinstance(event, links.Processed):
             request.ledger_changed.set()
+            self._allow_ahead(request)
             self._show_scores(request)
             if request.gate is not None and request.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
                 self._release_gated(request)
@@ -663,8 +709,20 @@ class EngineRuntime:
             request.ledger_changed.set()
             self._show_scores(request)
             self._on_unscored(request, event.failure)
+            self._allow_ahead(request)
         elif isinstance(event, links.Unavailable):
             self._on_router_unavailable(request, event)
+
+    def _bounded_ahead(self, request: ActiveRequest) -> bool:
+        return self.allowances is not None and request.ledger is not None
+
+    def _allow_ahead(self, request: ActiveRequest) -> None:
+        """Raises how far vLLM may compute the request (--max-tokens-ahead) to
+        past its first unsettled position; an ended request gets nothing more,
+        so it stays held until vLLM's abort lands."""
+        if self._bounded_ahead(request) and request.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
+            self.allowances.allow(request_key(request.request_id, request.incarnation),
+                                  request.ledger.settled_below(), request.prompt_len)
 
     def _show_scores(self, request: ActiveRequest, below: int | None = None) -> None:
         """Sends the client the held scores whose rows the ledger counts as scored."""

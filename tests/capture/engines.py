@@ -21,15 +21,22 @@ from engine_service.capture.controller import (
 
 
 @asynccontextmanager
-async def capture_engine(model: str, tp: int = 1, pp: int = 1, stat_loggers=None, **engine_kwargs):
-    """An AsyncLLM with capture started; shut down on exit."""
+async def capture_engine(model: str, tp: int = 1, pp: int = 1, stat_loggers=None, allowances=None,
+                         **engine_kwargs):
+    """An AsyncLLM with capture started; shut down on exit. With `allowances` (an
+    AllowancePublisher), its scheduler holds requests bounded by --max-tokens-ahead."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
+
+    from engine_service.tokens_ahead import ADDRESS_ENV, SCHEDULER_CLS
 
     workers = tp * pp
     if workers > 1:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % 2) for i in range(workers))
     defaults = dict(dtype="float32", max_model_len=256, seed=0)
+    if allowances is not None:
+        os.environ[ADDRESS_ENV] = allowances.address
+        defaults["scheduler_cls"] = SCHEDULER_CLS
     kwargs = capture_engine_kwargs(
         model=model,
         tensor_parallel_size=tp,

@@ -11,11 +11,16 @@ and a fail_open one counts it unprobed; neither shows it as scored.
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 from engine_service.link import RouterLinkConfig
 from engine_service.runtime import EngineRuntime, EngineSettings
+from engine_service.tokens_ahead import AllowancePublisher
+from tests.capture.conftest import SMALL_STEPS
+from tests.capture.engines import capture_engine
 from tests.capture.workloads import prompt
 from tests.engine_link.helpers import FAST, until
 from tests.engine_link.router_double import PROBE, RouterDouble
@@ -108,3 +113,60 @@ async def test_real_capture_losing_a_positions_rows_stops_a_gated_fail_closed_re
     assert (finished.unprobed_tokens, finished.dropped_records) == (1, 1)
     assert runtime.metrics.registry.get_sample_value(
         "undercurrent_engine_dropped_records_total", {"queue": "capture_lost"}) == 2
+
+
+# -- the same loss with --max-tokens-ahead: vLLM holds the request at the lost rows --
+
+AHEAD = 1
+HELD_ROUTER_TIMEOUT_S = 1.0
+
+
+@pytest.fixture(scope="module")
+async def held_runtime_losing_rows(tiny_llama_path):
+    """A vLLM engine of its own whose scheduler holds requests AHEAD positions
+    past their first unsettled one, and the runtime that tells it how far."""
+    allowances = AllowancePublisher(AHEAD)
+    async with capture_engine(tiny_llama_path, allowances=allowances, **SMALL_STEPS) as (engine, controller):
+        router = await RouterDouble("r", threshold=1e9).start()
+        capture = LosingOnePosition(controller, LOST)
+        config = RouterLinkConfig(targets=router.address, engine_id="engine-held-loss",
+                                  **{**FAST, "router_timeout_s": HELD_ROUTER_TIMEOUT_S})
+        runtime = EngineRuntime(engine, capture, link_config=config, allowances=allowances,
+                                settings=EngineSettings(router_timeout_s=HELD_ROUTER_TIMEOUT_S))
+        await runtime.start()
+        try:
+            await runtime.link.wait_ready(timeout=10)
+            yield runtime, capture
+        finally:
+            await runtime.close()
+            await router.kill()
+            allowances.close()
+
+
+async def test_a_request_held_on_rows_capture_lost_is_ended_not_left_waiting(held_runtime_losing_rows):
+    """vLLM holds the request once it computed AHEAD positions past the lost one,
+    so only the engine's own watch can end it: after the router timeout plus a
+    margin without progress it declares the rows lost, as at a request's end."""
+    runtime, capture = held_runtime_losing_rows
+    async with asyncio.timeout(60):  # a request held for good would hang here
+        tokens, finished = await run(runtime, generate_request("held-closed", pb.FAILURE_POLICY_FAIL_CLOSED))
+    assert capture.lost_rows == 1
+    assert finished.finish_reason == pb.FINISH_REASON_ROUTER_UNAVAILABLE, finished
+    assert finished.verdict.token_position == LOST
+    assert "capture delivered no rows or too few at 1 position(s), 1 rows missing" in finished.message
+    # Positions up to LOST were computed, then AHEAD more: the token sampled at
+    # each. Without the hold vLLM runs to MAX_TOKENS first.
+    assert finished.generated_tokens == LOST + AHEAD - len(PROMPT) + 1 < MAX_TOKENS
+    assert len(tokens) == LOST - len(PROMPT)  # none at or after the lost position is shown
+    assert (finished.unprobed_tokens, finished.dropped_records) == (1, 1)
+    assert runtime.metrics.registry.get_sample_value(
+        "undercurrent_engine_dropped_records_total", {"queue": "capture_lost"}) == 1
+
+
+async def test_a_fail_open_request_held_on_lost_rows_goes_on_once_they_are_declared_lost(held_runtime_losing_rows):
+    runtime, _ = held_runtime_losing_rows
+    async with asyncio.timeout(60):
+        tokens, finished = await run(runtime, generate_request("held-open", pb.FAILURE_POLICY_FAIL_OPEN))
+    assert finished.finish_reason == pb.FINISH_REASON_LENGTH and len(tokens) == MAX_TOKENS
+    assert (finished.unprobed_tokens, finished.dropped_records) == (1, 1)
+    assert finished.message.startswith("1 tokens unprobed (fail_open): capture delivered no rows")

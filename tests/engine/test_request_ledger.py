@@ -322,3 +322,37 @@ def test_a_long_requests_positions_add_nothing_for_the_garbage_collector_to_walk
     gc.collect()
     assert len(gc.get_objects()) - before < 50
     assert (led.first_unsettled(), led.releasable_through(), led.in_flight()) == (5011, 5010, 0)
+
+
+def test_decoding_may_run_ahead_from_the_first_position_that_holds_a_gated_token():
+    led = expecting()  # prompt of 4: positions 0..3 owe 2 rows, generated ones 3
+    assert led.settled_below() == 0
+    led.computed_below(6)
+    first = sent(led, "r", 1, {0: 2, 1: 2, 2: 2, 3: 2, 4: 3})
+    assert led.settled_below() == 0  # in flight
+    led.acknowledged(first)
+    assert led.settled_below() == 5  # position 5 is owed its rows
+    led.acknowledged(sent(led, "r", 2, {5: 3}))
+    assert led.settled_below() == 6  # position 6's expectation comes with the next token
+    led.computed_below(7)
+    assert led.settled_below() == 6
+    failed = sent(led, "r", 3, {6: 3})
+    led.step_failed("r", 3, "boom", probe=None)  # fail_closed: holds for good
+    assert (failed.state, led.settled_below()) == (MessageState.FAILED, 6)
+
+
+def test_a_fail_open_failure_lets_decoding_go_on():
+    led = expecting(p=OPEN)
+    led.computed_below(5)
+    led.queued("r", {0: 2, 1: 2, 2: 2, 3: 2, 4: 3}, 0.0)
+    led.expire(1.0, "router timeout")
+    assert led.settled_below() == 5
+
+
+def test_positions_no_probe_point_picks_count_as_settled_once_computed():
+    points = [ExtractionPoint("probe.final_norm", "final_norm", (), TokenSelector(Scope.PROMPT, (-1,)))]
+    led = RequestLedger(4, {"p": CLOSED}, ExpectedRows(points, 4))  # rows only at position 3
+    led.computed_below(9)
+    assert led.settled_below() == 3
+    led.acknowledged(sent(led, "r", 1, {3: 1}))
+    assert led.settled_below() == 9  # the computed positions after it owe nothing

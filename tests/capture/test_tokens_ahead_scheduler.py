@@ -1,0 +1,106 @@
+"""--max-tokens-ahead's scheduler inside real vLLM, at one worker and under
+pipeline parallelism (vLLM's batch queue): a bounded request stops at its
+allowance while an unbounded one beside it runs to its end, waits there, and
+goes on, to the same tokens, each time the engine service raises it. The
+allowances come straight from the test here; tests/processes/test_tokens_ahead.py
+runs the whole path with a router."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine_service.tokens_ahead import AllowancePublisher, request_key
+from tests.capture.engines import capture_engine
+from tests.capture.workloads import prompt
+
+pytestmark = pytest.mark.vllm
+
+AHEAD = 2
+PROMPT = prompt(9, 3)
+MAX_TOKENS = 16
+# Long enough for the tiny model to generate every token of the request several
+# times over, had the scheduler not held it.
+HELD_S = 0.5
+
+
+@pytest.fixture(scope="module", params=["tp1", "pp2"])
+async def held_engine(request, tiny_llama_path):
+    allowances = AllowancePublisher(AHEAD)
+    pp = 2 if request.param == "pp2" else 1
+    async with capture_engine(tiny_llama_path, pp=pp, allowances=allowances) as (engine, _):
+        yield engine, allowances
+    allowances.close()
+
+
+def sampling(**extra):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,
+                          output_kind=RequestOutputKind.DELTA, **extra)
+
+
+async def until_count(tokens: list, count: int, stream: asyncio.Task) -> None:
+    async with asyncio.timeout(30):
+        while len(tokens) < count:
+            assert not stream.done(), stream
+            await asyncio.sleep(0.01)
+
+
+async def test_a_bounded_request_waits_at_each_allowance_and_ends_with_the_same_tokens(held_engine):
+    from vllm.inputs import TokensPrompt
+
+    engine, allowances = held_engine
+    key = request_key("held", 1)
+    tokens: dict[str, list[int]] = {"held": [], "free": []}
+
+    async def run(request_id: str, params) -> None:
+        async for output in engine.generate(TokensPrompt(prompt_token_ids=PROMPT), params, request_id):
+            tokens[request_id] += output.outputs[0].token_ids
+
+    held = asyncio.create_task(run("held", sampling(extra_args=allowances.extra_args(key))))
+    free = asyncio.create_task(run("free", sampling()))
+    await asyncio.wait_for(free, 60)
+    assert len(tokens["free"]) == MAX_TOKENS
+    # Its first allowance: the prompt and AHEAD positions past it, so the tokens
+    # sampled from the last prompt position and those AHEAD.
+    await until_count(tokens["held"], AHEAD + 1, held)
+    await asyncio.sleep(HELD_S)
+    assert len(tokens["held"]) == AHEAD + 1
+    allowances.allow(key, settled_below=len(PROMPT) + 4, prompt_len=len(PROMPT))
+    await until_count(tokens["held"], 4 + AHEAD + 1, held)
+    await asyncio.sleep(HELD_S)
+    assert len(tokens["held"]) == 4 + AHEAD + 1
+    allowances.allow(key, settled_below=len(PROMPT) + MAX_TOKENS, prompt_len=len(PROMPT))
+    await asyncio.wait_for(held, 30)
+    assert tokens["held"] == tokens["free"]
+    allowances.forget(key)
+
+
+async def test_an_ended_bounded_request_stays_held_until_vllm_aborts_it(held_engine):
+    """The engine service forgets a request when it ends it (a verdict): the
+    scheduler falls back to the first allowance, so vLLM computes nothing more
+    while its abort is on the way."""
+    from vllm.inputs import TokensPrompt
+
+    engine, allowances = held_engine
+    key = request_key("ended", 1)
+    tokens: list[int] = []
+
+    async def run() -> None:
+        params = sampling(extra_args=allowances.extra_args(key))
+        async for output in engine.generate(TokensPrompt(prompt_token_ids=PROMPT), params, "ended"):
+            tokens.extend(output.outputs[0].token_ids)
+
+    stream = asyncio.create_task(run())
+    await until_count(tokens, AHEAD + 1, stream)
+    allowances.allow(key, settled_below=len(PROMPT) + 3, prompt_len=len(PROMPT))
+    await until_count(tokens, 3 + AHEAD + 1, stream)
+    allowances.forget(key)
+    await asyncio.sleep(HELD_S)
+    assert len(tokens) == 3 + AHEAD + 1
+    await engine.abort("ended")
+    await asyncio.wait_for(stream, 30)
+    assert len(tokens) == 3 + AHEAD + 1
