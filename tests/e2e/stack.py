@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import time
 import urllib.request
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.enum_names import short_name
@@ -90,7 +91,8 @@ def vllm_paused(engine_service: Service):
         yield HeldVllm(stopped)
     finally:
         for process in stopped:
-            process.resume()
+            with suppress(psutil.NoSuchProcess):  # a test may kill one while held
+                process.resume()
 
 
 @dataclass

@@ -125,12 +125,18 @@ async def test_the_engine_exits_when_vllms_engine_core_dies(tiny_llama_path):
         async with stack.channel(service.address) as channel:
             engine = pb_grpc.EngineServiceStub(channel)
             progress = stack.Outcome()
-            running = asyncio.create_task(stack.generate(engine, request("running", 1000), outcome=progress))
-            while len(progress.tokens) < 5:
-                assert not running.done(), running.result().finished
-                await asyncio.sleep(0.05)
-            processes.vllm_engine_core(service).kill()
-            killed_at = time.monotonic()
+            # vLLM runs in short bursts until the client has seen 5 tokens and is
+            # killed while held: unpaced, the tiny model decoded all 1000 tokens
+            # before the client saw its 5th.
+            with stack.vllm_paused(service) as vllm:
+                running = asyncio.create_task(stack.generate(engine, request("running", 1000), outcome=progress))
+                async with asyncio.timeout(120):
+                    while len(progress.tokens) < 5:
+                        assert not running.done(), running.result().finished
+                        await vllm.run_for(0.02)
+                        await asyncio.sleep(0.2)
+                processes.vllm_engine_core(service).kill()
+                killed_at = time.monotonic()
             outcome = await asyncio.wait_for(running, ENGINE_EXIT_BOUND_S)
             refusal = await refusal_after_engine_loss(service, engine)
         code = await asyncio.to_thread(service.process.wait, ENGINE_EXIT_BOUND_S)
