@@ -12,8 +12,9 @@ error about a step that was already acknowledged is out of order and ignored.
 
 A position is *settled* when every row captured at it was acknowledged and
 none failed. Token gating shows token g (at position prompt_len + g) only once
-every captured position up to it is settled, or, for failures that concern only
-fail_open bindings, resolved (no row still in flight). The finish counts
+every position up to it is settled, or, for failures that concern only
+fail_open bindings, resolved (no row still in flight); a computed position
+where the probes capture nothing is settled. The finish counts
 (`unprobed_tokens`, `dropped_records`) are read from here too.
 
 Rows are also counted against what capture must make: once the model computed
@@ -284,14 +285,17 @@ class RequestLedger:
 
     def releasable_through(self) -> int:
         """The last position a gated token may be shown at: every captured row up
-        to it is acknowledged, or failed only for fail_open bindings. -1 if none."""
+        to it is acknowledged, or failed only for fail_open bindings, and every
+        computed position up to it where the probes capture nothing counts as
+        settled (a probe of the prompt alone holds no generated token once the
+        prompt is scored). -1 if none."""
         self._advance_clean()
         through = self._last_clean()
         for position in self._order[self._clean :]:
             if self._holds_release(position):
-                break
+                return max(through, min(position, self._computed) - 1)
             through = position
-        return through
+        return max(through, self._computed - 1)
 
     def settled_below(self) -> int:
         """The first position that holds a gated token back (as for

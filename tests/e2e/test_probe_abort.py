@@ -1,12 +1,16 @@
 """A probe that fires on a known token aborts exactly its request at that
-token; the other requests in the same batch finish untouched."""
+token; the other requests in the same batch finish untouched. A gated client
+sees tokens only where the probes scored, and as soon as they did."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
+import numpy as np
 import pytest
 
+from router_service.probe_files import encode_safetensors
 from tests.e2e import probes, stack
 from tests.processes.aborts import until_within
 from undercurrent.v1 import undercurrent_pb2 as pb
@@ -120,3 +124,38 @@ async def test_observe_binding_reports_scores_and_never_aborts(engine, baseline,
     for position, score in scored.items():
         assert score == pytest.approx(firing_probe.score(rows[position]), rel=1e-4, abs=1e-4)
     assert scored[firing_probe.position] >= firing_probe.threshold
+
+
+async def test_a_gated_request_probed_on_its_prompt_alone_streams_once_the_prompt_is_scored(
+        engine_service, engine, baseline, start_router):
+    """Generated positions owe such a probe no rows: the gate shows each token
+    once its position is computed and the prompt scored, not all at the end."""
+    hidden_size = next(iter(probes.rows_by_position(baseline[1].batches).values())).size
+    manifest = {
+        "name": "prompt_watch", "version": "1", "kind": "linear", "tensor_type": "residual_stream",
+        "layers": [probes.LAYER], "hidden_size": hidden_size, "dtype": "float32",
+        "threshold": 1.0, "action": "observe", "tokens": {"scope": "prompt"},
+    }
+    weights = encode_safetensors({"weight": np.zeros(hidden_size, np.float32),
+                                  "bias": np.zeros(1, np.float32)}, "float32")
+    router = await start_router(0)
+    async with stack.channel(router.address) as ch:
+        await pb_grpc.ProbeAdminServiceStub(ch).LoadProbe(pb.LoadProbeRequest(
+            inline=pb.InlineProbe(manifest_json=json.dumps(manifest), weights_safetensors=weights), replace=True))
+    await stack.wait_for_probe(engine, "prompt_watch")
+    binding = pb.ProbeBinding(probe="prompt_watch", failure_policy=pb.FAILURE_POLICY_FAIL_CLOSED)
+    progress = stack.Outcome()
+    # vLLM runs in short bursts, so the request is still running when its first token shows.
+    with stack.vllm_paused(engine_service) as vllm:
+        stream = asyncio.create_task(stack.generate(
+            engine, request(PROMPTS[1], "prompt-gated", probes=[binding], gate_tokens=True), outcome=progress))
+        async with asyncio.timeout(120):
+            while not progress.tokens and not stream.done():
+                await vllm.run_for(0.02)
+                await asyncio.sleep(0.1)
+        assert not stream.done(), f"the gate held every token until the finish: {stream.result().finished}"
+    outcome = await asyncio.wait_for(stream, 120)
+    assert outcome.reason == "LENGTH" and outcome.tokens == baseline[1].tokens, outcome.finished
+    assert outcome.finished.unprobed_tokens == 0 and outcome.finished.dropped_records == 0
+    scored = sorted(p for event in outcome.scores for p in event.token_positions)
+    assert scored == list(range(outcome.finished.prompt_tokens))

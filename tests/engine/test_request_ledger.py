@@ -311,6 +311,44 @@ def test_lost_rows_of_a_fail_open_request_are_counted_and_do_not_hold_tokens():
     assert (led.unprobed_tokens(), led.dropped_records) == (2, 4)
 
 
+def test_a_probe_of_the_prompt_alone_holds_no_generated_token_once_the_prompt_is_scored():
+    prompt_only = [ExtractionPoint("probe.final_norm", "final_norm", (), TokenSelector(Scope.PROMPT))]
+    led = RequestLedger(4, {"p": CLOSED}, ExpectedRows(prompt_only, 4))
+    led.computed_below(5)  # the prompt and generated token 0's position (4)
+    assert led.releasable_through() == -1  # the prompt's rows have not come
+    message = sent(led, "r", 1, {0: 1, 1: 1, 2: 1, 3: 1})
+    assert led.releasable_through() == -1
+    led.acknowledged(message)
+    assert led.releasable_through() == 4  # position 4 owes nothing and was computed
+    led.computed_below(40)
+    assert (led.releasable_through(), led.first_unsettled(), led.unprobed_tokens()) == (39, 4, 0)
+
+
+def test_a_fail_closed_failure_in_the_prompt_holds_every_generated_token():
+    prompt_only = [ExtractionPoint("probe.final_norm", "final_norm", (), TokenSelector(Scope.PROMPT))]
+    led = RequestLedger(4, {"p": CLOSED}, ExpectedRows(prompt_only, 4))
+    led.computed_below(40)
+    led.acknowledged(sent(led, "r", 1, {0: 1, 1: 1}))
+    led.dropped(led.queued("r", {2: 1, 3: 1}, 0.0), "send queue full")
+    assert led.releasable_through() == 1
+    led.computed_below(400)
+    assert led.releasable_through() == 1
+
+
+def test_generated_positions_between_selected_ones_wait_only_for_those_before_them():
+    sparse = [ExtractionPoint("probe.mlp_out.1", "mlp_out", (1,), TokenSelector(Scope.GENERATED, (0, 5)))]
+    led = RequestLedger(4, {"p": CLOSED}, ExpectedRows(sparse, 4))  # rows at positions 4 and 9
+    assert led.releasable_through() == -1
+    led.computed_below(4)
+    assert led.releasable_through() == 3  # the prompt owes nothing
+    led.computed_below(12)
+    assert led.releasable_through() == 3  # position 4 owes a row
+    led.acknowledged(sent(led, "r", 1, {4: 1}))
+    assert led.releasable_through() == 8  # position 9 owes a row
+    led.acknowledged(sent(led, "r", 2, {9: 1}))
+    assert led.releasable_through() == 11  # computed, nothing more owed
+
+
 def test_a_long_requests_positions_add_nothing_for_the_garbage_collector_to_walk():
     """Full collections walk every tracked object, on the event loop; a request's
     per-position records must not add one per position."""
