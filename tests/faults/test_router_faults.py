@@ -11,7 +11,6 @@ import pytest
 
 from tests.e2e import stack
 from tests.faults import harness
-from tests.faults.conftest import SEND_QUEUE
 from tests.faults.harness import END_SLACK_S, ROUTER_TIMEOUT_S
 from tests.faults.routers import ErroringRouter, KeyRecordingRouter, probe_info
 from undercurrent.v1 import undercurrent_pb2 as pb
@@ -183,7 +182,7 @@ OVERFLOW_TOKENS = 300
 @pytest.mark.parametrize("policy", [CLOSED, OPEN], ids=["fail_closed", "fail_open"])
 async def test_send_queue_overflow(engine, proxy, engine_metrics_port, policy):
     """A router that keeps its session alive (heartbeats) but stops reading: the
-    send queue ({SEND_QUEUE} batches) overflows and drops by policy, counted."""
+    send queue (conftest.SEND_QUEUE messages) overflows and drops by policy, counted."""
     router = KeyRecordingRouter("slow")
     # Without BDP probing the double's transport keeps HTTP/2's 64 KiB window: a
     # router that stops reading pushes back after ~0.13 MB. With it, the window

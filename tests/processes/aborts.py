@@ -75,7 +75,10 @@ class Armed:
         # Negative when the verdict overtook the triggering token on its way to
         # the client (rows and tokens leave the engine by different paths).
         after_trigger = len(aborted.tokens) - (trigger + 1)
-        assert aborted.finished.generated_tokens == len(aborted.tokens) < MAX_TOKENS
+        # A verdict that reached the engine only after vLLM decoded every token
+        # still ends the request PROBE_ABORT: a late abort, over the bound (CI
+        # measured one at PP=2), not a wrong one.
+        assert aborted.finished.generated_tokens == len(aborted.tokens) <= MAX_TOKENS
         return after_trigger
 
     async def abort_latencies(self, tag: str) -> list[int]:
