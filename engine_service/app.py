@@ -71,7 +71,10 @@ def link_config(args, client_tls):
 
 
 async def run(args) -> int:
+    from vllm.platforms import current_platform
+
     from engine_service.capture.controller import CaptureController
+    from engine_service.host_checks import autogroup_warning
     from engine_service.metrics import EngineMetrics
     from engine_service.requests import RequestLimits
     from engine_service.runtime import EngineRuntime, EngineSettings
@@ -102,6 +105,8 @@ async def run(args) -> int:
         llm = create_llm(args, allowances)
     except Exception as err:  # vLLM's own start-up errors, shown as one line
         fail("engine_service", f"vLLM could not start: {type(err).__name__}: {err}")
+    if warning := autogroup_warning(on_cpu=current_platform.is_cpu()):
+        log.warning("%s", warning)
     if args.metrics_port:
         from prometheus_client import start_http_server
 

@@ -57,12 +57,17 @@ class Service:
         if self.log_to_file:
             LOGS.mkdir(parents=True, exist_ok=True)
             output = open(self.log_path, "ab")
-        # Its own process group, so kill() also ends vLLM's engine-core and worker processes.
+        # Its own process group, so kill() also ends vLLM's engine-core and worker
+        # processes, but not its own session: with the kernel's scheduler
+        # autogroup on (kernel.sched_autogroup_enabled=1), each session is
+        # scheduled as one group, and a session holding vLLM's pinned workers
+        # kept other sessions' processes (a router, a client) off both cores of
+        # this host for seconds (BENCHMARKS.md section 19).
         self.process = subprocess.Popen(
             [sys.executable, "-m", *self.args],
             stdout=output, stderr=subprocess.STDOUT if output else None,
             env=dict(os.environ, PYTHONUNBUFFERED="1", **self.env),
-            start_new_session=True,
+            process_group=0,
             preexec_fn=(lambda: os.nice(self.nice)) if self.nice else None,
         )
         return self
