@@ -8,8 +8,8 @@ session of its own) is scheduled as one group; a session holding the engine
 then kept processes of other sessions (a router, a client, a plain 10 ms
 sleeper) from both cores of a 2-core host for up to 3.3 s at a time, and a
 router went silent 7 s, long enough for the engine to drop its session
-(BENCHMARKS.md section 19). In one session, or in separate ones with
-autogroup off, the router waited at most 11 ms per request. Containers are in control groups
+(BENCHMARKS.md section 19). In one session the router waited at most 11 ms
+per request; in separate ones with autogroup off, no stall came either. Containers are in control groups
 of their own, where autogroup does not apply. Plain logic: the setting's path
 is passed in.
 """
