@@ -9,9 +9,10 @@ then kept processes of other sessions (a router, a client, a plain 10 ms
 sleeper) from both cores of a 2-core host for up to 3.3 s at a time, and a
 router went silent 7 s, long enough for the engine to drop its session
 (BENCHMARKS.md section 19). In one session the router waited at most 11 ms
-per request; in separate ones with autogroup off, no stall came either. Containers are in control groups
-of their own, where autogroup does not apply. Plain logic: the setting's path
-is passed in.
+per request; in separate ones with autogroup off, no stall came either.
+Containers are outside autogroup, but in control groups that the kernel
+schedules the same way: there a higher CPU weight for the router is the
+remedy measured (`compose.yaml`). Plain logic: the setting's path is passed in.
 """
 
 from __future__ import annotations
@@ -35,6 +36,6 @@ def autogroup_warning(on_cpu: bool, setting: Path = AUTOGROUP_SETTING) -> str | 
         "(a router or client started from another terminal or by another launcher) can wait "
         "seconds for a CPU while vLLM's workers run, and a router that waits past "
         "--router-timeout fails its requests; start them from one session (as `make run` and "
-        "the tests do), give them cores of their own (containers, cpusets), or set "
+        "the tests do), give the router cores vLLM's workers are not pinned to, or set "
         "kernel.sched_autogroup_enabled=0 (BENCHMARKS.md section 19)"
     )
