@@ -35,35 +35,41 @@ def rows_by_position(batches: list[pb.ActivationBatch]) -> dict[int, np.ndarray]
 
 
 @dataclass
-class FiringProbe:
-    """A linear probe that fires first at `position` of the target request and
-    nowhere in the others."""
+class LinearProbe:
+    """A linear probe on LAYER's residual stream, loaded inline."""
 
     name: str
     weight: np.ndarray
     bias: float
     threshold: float
-    position: int
 
-    def manifest(self, action: str = "abort") -> dict:
+    def manifest(self, action: str = "abort", scope: str = "generated") -> dict:
         return {
             "name": self.name, "version": "1", "kind": "linear", "tensor_type": "residual_stream",
             "layers": [LAYER], "hidden_size": int(self.weight.size), "dtype": "float32",
-            "threshold": self.threshold, "action": action, "tokens": {"scope": "generated"},
+            "threshold": self.threshold, "action": action, "tokens": {"scope": scope},
         }
 
-    def load_request(self, action: str = "abort") -> pb.LoadProbeRequest:
+    def load_request(self, action: str = "abort", scope: str = "generated") -> pb.LoadProbeRequest:
         weights = encode_safetensors(
             {"weight": self.weight, "bias": np.array([self.bias], np.float32)}, "float32"
         )
         return pb.LoadProbeRequest(
-            inline=pb.InlineProbe(manifest_json=json.dumps(self.manifest(action)),
+            inline=pb.InlineProbe(manifest_json=json.dumps(self.manifest(action, scope)),
                                   weights_safetensors=weights),
             replace=True,
         )
 
     def score(self, row: np.ndarray) -> float:
         return float(row @ self.weight + self.bias)
+
+
+@dataclass
+class FiringProbe(LinearProbe):
+    """A linear probe that fires first at `position` of the target request and
+    nowhere in the others."""
+
+    position: int
 
 
 def probe_firing_at(name: str, target: dict[int, np.ndarray], others: list[dict[int, np.ndarray]],

@@ -5,12 +5,10 @@ sees tokens only where the probes scored, and as soon as they did."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import numpy as np
 import pytest
 
-from router_service.probe_files import encode_safetensors
 from tests.e2e import probes, stack
 from tests.processes.aborts import until_within
 from undercurrent.v1 import undercurrent_pb2 as pb
@@ -129,17 +127,10 @@ async def test_a_gated_request_probed_on_its_prompt_alone_streams_once_the_promp
     """Generated positions owe such a probe no rows: the gate shows each token
     once its position is computed and the prompt scored, not all at the end."""
     hidden_size = next(iter(probes.rows_by_position(baseline[1].batches).values())).size
-    manifest = {
-        "name": "prompt_watch", "version": "1", "kind": "linear", "tensor_type": "residual_stream",
-        "layers": [probes.LAYER], "hidden_size": hidden_size, "dtype": "float32",
-        "threshold": 1.0, "action": "observe", "tokens": {"scope": "prompt"},
-    }
-    weights = encode_safetensors({"weight": np.zeros(hidden_size, np.float32),
-                                  "bias": np.zeros(1, np.float32)}, "float32")
+    probe = probes.LinearProbe("prompt_watch", np.zeros(hidden_size, np.float32), bias=0.0, threshold=1.0)
     router = await start_router(0)
     async with stack.channel(router.address) as ch:
-        await pb_grpc.ProbeAdminServiceStub(ch).LoadProbe(pb.LoadProbeRequest(
-            inline=pb.InlineProbe(manifest_json=json.dumps(manifest), weights_safetensors=weights), replace=True))
+        await pb_grpc.ProbeAdminServiceStub(ch).LoadProbe(probe.load_request("observe", scope="prompt"))
     await stack.wait_for_probe(engine, "prompt_watch")
     binding = pb.ProbeBinding(probe="prompt_watch", failure_policy=pb.FAILURE_POLICY_FAIL_CLOSED)
     progress = stack.Outcome()
