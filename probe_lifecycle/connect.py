@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import grpc
 
 from common.grpc_server import channel_options
@@ -9,12 +11,22 @@ from common.security.client import channel_from_env
 from engine_service.link.targets import DnsTarget, parse_targets, resolve_dns
 
 
-def channel(address: str) -> grpc.aio.Channel:
+@dataclass(frozen=True)
+class Replicas:
+    """The router replicas a --routers value names. `server_name` is the DNS name
+    they were resolved from: with TLS each replica's certificate must carry that
+    name, not its address, as when the engine dials them."""
+
+    addresses: list[str]
+    server_name: str | None = None
+
+
+def channel(address: str, server_name: str | None = None) -> grpc.aio.Channel:
     """TLS and tokens from UNDERCURRENT_TLS_* / UNDERCURRENT_*TOKEN (common.security.client)."""
-    return channel_from_env(address, channel_options())
+    return channel_from_env(address, channel_options(), server_name=server_name)
 
 
-async def router_addresses(spec: str) -> list[str]:
+async def router_replicas(spec: str) -> Replicas:
     """Every replica of "host:port[,host:port...]" or "dns:NAME:PORT" (resolved now),
     parsed and resolved exactly as the engine finds its routers."""
     target = parse_targets(spec)
@@ -25,5 +37,5 @@ async def router_addresses(spec: str) -> list[str]:
             raise ValueError(f"--routers {spec!r}: {target.host} does not resolve: {err}") from None
         if not addresses:
             raise ValueError(f"--routers {spec!r}: {target.host} resolves to no address")
-        return addresses
-    return list(target.addresses)
+        return Replicas(addresses, server_name=target.host)
+    return Replicas(list(target.addresses))

@@ -102,18 +102,19 @@ async def deploy(probe_dir: str | Path, routers: str, engine: str | None = None,
             model = await _model_info(pb_grpc.EngineServiceStub(channel), engine)
         check_against_engine(probe_dir, probe.manifest, model)
     try:
-        addresses = await connect.router_addresses(routers)
+        replicas = await connect.router_replicas(routers)
     except ValueError as err:
         raise DeployError(str(err)) from None
+    addresses, server_name = replicas.addresses, replicas.server_name
     request = pb.LoadProbeRequest(
         inline=pb.InlineProbe(manifest_json=manifest_json, weights_safetensors=weights),
         replace=replace,
     )
-    outcomes = await asyncio.gather(*(_load(a, name, request) for a in addresses))
+    outcomes = await asyncio.gather(*(_load(a, server_name, name, request) for a in addresses))
     failures = [(a, o) for a, o in zip(addresses, outcomes) if isinstance(o, str)]
     if failures:
         undone = [o.address for o in outcomes if isinstance(o, Deployed) and not o.replaced]
-        await asyncio.gather(*(_unload(a, name) for a in undone))
+        await asyncio.gather(*(_unload(a, server_name, name) for a in undone))
         details = "; ".join(f"{a}: {message}" for a, message in failures)
         raise DeployError(
             f"probe {name!r} was refused by {len(failures)} of {len(addresses)} replica(s): "
@@ -131,8 +132,9 @@ async def _model_info(stub: pb_grpc.EngineServiceStub, address: str) -> pb.Model
         raise DeployError(f"--engine {address}: {err.code().name}: {err.details()}") from None
 
 
-async def _load(address: str, name: str, request: pb.LoadProbeRequest) -> Deployed | str:
-    async with connect.channel(address) as channel:
+async def _load(address: str, server_name: str | None, name: str,
+                request: pb.LoadProbeRequest) -> Deployed | str:
+    async with connect.channel(address, server_name) as channel:
         admin = pb_grpc.ProbeAdminServiceStub(channel)
         try:
             before = await admin.ListProbes(pb.ListProbesRequest(), timeout=30)
@@ -142,8 +144,8 @@ async def _load(address: str, name: str, request: pb.LoadProbeRequest) -> Deploy
     return Deployed(address, reply.probe, any(p.name == name for p in before.probes))
 
 
-async def _unload(address: str, name: str) -> None:
-    async with connect.channel(address) as channel:
+async def _unload(address: str, server_name: str | None, name: str) -> None:
+    async with connect.channel(address, server_name) as channel:
         admin = pb_grpc.ProbeAdminServiceStub(channel)
         try:
             await admin.UnloadProbe(pb.UnloadProbeRequest(name=name, force=True), timeout=30)

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import grpc
 
+from common.security.tls import secure_channel
+
 ADMIN_SERVICE = "undercurrent.v1.ProbeAdminService"
 ENV_CA, ENV_CERT, ENV_KEY = "UNDERCURRENT_TLS_CA", "UNDERCURRENT_TLS_CERT", "UNDERCURRENT_TLS_KEY"
 ENV_TOKEN, ENV_ADMIN_TOKEN = "UNDERCURRENT_TOKEN", "UNDERCURRENT_ADMIN_TOKEN"
@@ -43,11 +45,14 @@ def tls_credentials(ca: Path, cert: Path | None, key: Path | None, client_token:
     return grpc.composite_channel_credentials(tls, tokens)
 
 
-def channel_from_env(address: str, options: list, environ=os.environ) -> grpc.aio.Channel:
-    """A channel to address: TLS with tokens when UNDERCURRENT_TLS_CA is set, else plaintext."""
+def channel_from_env(address: str, options: list, environ=os.environ,
+                     server_name: str | None = None) -> grpc.aio.Channel:
+    """A channel to address: TLS with tokens when UNDERCURRENT_TLS_CA is set, else
+    plaintext. `server_name`: the name the peer's certificate must carry when it
+    is not the dialled address (an address a DNS name resolved to)."""
     if not environ.get(ENV_CA):
         return grpc.aio.insecure_channel(address, options=options)
     path = (lambda name: Path(environ[name]) if environ.get(name) else None)
     credentials = tls_credentials(path(ENV_CA), path(ENV_CERT), path(ENV_KEY),
                                   environ.get(ENV_TOKEN), environ.get(ENV_ADMIN_TOKEN))
-    return grpc.aio.secure_channel(address, credentials, options=options)
+    return secure_channel(address, credentials, options, server_name)

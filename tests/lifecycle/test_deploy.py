@@ -41,12 +41,13 @@ async def listed(address: str) -> list[tuple[str, int]]:
     return [(p.name, p.action) for p in reply.probes]
 
 
-async def test_router_addresses_resolve_a_dns_name_to_every_address():
-    addresses = await connect.router_addresses("dns:localhost:50061")
-    assert "127.0.0.1:50061" in addresses
-    assert await connect.router_addresses("10.0.0.1:1,10.0.0.2:2") == ["10.0.0.1:1", "10.0.0.2:2"]
+async def test_router_replicas_resolve_a_dns_name_to_every_address_and_keep_the_name():
+    found = await connect.router_replicas("dns:localhost:50061")
+    assert "127.0.0.1:50061" in found.addresses and found.server_name == "localhost"
+    listed = await connect.router_replicas("10.0.0.1:1,10.0.0.2:2")
+    assert listed == connect.Replicas(["10.0.0.1:1", "10.0.0.2:2"], server_name=None)
     with pytest.raises(ValueError, match="does not resolve"):
-        await connect.router_addresses("dns:no-such-host.invalid:50061")
+        await connect.router_replicas("dns:no-such-host.invalid:50061")
 
 
 async def test_a_probe_reaches_every_replica_and_a_shadow_copy_observes(routers, probe_dir):

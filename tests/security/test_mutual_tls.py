@@ -19,11 +19,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common import devcerts
 
 from common.grpc_server import MAX_MESSAGE_BYTES, channel_options
+from common.security import client as client_env
 from common.security.tls import ChannelFactory, ClientTLS, PemFiles, ServerTLS, TLSConfigError
 from engine_service.app import link_config
 from engine_service.link import RouterLink
-from tests.router.helpers import HIDDEN, SessionClient, block, kinds
+from probe_lifecycle.deploy import DeployError, deploy
+from tests.router.helpers import HIDDEN, SessionClient, block, kinds, linear_probe
 from tests.engine_link.helpers import MODEL
+from tests.security.conftest import ADMIN_TOKEN
 
 HANDSHAKE_FAILED = grpc.StatusCode.UNAVAILABLE
 
@@ -85,6 +88,26 @@ async def test_the_router_certificate_must_name_the_host_the_engine_dialled(secu
     await client.close()
     await assert_refused(router, engine_channel(engine, router, server_name="other.test"))
     await assert_refused(router, engine_channel(engine, router))  # 127.0.0.1 is not in the certificate
+
+
+async def test_probe_deploy_to_a_dns_name_checks_each_replica_against_that_name(
+        secure_router, pki, tmp_path, monkeypatch):
+    # `probe_lifecycle deploy --routers dns:NAME:PORT` dials the addresses NAME
+    # resolves to, as the engine does; each replica's certificate names NAME only
+    # (compose and Kubernetes replicas have no certificate per address).
+    router, _ = await secure_router(dns_names=["localhost"], ip_addresses=())
+    client = pki.files("client")
+    monkeypatch.setenv(client_env.ENV_CA, str(client.ca))
+    monkeypatch.setenv(client_env.ENV_CERT, str(client.cert))
+    monkeypatch.setenv(client_env.ENV_KEY, str(client.key))
+    monkeypatch.setenv(client_env.ENV_ADMIN_TOKEN, ADMIN_TOKEN)
+    probe = linear_probe(tmp_path / "deploy", "deployed", np.ones(HIDDEN))
+    deployed = await deploy(probe, f"dns:localhost:{router.port}")
+    assert [(d.address, d.probe.name) for d in deployed] == [(f"127.0.0.1:{router.port}", "deployed")]
+    assert "deployed" in [p.name for p in router.registry.probes()]
+    # The same replica named by its address is refused: 127.0.0.1 is not in its certificate.
+    with pytest.raises(DeployError, match=r"refused by 1 of 1 replica\(s\): 127\.0\.0\.1:\d+: UNAVAILABLE"):
+        await deploy(probe, f"127.0.0.1:{router.port}", name="by_address")
 
 
 async def test_a_router_certificate_of_another_ca_is_refused_by_the_engine(make_router, pki, rogue, probes_dir):
