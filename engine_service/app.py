@@ -47,7 +47,7 @@ def create_llm(args, allowances=None):
 
 def link_config(args, client_tls):
     from engine_service.link import RouterLinkConfig
-    from engine_service.link.targets import DnsTarget, parse_targets
+    from common.router_targets import DnsTarget, parse_targets
 
     if not args.router:
         return None

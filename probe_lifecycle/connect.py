@@ -8,7 +8,7 @@ import grpc
 
 from common.grpc_server import channel_options
 from common.security.client import channel_from_env
-from engine_service.link.targets import DnsTarget, parse_targets, resolve_dns
+from common.router_targets import DnsTarget, parse_targets, resolve_dns
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,14 @@ Steps, each timed and reported:
   6. `--scale router=2`: the engine's replicas_up gauge follows 3 -> 2, and a
      second Generate still gets scores; vLLM's own series (time to first token,
      end-to-end latency) on the engine's metrics endpoint count both requests;
-  7. `docker compose down -v`, and the daemon stopped if it was started here.
+  7. an abort through the stack: a probe built to fire at a known token (from
+     a first run's activations, streamed to this client) is deployed to every
+     router replica with `probe_lifecycle deploy --routers dns:router:50061`,
+     run in a one-off router container as docs/deployment.md shows; then
+     `--abort-pairs` pairs of fail_closed requests: each pair's first request
+     must end PROBE_ABORT at that token, the other run to its end untouched,
+     and the median abort must land within ABORT_LATENCY_BOUND tokens;
+  8. `docker compose down -v`, and the daemon stopped if it was started here.
 Exits 0 only if every check passed; prints a table of step times.
 """
 
@@ -23,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import configparser
 import contextlib
 import functools
 import http.server
@@ -44,6 +50,7 @@ import grpc
 
 from common.grpc_server import channel_options
 from common.security.client import tls_credentials
+from tests.processes import aborts
 from tools.deploy_probes import PROBE_NAME
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
@@ -59,6 +66,15 @@ REPLICAS_UP = "undercurrent_router_link_replicas_up"
 WHEELS_PORT = 18777
 PROGRESS_EVERY_S = 20
 VLLM_SERIES = ("vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count")
+# Loads a probe directory mounted at /probe into every router replica of the
+# stack, and waits until the engine offers it: the command docs/deployment.md
+# gives. It runs in a one-off router container (`compose run`), which is on the
+# stack's network, has the client certificate and the CA, and reads the tokens
+# from the `certs` volume.
+DEPLOY_IN_STACK = ("UNDERCURRENT_ADMIN_TOKEN=$(cut -d: -f2 /certs/admin-tokens) "
+                   "UNDERCURRENT_TOKEN=$(cut -d: -f2 /certs/client-tokens) "
+                   "python -m probe_lifecycle deploy --probe /probe "
+                   "--routers dns:router:50061 --engine engine:50051")
 
 
 class Failure(Exception):
@@ -375,6 +391,11 @@ class Stack:
         token = dict(line.split(":", 1) for line in tokens.split())["demo"]
         return tls_credentials(ca, None, None, token, None)
 
+    def deploy_probe(self, probe_dir: Path) -> str:
+        """DEPLOY_IN_STACK with probe_dir mounted at /probe; returns its output."""
+        return self.compose("run", "--rm", "--no-deps", "-T", "-v", f"{probe_dir}:/probe:ro",
+                            "--entrypoint", "sh", "router", "-c", DEPLOY_IN_STACK).stdout
+
     def metric(self, name: str) -> float | None:
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=5) as reply:
@@ -458,12 +479,50 @@ def check_generate(seen: dict, max_tokens: int) -> str:
             f"{PROBE_NAME} scores [{shown}, ...]")
 
 
+async def aborts_through_stack(stack: Stack, credentials: grpc.ChannelCredentials, pairs: int) -> list[int]:
+    """Deploys a probe that fires at a known token of aborts.PROMPTS[0] and runs
+    `pairs` probed pairs; returns the tokens each abort landed after the trigger."""
+    address = f"127.0.0.1:{stack.engine_port}"
+    async with grpc.aio.secure_channel(address, credentials, options=channel_options()) as channel:
+        engine = pb_grpc.EngineServiceStub(channel)
+        try:
+            armed = await aborts.armed_with_probe_to_load("compose", engine)
+            probe_dir = armed.probe.write(WORK / "abort-probe")
+            probe_dir.chmod(0o755)  # the router image's user reads it
+            for line in stack.deploy_probe(probe_dir).splitlines():
+                log("   " + line)
+            latencies = []
+            for number in range(pairs):
+                aborted, other = await armed.probed_pair(f"pair{number}")
+                latencies.append(armed.check_abort(aborted))
+                if other.reason != "LENGTH" or other.tokens != armed.baseline[1].tokens:
+                    raise Failure(f"the unprobed-by-trigger request of pair {number} ended "
+                                  f"{other.reason} with {len(other.tokens)} tokens, expected LENGTH "
+                                  f"with the baseline's {aborts.MAX_TOKENS}")
+        except (AssertionError, grpc.aio.AioRpcError) as err:
+            raise Failure(f"abort through the stack: {err}") from None
+    return latencies
+
+
+def check_abort_latencies(latencies: list[int]) -> str:
+    """The median abort within aborts.ABORT_LATENCY_BOUND tokens after its trigger."""
+    ordered = sorted(latencies)
+    median = ordered[len(ordered) // 2]
+    summary = (f"{len(latencies)} aborts, tokens after the trigger: median {median}, "
+               f"max {ordered[-1]} ({latencies})")
+    if median > aborts.ABORT_LATENCY_BOUND:
+        raise Failure(f"{summary}: the median is over the bound of {aborts.ABORT_LATENCY_BOUND}")
+    return summary
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base-image", help=f"base for both images (default: {PUBLIC_BASE}, "
                         "else a local stand-in)")
     parser.add_argument("--keep-up", action="store_true", help="leave the stack running")
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--abort-pairs", type=int, default=5,
+                        help="probed request pairs in the abort step (default 5)")
     args = parser.parse_args(argv)
     WORK.mkdir(parents=True, exist_ok=True)
     steps = Steps()
@@ -518,6 +577,9 @@ def main(argv: list[str] | None = None) -> int:
                 if value != 2:
                     raise Failure(f"{name} is {value}, expected 2 (the two Generate requests)")
                 log(f"   {name} = {value:.0f}")
+        with steps.step("an abort through the stack"):
+            latencies = asyncio.run(aborts_through_stack(stack, credentials, args.abort_pairs))
+            log("   " + check_abort_latencies(latencies))
         ok = True
     except (Failure, subprocess.TimeoutExpired) as err:
         log(f"FAILED: {err}")

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from common.grpc_server import MAX_MESSAGE_BYTES
 from common.security.tls import ChannelFactory
 from engine_service.link.send_queue import DEFAULT_SEND_QUEUE_BYTES, OverflowPolicy
-from engine_service.link.targets import parse_targets
+from common.router_targets import parse_targets
 
 
 @dataclass

@@ -48,7 +48,7 @@ from engine_service.link.events import (
 from engine_service.link.metrics import metrics_for
 from engine_service.link.send_queue import QueuedBatch
 from engine_service.link.session import ReplicaSession
-from engine_service.link.targets import Resolver, StaticTargets, parse_targets, resolve_dns
+from common.router_targets import Resolver, StaticTargets, parse_targets, resolve_dns
 from engine_service.request_ledger import Failure, RequestLedger
 
 log = logging.getLogger(__name__)

@@ -1,10 +1,12 @@
-"""The compose test's verdict on a Generate: what must come back through the stack."""
+"""The compose test's verdicts on what comes back through the stack, and the
+deploy command it shares with the docs."""
 
 import re
 
 import pytest
 
-from tools.compose_test import Failure, check_generate
+from tests.processes.aborts import ABORT_LATENCY_BOUND
+from tools.compose_test import DEPLOY_IN_STACK, REPO, Failure, check_abort_latencies, check_generate
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 
@@ -32,3 +34,13 @@ def test_every_fed_generated_token_scored_once_passes():
 def test_a_missing_or_wrong_part_fails_naming_it(result, message):
     with pytest.raises(Failure, match=re.escape(message)):
         check_generate(result, 8)
+
+
+def test_aborts_within_the_bound_at_the_median_pass_and_late_ones_fail_naming_the_bound():
+    assert check_abort_latencies([0, 1, 0, 30, 0]).startswith("5 aborts, tokens after the trigger: median 0, max 30")
+    with pytest.raises(Failure, match=re.escape(f"the median is over the bound of {ABORT_LATENCY_BOUND}")):
+        check_abort_latencies([0, 40, 41, 50, 1])
+
+
+def test_the_deployment_docs_give_the_deploy_command_the_compose_test_runs():
+    assert DEPLOY_IN_STACK in (REPO / "docs" / "deployment.md").read_text()

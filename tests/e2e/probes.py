@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from common.activations import from_batch
-from router_service.probe_files import encode_safetensors
+from router_service.probe_files import encode_safetensors, write_probe
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 LAYER = 3
@@ -50,15 +51,20 @@ class LinearProbe:
             "threshold": self.threshold, "action": action, "tokens": {"scope": scope},
         }
 
+    def tensors(self) -> dict[str, np.ndarray]:
+        return {"weight": self.weight, "bias": np.array([self.bias], np.float32)}
+
     def load_request(self, action: str = "abort", scope: str = "generated") -> pb.LoadProbeRequest:
-        weights = encode_safetensors(
-            {"weight": self.weight, "bias": np.array([self.bias], np.float32)}, "float32"
-        )
         return pb.LoadProbeRequest(
             inline=pb.InlineProbe(manifest_json=json.dumps(self.manifest(action, scope)),
-                                  weights_safetensors=weights),
+                                  weights_safetensors=encode_safetensors(self.tensors(), "float32")),
             replace=True,
         )
+
+    def write(self, directory: Path, action: str = "abort") -> Path:
+        """The probe as a directory `probe_lifecycle deploy` ships (manifest.json,
+        weights.safetensors)."""
+        return write_probe(directory, self.manifest(action), self.tensors())
 
     def score(self, row: np.ndarray) -> float:
         return float(row @ self.weight + self.bias)

@@ -11,10 +11,11 @@ import pytest
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 from common.activations import Block, from_batch, to_batch
-from engine_service.link import assignment, batching, targets
+from common import router_targets as targets
+from engine_service.link import assignment, batching
 from engine_service.link.send_queue import OverflowPolicy, QueuedBatch, SendQueue
 from engine_service.link.session import StepLedger
-from engine_service.link.targets import DnsTarget, StaticTargets
+from common.router_targets import DnsTarget, StaticTargets
 
 from .helpers import step
 

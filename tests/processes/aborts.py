@@ -105,6 +105,16 @@ class Armed:
 async def arm(name: str, engine: pb_grpc.EngineServiceStub, router_address: str) -> Armed:
     """Runs PROMPTS once with the trace point, builds a probe that fires at a
     token of the first, and loads it into the router."""
+    armed = await armed_with_probe_to_load(name, engine)
+    async with stack.channel(router_address) as admin_channel:
+        await pb_grpc.ProbeAdminServiceStub(admin_channel).LoadProbe(armed.probe.load_request())
+    await stack.wait_for_probe(engine, armed.probe.name)
+    return armed
+
+
+async def armed_with_probe_to_load(name: str, engine: pb_grpc.EngineServiceStub) -> Armed:
+    """Runs PROMPTS once with the trace point and builds a probe that fires at a
+    token of the first; the caller loads it into the routers."""
     baseline = await asyncio.gather(*[
         stack.generate(engine, request(p, f"{name}-base-{i}", extraction_points=[probes.trace_point()]))
         for i, p in enumerate(PROMPTS)])
@@ -113,7 +123,4 @@ async def arm(name: str, engine: pb_grpc.EngineServiceStub, router_address: str)
         first = outcome.finished.prompt_tokens
         assert sorted(captured) == list(range(first, first + MAX_TOKENS - 1))
     probe = probes.probe_firing_at(f"fires_{name}", rows[0], rows[1:], min_index=TRIGGER_MIN_INDEX)
-    async with stack.channel(router_address) as admin_channel:
-        await pb_grpc.ProbeAdminServiceStub(admin_channel).LoadProbe(probe.load_request())
-    await stack.wait_for_probe(engine, probe.name)
     return Armed(name, engine, list(baseline), probe)

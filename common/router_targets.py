@@ -1,5 +1,7 @@
 """Where the routers are: "host:port[,host:port...]" or "dns:NAME:PORT", and
-the resolver that turns a DNS name into replica addresses."""
+the resolver that turns a DNS name into replica addresses. The engine's link and
+`probe_lifecycle deploy` (which runs in the router image) find replicas by this
+one rule."""
 
 from __future__ import annotations
 
