@@ -21,7 +21,10 @@ dump` of every engine process. `--router-nice -10` runs the router at a higher
 CPU priority than the engine, an attempt to stand in on two shared cores for a
 router with CPU of its own (BENCHMARKS.md: it made the tail worse).
 `--max-tokens-ahead 0,1` measures an engine without the bound and one with it,
-in turn, per topology.
+in turn, per topology. Topology `compose` measures the stack `python -m
+tools.compose_test --keep-up` left running instead (TLS, the probe deployed as
+docs/deployment.md does), with the router containers' CPU weight set to each
+of `--router-cpu-shares` in turn, `--compose-rounds` times.
 Writes bench/results/abort_latency.json (with the command and the machine).
 """
 
@@ -32,13 +35,17 @@ import asyncio
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+import grpc
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench import results_file  # noqa: E402
+from common.grpc_server import channel_options  # noqa: E402
 from tests.e2e import probes, stack  # noqa: E402
 from tools import processes  # noqa: E402
 from undercurrent.v1 import undercurrent_pb2 as pb  # noqa: E402
@@ -58,12 +65,12 @@ def request(prompt: str, rid: str, max_tokens: int, **fields) -> pb.GenerateRequ
         sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), **fields)
 
 
-def runqueue_wait_ms(pid: int) -> float | None:
-    """Milliseconds the threads of process `pid` have waited, runnable, for a CPU
+def runqueue_wait_ms(pids: list[int]) -> float | None:
+    """Milliseconds the threads of processes `pids` have waited, runnable, for a CPU
     (Linux schedstat); None where that is not available."""
     try:
-        tasks = Path(f"/proc/{pid}/task")
-        return sum(int((t / "schedstat").read_text().split()[1]) for t in tasks.iterdir()) / 1e6
+        return sum(int((t / "schedstat").read_text().split()[1])
+                   for pid in pids for t in Path(f"/proc/{pid}/task").iterdir()) / 1e6
     except (OSError, IndexError, ValueError):
         return None
 
@@ -95,12 +102,12 @@ def engine_processes(engine_pid: int) -> dict[str, int]:
     return roles
 
 
-async def timed_generate(stub, message, trigger: int, router_pid: int,
+async def timed_generate(stub, message, trigger: int, router_pids: list[int],
                          engine: dict[str, int] | None = None) -> dict:
     """One request; the client-side time the triggering token and `finished` arrived,
-    how long the router's threads waited for a CPU meanwhile, and the longest any
+    how long the routers' threads waited for a CPU meanwhile, and the longest any
     one thread of each engine process waited for a CPU."""
-    waited_before = runqueue_wait_ms(router_pid)
+    waited_before = runqueue_wait_ms(router_pids)
     engine_before = {role: thread_waits_ms(pid) for role, pid in (engine or {}).items()}
     tokens, trigger_at, finished = 0, None, None
     started_wall, started = time.time(), time.monotonic()
@@ -117,7 +124,7 @@ async def timed_generate(stub, message, trigger: int, router_pid: int,
             finished = response.finished
             finished_at = now
     assert finished is not None
-    waited_after = runqueue_wait_ms(router_pid)
+    waited_after = runqueue_wait_ms(router_pids)
     engine_waits = {}
     for role, pid in (engine or {}).items():
         after, before = thread_waits_ms(pid), engine_before[role]
@@ -193,6 +200,7 @@ def percentile(values: list[float], q: float) -> float:
 async def measure(name: str, model: str, count: int, max_tokens: int, idle: float, idle_count: int,
                   probes_dir: Path, stall_dump: float | None = None, router_nice: int = 0,
                   tokens_ahead: int = 0) -> dict:
+    """A topology of this host's processes: a router and an engine started here."""
     flags, bind = TOPOLOGIES[name]
     flags = [*flags, "--max-tokens-ahead", str(tokens_ahead)]
     router = processes.router(processes.free_port(), probes_dir, "--heartbeat-interval", "1",
@@ -201,46 +209,87 @@ async def measure(name: str, model: str, count: int, max_tokens: int, idle: floa
     try:
         await router.wait_health(want_serving=None, timeout=60)
         await engine.wait_health(want_serving=True, timeout=900)  # a loaded 2-core host is slow
-        async with stack.channel(engine.address) as channel:
-            stub = pb_grpc.EngineServiceStub(channel)
-            baseline = await asyncio.gather(*[
-                stack.generate(stub, request(p, f"base-{i}", max_tokens,
-                                             extraction_points=[probes.trace_point()]))
-                for i, p in enumerate(PROMPTS)])
-            rows = [probes.rows_by_position(o.batches) for o in baseline]
-            probe = probes.probe_firing_at(f"bench_{name}", rows[0], rows[1:], min_index=4)
+
+        async def load(probe: probes.FiringProbe) -> None:
             async with stack.channel(router.address) as admin:
                 await pb_grpc.ProbeAdminServiceStub(admin).LoadProbe(probe.load_request())
-            await stack.wait_for_probe(stub, probe.name)
-            trigger = probe.position - baseline[0].finished.prompt_tokens
-            binding = pb.ProbeBinding(probe=probe.name, failure_policy=pb.FAILURE_POLICY_FAIL_CLOSED)
-            phases = {}
-            roles = engine_processes(engine.process.pid)
-            for phase, runs, gap in (("back_to_back", count, 0.0), ("after_idle", idle_count, idle)):
-                samples = []
-                for i in range(runs):
-                    await asyncio.sleep(gap)
-                    rid = f"{name}-{phase}-{i}"
-                    watchdog = (asyncio.create_task(dump_if_stalled(
-                        engine.process.pid, rid, stall_dump, processes.LOGS)) if stall_dump else None)
-                    try:
-                        samples.append(await timed_generate(
-                            stub, request(PROMPTS[0], rid, max_tokens, probes=[binding]),
-                            trigger, router.process.pid, roles))
-                    finally:
-                        if watchdog:
-                            watchdog.cancel()
-                    print(rid, {k: samples[-1][k] for k in ("started", "duration_ms", "longest_gap_ms",
-                                                            "after_trigger", "load_average_1min",
-                                                            "engine_thread_runqueue_ms")},
-                          flush=True)
-                if samples:
-                    phases[phase] = summarize(samples, gap)
+
+        async with stack.channel(engine.address) as channel:
+            sampled = await sample(name, pb_grpc.EngineServiceStub(channel), load, count, max_tokens,
+                                   idle, idle_count, [router.process.pid], engine.process.pid,
+                                   stall_dump)
     finally:
         engine.kill()
         router.kill()
-    return {"topology": name, "max_tokens": max_tokens, "trigger_index": trigger,
-            "router_nice": router_nice, "max_tokens_ahead": tokens_ahead, **phases}
+    return {"topology": name, "router_nice": router_nice, "max_tokens_ahead": tokens_ahead, **sampled}
+
+
+async def measure_compose(count: int, max_tokens: int, idle: float, idle_count: int,
+                          router_cpu_shares: int) -> dict:
+    """The stack `python -m tools.compose_test --keep-up` left running: its engine
+    (TP=1) and router containers, each router container's CPU weight set to
+    `router_cpu_shares` first (`docker update`), the probe deployed as
+    docs/deployment.md does."""
+    from tools import compose_test
+
+    running = compose_test.Stack.running()
+    routers = running.containers("router")
+    for container in routers:
+        compose_test.run(["docker", "update", "--cpu-shares", str(router_cpu_shares), container], quiet=True)
+
+    async def load(probe: probes.FiringProbe) -> None:
+        with tempfile.TemporaryDirectory() as directory:
+            running.deploy_probe(probe.write(Path(directory) / "probe"))
+
+    router_pids = [running.host_pid(c) for c in routers]
+    engine_pid = running.host_pid(running.containers("engine")[0])
+    async with grpc.aio.secure_channel(f"127.0.0.1:{running.engine_port}", running.client_credentials(),
+                                       options=channel_options()) as channel:
+        sampled = await sample("compose", pb_grpc.EngineServiceStub(channel), load, count, max_tokens,
+                               idle, idle_count, router_pids, engine_pid)
+    return {"topology": "compose", "router_replicas": len(routers),
+            "router_cpu_shares": router_cpu_shares, **sampled}
+
+
+async def sample(name: str, stub: pb_grpc.EngineServiceStub, load, count: int, max_tokens: int,
+                 idle: float, idle_count: int, router_pids: list[int], engine_pid: int,
+                 stall_dump: float | None = None) -> dict:
+    """Builds a probe that fires at a known token of PROMPTS[0], loads it with `load`,
+    then times `count` fail_closed requests back to back and `idle_count` after
+    `idle` seconds each."""
+    baseline = await asyncio.gather(*[
+        stack.generate(stub, request(p, f"{name}-base-{i}-{time.time_ns()}", max_tokens,
+                                     extraction_points=[probes.trace_point()]))
+        for i, p in enumerate(PROMPTS)])
+    rows = [probes.rows_by_position(o.batches) for o in baseline]
+    probe = probes.probe_firing_at(f"bench_{name}", rows[0], rows[1:], min_index=4)
+    await load(probe)
+    await stack.wait_for_probe(stub, probe.name)
+    trigger = probe.position - baseline[0].finished.prompt_tokens
+    binding = pb.ProbeBinding(probe=probe.name, failure_policy=pb.FAILURE_POLICY_FAIL_CLOSED)
+    phases = {}
+    roles = engine_processes(engine_pid)
+    for phase, runs, gap in (("back_to_back", count, 0.0), ("after_idle", idle_count, idle)):
+        samples = []
+        for i in range(runs):
+            await asyncio.sleep(gap)
+            rid = f"{name}-{phase}-{i}-{time.time_ns()}"
+            watchdog = (asyncio.create_task(dump_if_stalled(engine_pid, rid, stall_dump, processes.LOGS))
+                        if stall_dump else None)
+            try:
+                samples.append(await timed_generate(
+                    stub, request(PROMPTS[0], rid, max_tokens, probes=[binding]),
+                    trigger, router_pids, roles))
+            finally:
+                if watchdog:
+                    watchdog.cancel()
+            print(rid, {k: samples[-1][k] for k in ("started", "duration_ms", "longest_gap_ms",
+                                                    "after_trigger", "load_average_1min",
+                                                    "engine_thread_runqueue_ms")},
+                  flush=True)
+        if samples:
+            phases[phase] = summarize(samples, gap)
+    return {"max_tokens": max_tokens, "trigger_index": trigger, **phases}
 
 
 def summarize(samples: list[dict], idle: float) -> dict:
@@ -264,10 +313,15 @@ def summarize(samples: list[dict], idle: float) -> dict:
 
 
 async def main_async(args) -> dict:
-    import tempfile
-
     results = []
     for name in args.topologies.split(","):
+        if name == "compose":
+            for _ in range(args.compose_rounds):
+                for shares in (int(n) for n in args.router_cpu_shares.split(",")):
+                    results.append(await measure_compose(args.requests, args.max_tokens, args.idle,
+                                                         args.idle_requests, shares))
+                    write(args.out, results)
+            continue
         for tokens_ahead in (int(n) for n in args.max_tokens_ahead.split(",")):
             with tempfile.TemporaryDirectory() as probes_dir:
                 result = await measure(name, args.model, args.requests, args.max_tokens, args.idle,
@@ -299,6 +353,11 @@ def main() -> int:
                         help="the router's niceness (negative: before the engine for a CPU; needs root)")
     parser.add_argument("--max-tokens-ahead", default="0",
                         help="the engine's --max-tokens-ahead; a comma list measures each in turn")
+    parser.add_argument("--router-cpu-shares", default="16384",
+                        help="topology compose: the router containers' CPU weight; a comma list "
+                             "measures each in turn (compose.yaml sets 16384, Docker's default is 1024)")
+    parser.add_argument("--compose-rounds", type=int, default=1,
+                        help="topology compose: how many times to go through --router-cpu-shares")
     args = parser.parse_args()
     asyncio.run(main_async(args))
     return 0

@@ -374,6 +374,22 @@ class Stack:
         self.base = [*compose_binary().split(), "--project-name", PROJECT,
                      "--project-directory", str(REPO), "-f", str(REPO / "compose.yaml")]
 
+    @classmethod
+    def running(cls) -> Stack:
+        """The stack `--keep-up` left running, with the host ports it published."""
+        unknown = cls(0, 0)
+        ports = [unknown.compose("port", "engine", str(port)).stdout.strip().rsplit(":", 1)[1]
+                 for port in (50051, 9400)]
+        return cls(*map(int, ports))
+
+    def containers(self, service: str) -> list[str]:
+        return self.compose("ps", "--quiet", service).stdout.split()
+
+    @staticmethod
+    def host_pid(container: str) -> int:
+        """The host's process id of the container's main process."""
+        return int(run(["docker", "inspect", "--format", "{{.State.Pid}}", container], quiet=True).stdout)
+
     def compose(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
         return run([*self.base, *args], env=self.env, timeout=timeout, check=check)
 
