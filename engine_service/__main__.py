@@ -18,6 +18,7 @@ from common.cli import fail, setup_logging
 from common.grpc_server import MAX_MESSAGE_BYTES
 from engine_service.capture.push import DEFAULT_BACKLOG_BYTES
 from engine_service.link.send_queue import DEFAULT_SEND_QUEUE_BYTES
+from engine_service.runtime import EngineSettings
 from engine_service.requests import (
     DEFAULT_CLIENT_QUEUE_BYTES,
     DEFAULT_MAX_EXTRACTION_POINTS,
@@ -88,7 +89,8 @@ def build_parser():
         default="fail_closed",
         help="default for bindings that set none",
     )
-    ours.add_argument("--router-timeout", type=float, default=3.0, help="seconds")
+    ours.add_argument("--router-timeout", type=float, default=EngineSettings.router_timeout_s,
+                      help="seconds")
     ours.add_argument(
         "--overflow-policy",
         choices=["drop_oldest", "drop_newest"],

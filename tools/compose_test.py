@@ -22,7 +22,13 @@ Steps, each timed and reported:
      `--abort-pairs` pairs of fail_closed requests: each pair's first request
      must end PROBE_ABORT at that token, the other run to its end untouched,
      and the median abort must land within ABORT_LATENCY_BOUND tokens;
-  8. `docker compose down -v`, and the daemon stopped if it was started here.
+  8. routers that stop answering: a gated fail_closed request is running when
+     every router container is frozen (`docker compose pause router`, vLLM
+     held meanwhile so the request cannot finish first); it must end
+     ROUTER_UNAVAILABLE within the engine's router timeout plus slack, with no
+     token released that a router did not score; after `unpause` a request is
+     scored again;
+  9. `docker compose down -v`, and the daemon stopped if it was started here.
 Exits 0 only if every check passed; prints a table of step times.
 """
 
@@ -50,8 +56,12 @@ import grpc
 
 from common.grpc_server import channel_options
 from common.security.client import tls_credentials
+from engine_service.runtime import EngineSettings
+from tests.e2e import stack as e2e_stack
+from tests.faults import harness
 from tests.processes import aborts
 from tools.deploy_probes import PROBE_NAME
+from tools.processes import engine_core_under
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 
@@ -66,6 +76,10 @@ REPLICAS_UP = "undercurrent_router_link_replicas_up"
 WHEELS_PORT = 18777
 PROGRESS_EVERY_S = 20
 VLLM_SERIES = ("vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count")
+# compose.yaml's engine runs with the default --router-timeout; a request whose
+# routers fell silent ends this soon after, plus the slack the fault tests allow
+# (the watchdog's tick, one scheduler step, the finished message on a loaded host).
+ROUTER_TIMEOUT_S = EngineSettings.router_timeout_s
 # Loads a probe directory mounted at /probe into every router replica of the
 # stack, and waits until the engine offers it: the command docs/deployment.md
 # gives. It runs in a one-off router container (`compose run`), which is on the
@@ -520,6 +534,71 @@ async def aborts_through_stack(stack: Stack, credentials: grpc.ChannelCredential
     return latencies
 
 
+async def frozen_routers_fail_closed(stack: Stack, credentials: grpc.ChannelCredentials) -> str:
+    """A gated fail_closed request while every router container is frozen: it must
+    end ROUTER_UNAVAILABLE in time, releasing only scored tokens; then, the
+    routers thawed, a request is scored again."""
+    core = engine_core_under(stack.host_pid(stack.containers("engine")[0]), "the engine container")
+    request = pb.GenerateRequest(
+        text="Routers that stop answering", gate_tokens=True,
+        sampling=pb.SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+    request.probes.add(probe=PROBE_NAME, failure_policy=pb.FAILURE_POLICY_FAIL_CLOSED)
+    address = f"127.0.0.1:{stack.engine_port}"
+    async with grpc.aio.secure_channel(address, credentials, options=channel_options()) as channel:
+        engine = pb_grpc.EngineServiceStub(channel)
+        progress = e2e_stack.Outcome()
+        task = asyncio.create_task(e2e_stack.generate(engine, request, outcome=progress))
+        deadline = time.monotonic() + 60
+        while len(progress.tokens) < 10 and not task.done() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        # vLLM holds still while the routers freeze: the tiny model would otherwise
+        # decode all 400 tokens before a loaded host's `docker compose pause` lands.
+        with e2e_stack.suspended(core):
+            if task.done() or len(progress.tokens) < 10:
+                raise Failure(f"the request ended or stalled before the fault: {progress.finished}")
+            await asyncio.to_thread(stack.compose, "pause", "router")
+            frozen_at = time.monotonic()
+        try:
+            outcome = await task
+            ended_after = time.monotonic() - frozen_at
+        except grpc.aio.AioRpcError as err:
+            raise Failure(f"with the routers frozen the request failed: {err.code().name}: "
+                          f"{err.details()}") from None
+        finally:
+            await asyncio.to_thread(stack.compose, "unpause", "router")
+    finished = outcome.finished
+    if outcome.reason != "ROUTER_UNAVAILABLE" or "fail_closed" not in finished.verdict.reason:
+        raise Failure(f"with the routers frozen the request ended {outcome.reason}: {finished}")
+    if ended_after > ROUTER_TIMEOUT_S + harness.END_SLACK_S:
+        raise Failure(f"the request ended {ended_after:.1f} s after the routers froze, over "
+                      f"{ROUTER_TIMEOUT_S} s + {harness.END_SLACK_S} s")
+    try:
+        harness.assert_released_tokens_were_scored(outcome)
+    except AssertionError as err:
+        raise Failure(str(err)) from None
+    if finished.generated_tokens <= len(outcome.tokens):
+        raise Failure(f"gating withheld nothing: {len(outcome.tokens)} of {finished.generated_tokens} "
+                      "tokens released")
+    return (f"ROUTER_UNAVAILABLE {ended_after:.1f} s after the freeze; {len(outcome.tokens)} tokens "
+            f"released, each scored; {finished.generated_tokens - len(outcome.tokens)} generated and "
+            f"withheld; verdict: {finished.verdict.reason}")
+
+
+async def scored_again(stack: Stack, credentials: grpc.ChannelCredentials, max_tokens: int,
+                       timeout: float = 60) -> str:
+    """A probed request through thawed routers, retried while the engine's link
+    reconnects (a request it cannot score yet ends ROUTER_UNAVAILABLE)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        seen = await generate_with_probe(stack.engine_port, credentials, "Thawed", max_tokens)
+        try:
+            return check_generate(seen, max_tokens)
+        except Failure:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(1)
+
+
 def check_abort_latencies(latencies: list[int]) -> str:
     """The median abort within aborts.ABORT_LATENCY_BOUND tokens after its trigger."""
     ordered = sorted(latencies)
@@ -596,6 +675,9 @@ def main(argv: list[str] | None = None) -> int:
         with steps.step("an abort through the stack"):
             latencies = asyncio.run(aborts_through_stack(stack, credentials, args.abort_pairs))
             log("   " + check_abort_latencies(latencies))
+        with steps.step("routers frozen: a gated fail_closed request"):
+            log("   " + asyncio.run(frozen_routers_fail_closed(stack, credentials)))
+            log("   thawed: " + asyncio.run(scored_again(stack, credentials, args.max_tokens)))
         ok = True
     except (Failure, subprocess.TimeoutExpired) as err:
         log(f"FAILED: {err}")

@@ -130,10 +130,16 @@ class Service:
 def vllm_engine_core(service: Service) -> psutil.Process:
     """vLLM's engine-core child of an engine process (titled VLLM::EngineCore...);
     its own children are the workers of a multi-worker engine."""
-    children = psutil.Process(service.process.pid).children(recursive=True)
+    return engine_core_under(service.process.pid, service.name)
+
+
+def engine_core_under(pid: int, name: str) -> psutil.Process:
+    """vLLM's engine core among the descendants of process `pid` (an engine
+    service, or a container's main process seen from the host)."""
+    children = psutil.Process(pid).children(recursive=True)
     cores = [p for p in children if "EngineCore" in " ".join(p.cmdline())]
     if len(cores) != 1:
-        raise RuntimeError(f"expected one vLLM engine core under {service.name}, found: "
+        raise RuntimeError(f"expected one vLLM engine core under {name}, found: "
                            f"{[p.cmdline() for p in children]}")
     return cores[0]
 

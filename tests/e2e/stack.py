@@ -83,7 +83,13 @@ def vllm_paused(engine_service: Service):
     model can decode a thousand tokens before a loaded client sees the first, so
     a test that needs a running request must not race it. The engine service
     itself keeps answering (nothing on its event loop waits for vLLM)."""
-    core = processes.vllm_engine_core(engine_service)
+    with suspended(processes.vllm_engine_core(engine_service)) as held:
+        yield held
+
+
+@contextmanager
+def suspended(core: psutil.Process):
+    """vLLM's engine core `core` and its workers stopped (SIGSTOP) while the block runs."""
     stopped = [core, *core.children(recursive=True)]
     for process in stopped:
         process.suspend()
