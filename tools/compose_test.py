@@ -526,9 +526,9 @@ async def aborts_through_stack(stack: Stack, credentials: grpc.ChannelCredential
                 aborted, other = await armed.probed_pair(f"pair{number}")
                 latencies.append(armed.check_abort(aborted))
                 if other.reason != "LENGTH" or other.tokens != armed.baseline[1].tokens:
-                    raise Failure(f"the unprobed-by-trigger request of pair {number} ended "
-                                  f"{other.reason} with {len(other.tokens)} tokens, expected LENGTH "
-                                  f"with the baseline's {aborts.MAX_TOKENS}")
+                    raise Failure(f"the other request of pair {number} (its probe never fires) "
+                                  f"ended {other.reason} with {len(other.tokens)} tokens, expected "
+                                  f"LENGTH with the baseline's {aborts.MAX_TOKENS}")
         except (AssertionError, grpc.aio.AioRpcError) as err:
             raise Failure(f"abort through the stack: {err}") from None
     return latencies
