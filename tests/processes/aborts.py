@@ -86,13 +86,15 @@ class Armed:
         """Probed pairs until an abort lands within ABORT_LATENCY_BOUND, at most
         ATTEMPTS: the tokens after the trigger of each. The other request runs
         to its end untouched in every pair."""
-        async def attempt(number: int) -> int:
-            aborted, other = await self.probed_pair(f"{tag}-{number}")
-            after_trigger = self.check_abort(aborted)
-            assert other.reason == "LENGTH" and other.tokens == self.baseline[1].tokens, other.finished
-            return after_trigger
+        return await until_within(ABORT_LATENCY_BOUND, lambda number: self.checked_pair(f"{tag}-{number}"))
 
-        return await until_within(ABORT_LATENCY_BOUND, attempt)
+    async def checked_pair(self, tag: str) -> int:
+        """One probed pair, each request checked in full (the other runs to its end
+        untouched); returns the tokens the abort landed after the trigger."""
+        aborted, other = await self.probed_pair(tag)
+        after_trigger = self.check_abort(aborted)
+        assert other.reason == "LENGTH" and other.tokens == self.baseline[1].tokens, other.finished
+        return after_trigger
 
     async def probed_pair(self, tag: str) -> tuple[stack.Outcome, stack.Outcome]:
         """PROMPTS run concurrently with the probe bound: (the aborted one, the other)."""
