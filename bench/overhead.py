@@ -17,8 +17,8 @@ and each ratio is taken between medians.
 
 Modes:
   vllm_default    vanilla AsyncLLM, default compilation
-  vllm_eager      vanilla AsyncLLM, enforce_eager (what capture needs where graphs
-                  replay without Python: GPU)
+  vllm_eager      vanilla AsyncLLM, enforce_eager (what capture needed on GPU before
+                  its sites became graph split points)
   uc_off          Undercurrent, no probe, no extraction point
   uc_one_layer    one observe probe on one layer's residual stream (generated tokens)
   uc_all_router   every tensor type at every layer, every token, to the router

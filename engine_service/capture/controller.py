@@ -30,6 +30,8 @@ from typing import Any
 from common.activations import Block, decode_parts
 from common.capture_spec import ExtractionPoint, needs_prompt_positions
 from common.errors import FailedPrecondition
+from engine_service.capture import CaptureUnavailable
+from engine_service.capture.graphs import keep_sites_in_graphs
 from engine_service.capture.merge import (
     DeliveredPositions,
     ForwardOrderGate,
@@ -59,10 +61,6 @@ BARRIER_TIMEOUT_S = 5.0
 
 # The key capture adds to vLLM's `additional_config` (part of its compile cache key).
 SITES_CONFIG_KEY = "undercurrent_capture_sites"
-
-
-class CaptureUnavailable(FailedPrecondition):
-    """The engine's configuration cannot be captured faithfully."""
 
 
 def check_vllm_version(version: str | None = None, allow_untested: bool = False) -> str:
@@ -122,33 +120,16 @@ def capture_engine_kwargs(allow_untested_vllm: bool = False, **user_kwargs: Any)
     # class adds: without this key an engine with capture sites could load a graph
     # compiled without them (and the other way round).
     kwargs["additional_config"] = {**additional, SITES_CONFIG_KEY: True}
-    if not kwargs.get("enforce_eager") and graphs_replay_without_python():
-        log.info(
-            "capture: setting enforce_eager=True: this platform replays captured graphs "
-            "without running Python, and capture sites run Python at every step"
-        )
-        kwargs["enforce_eager"] = True
-    return kwargs
-
-
-def graphs_replay_without_python(platform=None) -> bool:
-    """Whether vLLM's default mode on this platform replays captured graphs (CUDA
-    graphs on GPU) that would skip the capture sites' Python.
-
-    On CPU vLLM compiles the model with Dynamo and Inductor and captures no
-    graphs: the compiled model keeps the sites (`sites.py`) and runs them every
-    step, so capture runs at vLLM's default speed."""
-    if platform is None:
-        from vllm.platforms import current_platform as platform
-    return not platform.is_cpu()
+    return keep_sites_in_graphs(kwargs)
 
 
 def enable_capture(cli_args) -> None:
     """Switches capture on in parsed engine flags, in place.
 
     The engine service and every worker node build vLLM's engine arguments from
-    their flags; each node's workers need the capture extension (and eager mode
-    where graphs replay without Python), so all of them pass through here.
+    their flags; each node's workers need the capture extension (and, where
+    graphs replay without Python, the capture op among the graphs' split
+    points), so all of them pass through here.
     """
     from vllm.engine.arg_utils import AsyncEngineArgs
 

