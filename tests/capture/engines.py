@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,6 +51,46 @@ async def capture_engine(model: str, tp: int = 1, pp: int = 1, stat_loggers=None
     finally:
         engine.shutdown()
         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+
+
+# What vLLM's piecewise backend needs on a CPU, where it never runs otherwise: no
+# CUDA graphs, pieces run by the eager backend (vLLM's Inductor passes name
+# CUDA-only kernels), no compile sizes, no fusion passes (CUDA-only).
+_CPU_PIECEWISE = {
+    "cudagraph_mode": "NONE",
+    "backend": "eager",
+    "compile_sizes": [],
+    "pass_config": {
+        name: False
+        for name in ("fuse_norm_quant", "fuse_act_quant", "fuse_attn_quant", "fuse_allreduce_rms",
+                     "enable_qk_norm_rope_fusion", "fuse_rope_kvcache", "fuse_qk_norm_rope_kvcache",
+                     "fuse_rope_kvcache_cat_mla")
+    },
+}
+
+
+@contextmanager
+def vllm_piecewise_on_cpu():
+    """The compilation config (a dict) of vLLM's piecewise mode, as a GPU runs it
+    without its CUDA graphs, for engines configured in this process meanwhile:
+    vLLM's CPU platform would turn piecewise compilation into one Dynamo trace."""
+    from vllm.config import CompilationMode
+    from vllm.platforms.cpu import CpuPlatform
+
+    configure = CpuPlatform.__dict__["check_and_update_config"]
+
+    def keep_piecewise(cls, vllm_config) -> None:
+        compilation = vllm_config.compilation_config
+        mode, backend = compilation.mode, compilation.backend
+        configure.__func__(cls, vllm_config)
+        if mode == CompilationMode.VLLM_COMPILE:
+            compilation.mode, compilation.backend = mode, backend
+
+    CpuPlatform.check_and_update_config = classmethod(keep_piecewise)
+    try:
+        yield {**_CPU_PIECEWISE, "mode": CompilationMode.VLLM_COMPILE}
+    finally:
+        CpuPlatform.check_and_update_config = configure
 
 
 @dataclass

@@ -10,7 +10,7 @@ from engine_service.capture.graphs import (
     graphs_skip_sites,
 )
 from engine_service.capture.sites import SITE_OP
-from tests.capture.engines import Request, capture_engine, run_requests
+from tests.capture.engines import Request, capture_engine, run_requests, vllm_piecewise_on_cpu
 from tests.capture.oracle import compare_with_oracle
 from tests.capture.workloads import LAYERS, every_tensor_type, prompt
 
@@ -96,42 +96,12 @@ def test_each_worker_refuses_graphs_that_would_skip_its_sites():
     assert graphs_skip_sites(CompilationConfig()) is None  # unresolved: vLLM settles it later
 
 
-# What vLLM's piecewise backend needs on a CPU, where it never runs otherwise: no
-# CUDA graphs, pieces run by the eager backend (vLLM's Inductor passes name
-# CUDA-only kernels), no compile sizes, no fusion passes (CUDA-only).
-_CPU_PIECEWISE = {
-    "cudagraph_mode": "NONE",
-    "backend": "eager",
-    "compile_sizes": [],
-    "pass_config": {
-        name: False
-        for name in ("fuse_norm_quant", "fuse_act_quant", "fuse_attn_quant", "fuse_allreduce_rms",
-                     "enable_qk_norm_rope_fusion", "fuse_rope_kvcache", "fuse_qk_norm_rope_kvcache",
-                     "fuse_rope_kvcache_cat_mla")
-    },
-}
-
-
 @pytest.fixture
 def piecewise_on_cpu(monkeypatch, replaying_platform):
-    """vLLM's CPU platform turns piecewise compilation into one Dynamo trace; keep
-    vLLM's piecewise mode, as a GPU runs it, in this (the configuring) process."""
-    from vllm.config import CompilationMode
-    from vllm.platforms.cpu import CpuPlatform
-
-    configure = CpuPlatform.check_and_update_config.__func__
-
-    def keep_piecewise(cls, vllm_config) -> None:
-        compilation = vllm_config.compilation_config
-        mode, backend = compilation.mode, compilation.backend
-        configure(cls, vllm_config)
-        if mode == CompilationMode.VLLM_COMPILE:
-            compilation.mode, compilation.backend = mode, backend
-
-    monkeypatch.setattr(CpuPlatform, "check_and_update_config", classmethod(keep_piecewise))
     # Lets the test ask each worker for vLLM's compilation counters (a function sent by RPC).
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    return {**_CPU_PIECEWISE, "mode": CompilationMode.VLLM_COMPILE}
+    with vllm_piecewise_on_cpu() as compilation_config:
+        yield compilation_config
 
 
 def _graph_pieces(worker) -> tuple[str, int, int]:
