@@ -76,6 +76,23 @@ def test_full_graphs_asked_for_are_refused_by_name(replaying_platform, mode):
         capture_engine_kwargs(model="m", compilation_config={"cudagraph_mode": mode})
 
 
+def test_the_engines_flags_take_the_same_road(replaying_platform, tiny_llama_path):
+    """The engine service and worker nodes switch capture on in their parsed flags."""
+    from vllm.config import CUDAGraphMode
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from engine_service.__main__ import build_parser
+    from engine_service.capture.controller import enable_capture
+
+    args = build_parser().parse_args(["--model", tiny_llama_path])
+    enable_capture(args)
+    config = AsyncEngineArgs.from_cli_args(args).compilation_config
+    assert (config.splitting_ops[-1], config.cudagraph_mode) == (SITE_OP, CUDAGraphMode.PIECEWISE)
+    full = build_parser().parse_args(["--model", tiny_llama_path, "-cc.cudagraph_mode=FULL_DECODE_ONLY"])
+    with pytest.raises(CaptureUnavailable, match="compilation_config.cudagraph_mode=FULL_DECODE_ONLY"):
+        enable_capture(full)
+
+
 def test_no_split_points_at_all_runs_eager(replaying_platform):
     kwargs = capture_engine_kwargs(model="m", compilation_config={"splitting_ops": []})
     assert kwargs["enforce_eager"] is True
