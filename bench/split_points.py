@@ -42,13 +42,6 @@ MODELS = {"embedded": "tiny-llama", "bench": "bench-llama"}
 MODES = ("unsplit", "split")
 
 
-def _split_points(worker) -> int:
-    """Runs in the worker: how many of its model's pieces are split points."""
-    from vllm.compilation.counter import compilation_counter as counter
-
-    return counter.num_piecewise_graphs_seen - counter.num_piecewise_capturable_graphs_seen
-
-
 async def _batch(engine, batch: int, tokens: int, tag: str) -> float:
     """Seconds for `batch` concurrent greedy requests of `tokens` tokens each."""
     from vllm import SamplingParams
@@ -67,7 +60,7 @@ async def _batch(engine, batch: int, tokens: int, tag: str) -> float:
 
 async def measure(model: Path, first: str, args) -> dict:
     """Both engines, `first` started first; alternating rounds; their step times."""
-    from tests.capture.engines import capture_engine, vllm_piecewise_on_cpu
+    from tests.capture.engines import capture_engine, split_points, vllm_piecewise_on_cpu
 
     engines, points = {}, {}
     async with AsyncExitStack() as stack:
@@ -78,7 +71,7 @@ async def measure(model: Path, first: str, args) -> dict:
                     engine, _ = await stack.enter_async_context(capture_engine(
                         str(model), compilation_config=dict(piecewise), max_model_len=512))
                 engines[mode] = engine
-                [points[mode]] = await engine.collective_rpc(_split_points)
+                [(_, points[mode])] = await engine.collective_rpc(split_points)
         for mode in MODES:  # warm-up
             await _batch(engines[mode], args.batch, args.tokens, f"warm-{mode}")
         steps: dict[str, list[float]] = {mode: [] for mode in MODES}

@@ -93,6 +93,17 @@ def vllm_piecewise_on_cpu():
         CpuPlatform.check_and_update_config = configure
 
 
+def split_points(worker) -> tuple[str, int]:
+    """Sent to each worker by `collective_rpc` (needs VLLM_ALLOW_INSECURE_SERIALIZATION=1
+    when the engine starts): the worker's compilation mode, and how many of its
+    model's pieces are split points, run eagerly between the pieces CUDA graphs
+    would replay."""
+    from vllm.compilation.counter import compilation_counter as counter
+
+    split = counter.num_piecewise_graphs_seen - counter.num_piecewise_capturable_graphs_seen
+    return worker.vllm_config.compilation_config.mode.name, split
+
+
 @dataclass
 class Request:
     request_id: str

@@ -10,7 +10,13 @@ from engine_service.capture.graphs import (
     graphs_skip_sites,
 )
 from engine_service.capture.sites import SITE_OP
-from tests.capture.engines import Request, capture_engine, run_requests, vllm_piecewise_on_cpu
+from tests.capture.engines import (
+    Request,
+    capture_engine,
+    run_requests,
+    split_points,
+    vllm_piecewise_on_cpu,
+)
 from tests.capture.oracle import compare_with_oracle
 from tests.capture.workloads import LAYERS, every_tensor_type, prompt
 
@@ -121,30 +127,27 @@ def piecewise_on_cpu(monkeypatch, replaying_platform):
         yield compilation_config
 
 
-def _graph_pieces(worker) -> tuple[str, int, int]:
-    from vllm.compilation.counter import compilation_counter
-
-    total = compilation_counter.num_piecewise_graphs_seen
-    capturable = compilation_counter.num_piecewise_capturable_graphs_seen
-    return worker.vllm_config.compilation_config.mode.name, total - capturable, capturable
-
-
 @pytest.mark.vllm
+@pytest.mark.parametrize("pp", [1, pytest.param(2, marks=pytest.mark.multiworker)], ids=["pp1", "pp2"])
 async def test_capture_split_from_vllms_piecewise_graphs_matches_transformers(
-    piecewise_on_cpu, tiny_llama_path, llama_oracle
+    piecewise_on_cpu, tiny_llama_path, llama_oracle, pp
 ):
     """The GPU path without the CUDA graphs: the engine kwargs capture builds where
     graphs replay, compiled by vLLM's piecewise backend, which splits the model at
-    every site and runs the sites between the pieces a GPU would replay as graphs."""
+    every site and runs the sites between the pieces a GPU would replay as graphs.
+    With two pipeline stages each splits its own layers, the last its final norm."""
     async with capture_engine(
-        tiny_llama_path, block_size=32, max_num_batched_tokens=32, num_gpu_blocks_override=64,
+        tiny_llama_path, pp=pp, block_size=32, max_num_batched_tokens=32, num_gpu_blocks_override=64,
         compilation_config=piecewise_on_cpu,
     ) as (engine, controller):
-        [(mode, split_pieces, _)] = await engine.collective_rpc(_graph_pieces)
+        per_worker = await engine.collective_rpc(split_points)
         # Per layer: attention (with its KV-cache update), the attn_out site, and the
         # mlp_out and residual_stream sites (adjacent, so one split); then the final
-        # norm's site. Without the capture op only the attention splits (4).
-        assert (mode, split_pieces) == ("VLLM_COMPILE", 3 * len(LAYERS) + 1)
+        # norm's site. Without the capture op only the attention splits (4 at PP=1).
+        layers = len(LAYERS) // pp
+        assert per_worker == [
+            ("VLLM_COMPILE", 3 * layers + (stage == pp - 1)) for stage in range(pp)
+        ]
         requests = [
             Request(f"piecewise-{length}", prompt(length, length), every_tensor_type(), max_tokens=6)
             for length in (3, 16, 45)  # below, at and above one step's budget: chunked prefill
@@ -156,4 +159,3 @@ async def test_capture_split_from_vllms_piecewise_graphs_matches_transformers(
     for request in requests:
         positions = len(request.prompt_token_ids) + request.max_tokens - 1
         assert len([k for k in records if k[0] == request.request_id]) == positions * (3 * len(LAYERS) + 1)
-
