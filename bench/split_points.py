@@ -95,7 +95,7 @@ async def run(args) -> dict:
     model = embedded_model.make(name, REPO / ".cache" / "models" / name)
     # The counters are read by a function sent to the workers.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    # The engine started second ran 4-5% faster here whichever it was, more than the
+    # The engine started second ran 4-8% faster here whichever it was, more than the
     # split points cost: each order runs, and their mean difference cancels that.
     orders = {first: await measure(model, first, args) for first in MODES}
     points = orders["split"]["split_points"]

@@ -113,7 +113,7 @@ def graphs_skip_sites(compilation_config) -> str | None:
     if mode.has_piecewise_cudagraphs() and SITE_OP not in (compilation_config.splitting_ops or ()):
         return (
             f"vLLM runs piecewise CUDA graphs without {SITE_OP} among its splitting_ops, so "
-            f"the graphs would replay the capture sites' pieces without them; run with "
+            f"the capture sites inside its graphs would not run when they replay; run with "
             f"--enforce-eager"
         )
     return None
