@@ -82,3 +82,32 @@ def compare_with_oracle(oracle: TransformersOracle, run, requests) -> dict[str, 
                 checked.add(key)
     assert checked == set(records), f"records of unknown requests: {set(records) - checked}"
     return worst
+
+
+# Records per captured position of `workloads.every_tensor_type()`: residual, attn
+# and mlp on 4 layers, and the final norm.
+RECORDS_PER_POSITION = 4 * 3 + 1
+
+
+def check_every_position(oracle: TransformersOracle, run, requests) -> dict[str, float]:
+    """Checks a run of `workloads.every_position` against the oracle and checks that
+    every request has all its records: every position it computed (the last sampled
+    token is never fed through the model, so it has none), each tensor type, and the
+    first generated position marked generated. Returns the worst error per type."""
+    worst = compare_with_oracle(oracle, run, requests)
+    assert set(worst) == {"residual_stream", "attn_out", "mlp_out", "final_norm"}
+    records = run.records()
+    for request in requests:
+        positions = len(request.prompt_token_ids) + request.max_tokens - 1
+        captured = {k for k in records if k[0] == request.request_id}
+        assert len(captured) == positions * RECORDS_PER_POSITION
+        assert {k[3] for k in captured} == set(range(positions))
+        generated = [
+            b.is_generated[i]
+            for b in run.blocks
+            for i in range(b.num_rows)
+            if b.request_ids[i] == request.request_id
+            and b.token_positions[i] == len(request.prompt_token_ids)
+        ]
+        assert generated and all(generated)
+    return worst

@@ -11,14 +11,13 @@ from engine_service.capture.graphs import (
 )
 from engine_service.capture.sites import SITE_OP
 from tests.capture.engines import (
-    Request,
     capture_engine,
     run_requests,
     split_points,
     vllm_piecewise_on_cpu,
 )
-from tests.capture.oracle import compare_with_oracle
-from tests.capture.workloads import LAYERS, every_tensor_type, prompt
+from tests.capture.oracle import check_every_position
+from tests.capture.workloads import LAYERS, every_position
 
 # vLLM's first split point for attention, which its piecewise graphs always keep.
 ATTENTION_OP = "vllm::unified_attention_with_output"
@@ -148,14 +147,6 @@ async def test_capture_split_from_vllms_piecewise_graphs_matches_transformers(
         assert per_worker == [
             ("VLLM_COMPILE", 3 * layers + (stage == pp - 1)) for stage in range(pp)
         ]
-        requests = [
-            Request(f"piecewise-{length}", prompt(length, length), every_tensor_type(), max_tokens=6)
-            for length in (3, 16, 45)  # below, at and above one step's budget: chunked prefill
-        ]
+        requests = every_position("piecewise")
         run = await run_requests(engine, controller, requests)
-    worst = compare_with_oracle(llama_oracle, run, requests)
-    assert set(worst) == {"residual_stream", "attn_out", "mlp_out", "final_norm"}
-    records = run.records()
-    for request in requests:
-        positions = len(request.prompt_token_ids) + request.max_tokens - 1
-        assert len([k for k in records if k[0] == request.request_id]) == positions * (3 * len(LAYERS) + 1)
+    check_every_position(llama_oracle, run, requests)

@@ -4,42 +4,18 @@ import pytest
 
 from common.capture_spec import ExtractionPoint, Scope, TokenSelector
 from tests.capture.engines import Request, run_requests
-from tests.capture.oracle import RELATIVE_TOLERANCE, compare_with_oracle
-from tests.capture.workloads import every_tensor_type, prompt
+from tests.capture.oracle import RELATIVE_TOLERANCE, check_every_position, compare_with_oracle
+from tests.capture.workloads import every_position, prompt
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 pytestmark = pytest.mark.vllm
 
-RECORDS_PER_POSITION = 4 * 3 + 1  # residual, attn, mlp on 4 layers + final norm
-
-
 async def test_every_tensor_type_on_every_layer_matches_transformers(engine_and_oracle):
     engine, controller, oracle = engine_and_oracle
-    # Prompt lengths below, at and above one step's 32-token budget (chunked prefill).
-    requests = [
-        Request(f"oracle-{length}", prompt(length, length), every_tensor_type(), max_tokens=6)
-        for length in (3, 16, 45)
-    ]
+    requests = every_position("oracle")
     run = await run_requests(engine, controller, requests)
-
-    worst = compare_with_oracle(oracle, run, requests)
+    worst = check_every_position(oracle, run, requests)
     print(f"\noracle {controller.model_info().architecture} TP=1: worst relative L2 error {worst}")
-    assert set(worst) == {"residual_stream", "attn_out", "mlp_out", "final_norm"}
-    records = run.records()
-    for request in requests:
-        # The last sampled token is never fed through the model: no activations.
-        positions = len(request.prompt_token_ids) + request.max_tokens - 1
-        captured = {k for k in records if k[0] == request.request_id}
-        assert len(captured) == positions * RECORDS_PER_POSITION
-        assert {k[3] for k in captured} == set(range(positions))
-        generated = [
-            b.is_generated[i]
-            for b in run.blocks
-            for i in range(b.num_rows)
-            if b.request_ids[i] == request.request_id
-            and b.token_positions[i] == len(request.prompt_token_ids)
-        ]
-        assert generated and all(generated)
 
 
 async def test_requests_naming_points_alike_keep_their_own_tensor_types(engine_and_oracle):

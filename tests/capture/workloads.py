@@ -15,6 +15,15 @@ def every_tensor_type(prefix: str = "") -> list[ExtractionPoint]:
     ]
 
 
+def every_position(tag: str) -> list[Request]:
+    """Every tensor type on every layer for every position, with prompt lengths below,
+    at and above one step's 32-token budget (chunked prefill)."""
+    return [
+        Request(f"{tag}-{length}", prompt(length, length), every_tensor_type(), max_tokens=6)
+        for length in (3, 16, 45)
+    ]
+
+
 def prompt(length: int, seed: int) -> list[int]:
     """Deterministic token ids in the tiny vocabulary, past the special tokens."""
     return [3 + (seed * 31 + i * 17) % 500 for i in range(length)]
