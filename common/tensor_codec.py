@@ -98,8 +98,15 @@ def unpack(dtype: str, shape, data: bytes, as_float32: bool = True) -> np.ndarra
     return to_float32(array, dtype) if as_float32 else array
 
 
-def to_float32(array: np.ndarray, dtype: str) -> np.ndarray:
-    """Values unpacked with as_float32=False (bfloat16 as its bits) as float32."""
+def to_float32(array: np.ndarray, dtype: str, out: np.ndarray | None = None) -> np.ndarray:
+    """Values unpacked with as_float32=False (bfloat16 as its bits) as float32; into
+    `out` (float32, the array's shape) when given, which a caller reuses slice by slice."""
+    if out is not None:
+        if dtype == "bfloat16":
+            np.left_shift(array, 16, dtype=np.uint32, out=out.view(np.uint32))
+        else:
+            np.copyto(out, array)
+        return out
     if dtype == "bfloat16":
         return bfloat16_bits_to_float32(array)
     return array.astype(np.float32, copy=False)

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from common import tensor_codec
 from common.activations import BatchDecodeError, BatchReader, Block
 from common.enum_checks import unknown_enum
 from common.errors import UndercurrentError, status_code_value
@@ -424,14 +423,16 @@ class SessionState:
         reported: set[tuple[str, str]],
     ) -> list[pb.SessionResponse]:
         """Widens, checks and projects the rows of blocks that the same probes read
-        as one array (one matrix product for all of them), and files the usable
-        rows under each probe that reads them."""
+        in one pass (one matrix product for all of them), and files the usable rows
+        under each probe that reads them."""
         first = group[0]
-        rows = tensor_codec.to_float32(_joined([c.block.rows for c in group]), first.block.wire_dtype)
         slots = _joined([c.slots for c in group])
         usable = _joined([c.usable for c in group])
+        readers = [(probe, usable & table.bindings_of(probe)[0][slots]) for probe in first.readers]
+        # A group no probe reads still has its rows checked: an empty plan only checks them.
+        plan = self._plan(tuple(probe for probe, reads in readers if reads.any()))
+        values, finite = plan.evaluate([c.block.rows for c in group], first.block.wire_dtype)
         out = []
-        finite = np.isfinite(rows).all(axis=1)
         if not finite.all():
             start = 0
             for c in group:
@@ -440,16 +441,10 @@ class SessionState:
                 if bad.any():
                     out += self._bad_rows(batch, table, c.where, "with NaN or Inf", c.block, c.slots, bad, reported)
                 start = end
-            usable = usable & finite
-        readers = []
-        for probe in first.readers:
-            reads = usable & table.bindings_of(probe)[0][slots]
-            if reads.any():
-                readers.append((probe, reads))
+            readers = [(probe, reads & finite) for probe, reads in readers]
+        readers = [(probe, reads) for probe, reads in readers if reads.any()]
         if not readers:
             return out
-        plan = self._plan(tuple(probe for probe, _ in readers))
-        values = plan.apply(rows)
         positions = _joined([c.block.token_positions for c in group])
         layers = np.repeat(np.array([c.block.layer for c in group], dtype=np.int64),
                            [c.block.num_rows for c in group])

@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 from sklearn.linear_model import LogisticRegression
 
+from common import tensor_codec
+from router_service import probes as probes_module
 from router_service.manifest import manifest_from_dict
 from router_service.probes import ProjectionPlan, build_probe, first_firing_segments
 from tests.router.helpers import manifest
@@ -93,6 +95,33 @@ def test_one_plan_for_many_probes_equals_each_probe_alone(rng):
     together = plan.apply(x)
     for p in probes:
         np.testing.assert_allclose(together[:, plan.columns[id(p)]], form_values(p, x), rtol=1e-6)
+
+
+@pytest.mark.parametrize("wire_dtype", ["bfloat16", "float16", "float32"])
+def test_evaluate_reads_wire_rows_slice_by_slice_as_one_array(rng, monkeypatch, wire_dtype):
+    """Blocks as stored on the wire, cut into slices that straddle the blocks'
+    boundaries, give the values and finiteness of their float32 rows end to end."""
+    monkeypatch.setattr(probes_module, "SLICE_BYTES", 3 * H * 4)  # 3 rows per slice
+    center = rng.normal(size=H)
+    probes = (probe("lin", "linear", {"weight": rng.normal(size=H), "bias": rng.normal(size=1)}, threshold=0.0),
+              probe("log", tensors={"weight": rng.normal(size=H), "bias": rng.normal(size=1)}),
+              probe("n", "norm", {"center": center}, threshold=1.0))
+    rows = [rng.normal(size=(n, H)).astype(np.float32) for n in (4, 1, 7)]
+    rows[0][1, 3], rows[2][2, 0], rows[2][6, 15] = np.nan, np.inf, -np.inf
+    stored = [tensor_codec.unpack(wire_dtype, r.shape, tensor_codec.pack(r, wire_dtype)[2], as_float32=False)
+              for r in rows]
+    widened = np.concatenate([tensor_codec.to_float32(r, wire_dtype) for r in stored]).astype(np.float64)
+    plan = ProjectionPlan(probes)
+
+    values, finite = plan.evaluate(stored, wire_dtype)
+
+    assert values.shape == (12, 3)
+    assert finite.tolist() == [i not in (1, 4 + 1 + 2, 11) for i in range(12)]
+    lin, log = (widened @ p.forms[0].weight + p.forms[0].bias for p in probes[:2])
+    expected = np.column_stack([lin, 1 / (1 + np.exp(-log)), np.linalg.norm(widened - center.astype(np.float32), axis=1)])
+    np.testing.assert_allclose(values[finite], expected[finite], rtol=1e-5, atol=1e-6)
+    empty_values, empty_finite = ProjectionPlan(()).evaluate(stored, wire_dtype)
+    assert empty_values.shape == (12, 0) and empty_finite.tolist() == finite.tolist()
 
 
 # -- trajectories: vectorised over batches vs plain loops ---------------------

@@ -423,14 +423,14 @@ async def test_a_fault_in_blocks_read_alike_spares_the_blocks_other_probes_read(
     await client.open()
     client.start("r", "tox", "deep", prompt_length=0)
     await client.sync()
-    apply = ProjectionPlan.apply
+    evaluate = ProjectionPlan.evaluate
 
-    def broken_for_deep_alone(plan, rows):  # layer 2 is read by "deep" alone, layer 1 by both
+    def broken_for_deep_alone(plan, blocks, wire_dtype):  # layer 2 is read by "deep" alone, layer 1 by both
         if [p.name for p in plan.probes] == ["deep"]:
             raise RuntimeError("injected fault")
-        return apply(plan, rows)
+        return evaluate(plan, blocks, wire_dtype)
 
-    monkeypatch.setattr(ProjectionPlan, "apply", broken_for_deep_alone)
+    monkeypatch.setattr(ProjectionPlan, "evaluate", broken_for_deep_alone)
     hot = np.full((2, HIDDEN), 8.0)
     step = client.batch(block(hot, ["r"] * 2, [0, 1], layer=1), block(hot, ["r"] * 2, [0, 1], layer=2))
     replies = await client.until_ack(step)
