@@ -5,8 +5,9 @@ Three servers run as separate processes on loopback: the real router
 them); an ack-only servicer that answers every batch with its StepAck and
 nothing else (the ceiling the transport sets); and an arithmetic-only servicer
 that does what no router can skip for those probes before the ack, the rows
-widened and projected by the router's own `ProjectionPlan` (the ceiling a
-numpy router reaches on these cores: no checks, order, rule or state). Two
+widened, checked finite and projected by the router's own
+`ProjectionPlan.evaluate` (the ceiling a numpy router reaches on these cores:
+no field checks, order, rule or state). Two
 senders feed them the same rows, taking turns round by round:
   engine link   the engine's own path: `RouterLink.send_step` of merged blocks
                 (bf16 bits, as the capture workers ship them) -> partition per
@@ -16,9 +17,10 @@ senders feed them the same rows, taking turns round by round:
                 messages of the same rows
 Each step is one decode step of `--rows` requests: one bf16 row of `--hidden`
 each. Both keep `--window` steps in flight. Results and the exact command go to
-bench/results/stream_throughput.md and .json.
+bench/results/stream_throughput.md and .json (`--out STEM` for another stem), with
+the CPU each sender and server process spent per measured step.
 
-    python -m bench.stream_throughput [--rounds 4] [--seconds 2] [--rows 256] [--hidden 4096]
+    python -m bench.stream_throughput [--rounds 4] [--seconds 2] [--rows 256] [--hidden 4096] [--out STEM]
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import psutil
 
+from bench import results_file
 from common import tensor_codec
 from common.activations import Block
 from common.grpc_server import SERVICE_FULL_NAMES, channel_options, start_server
@@ -53,7 +57,6 @@ from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "bench" / "results" / "stream_throughput.md"
 LAYER = 16
 STALL_SECONDS = 30.0
 
@@ -77,8 +80,8 @@ class AckOnly(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
 
 
 class ArithmeticOnly(AckOnly):
-    """The probes' arithmetic alone: each batch's rows widened and projected
-    through every probe at once, then acknowledged."""
+    """The probes' arithmetic alone: each batch's rows widened, checked finite and
+    projected through every probe at once, then acknowledged."""
 
     router_id = "arithmetic-only"
 
@@ -87,8 +90,7 @@ class ArithmeticOnly(AckOnly):
 
     def process(self, batch: pb.ActivationBatch) -> None:
         for block in batch.blocks:
-            self.plan.apply(tensor_codec.to_float32(tensor_codec.decode(block.rows, as_float32=False),
-                                                    block.rows.dtype))
+            self.plan.evaluate([tensor_codec.decode(block.rows, as_float32=False)], block.rows.dtype)
 
 
 async def serve(servicer: AckOnly) -> None:
@@ -108,10 +110,16 @@ class Result:
     rows_per_step: int
     bytes_per_step: int
     ack_ms: np.ndarray
+    sender_cpu: float  # CPU seconds over the measured steps: this process
+    server_cpu: float  # and the server processes
 
     def __add__(self, other: "Result") -> "Result":
         return Result(self.name, self.steps + other.steps, self.seconds + other.seconds,
-                      self.rows_per_step, self.bytes_per_step, np.concatenate([self.ack_ms, other.ack_ms]))
+                      self.rows_per_step, self.bytes_per_step, np.concatenate([self.ack_ms, other.ack_ms]),
+                      self.sender_cpu + other.sender_cpu, self.server_cpu + other.server_cpu)
+
+    def cpu_ms_per_step(self, seconds: float) -> float:
+        return seconds / max(self.steps, 1) * 1e3
 
     @property
     def ack_p50_ms(self) -> float:
@@ -136,7 +144,13 @@ def payloads(rows: int, hidden: int, count: int = 4) -> list[pb.Tensor]:
             for _ in range(count)]
 
 
-async def drive(name: str, port: int, args, probe_names: list[str], tensors: list[pb.Tensor]) -> Result:
+def cpu_seconds(processes: list[psutil.Process]) -> float:
+    """User + system CPU seconds the processes (their threads included) have used."""
+    return sum(sum(p.cpu_times()[:2]) for p in processes)
+
+
+async def drive(name: str, port: int, args, probe_names: list[str], tensors: list[pb.Tensor],
+                servers: list[psutil.Process]) -> Result:
     """One round: streams steps for args.seconds with args.window in flight; counts acked steps."""
     model = pb.ModelInfo(model="bench", hidden_size=args.hidden, num_layers=32, dtype="bfloat16",
                          tensor_types=[pb.TENSOR_TYPE_RESIDUAL_STREAM])
@@ -181,6 +195,7 @@ async def drive(name: str, port: int, args, probe_names: list[str], tensors: lis
                 while acked < args.warmup:
                     await asyncio.sleep(0.001)
                 start, measured_from = time.perf_counter(), acked
+                cpu_from = (time.process_time(), cpu_seconds(servers))
                 latencies.clear()
                 deadline = start + args.seconds
             block = pb.ActivationBlock(
@@ -194,16 +209,17 @@ async def drive(name: str, port: int, args, probe_names: list[str], tensors: lis
         while sent_at and time.perf_counter() < drained_by:
             await asyncio.sleep(0.001)
         elapsed = time.perf_counter() - start
+        sender_cpu, server_cpu = time.process_time() - cpu_from[0], cpu_seconds(servers) - cpu_from[1]
         await call.done_writing()
         reader.cancel()
         if problems:
             raise RuntimeError(f"{name}: unexpected messages: {problems[:3]}")
     return Result(name, acked - measured_from, elapsed, args.rows, len(tensors[0].data),
-                  np.array(latencies) * 1e3)
+                  np.array(latencies) * 1e3, sender_cpu, server_cpu)
 
 
 async def drive_link(name: str, ports: int | list[int], args, probe_names: list[str],
-                     tensors: list[pb.Tensor]) -> Result:
+                     tensors: list[pb.Tensor], servers: list[psutil.Process]) -> Result:
     """One round through the engine's RouterLink (to one replica or several):
     send_step of merged blocks, window by acks."""
     ports = [ports] if isinstance(ports, int) else ports
@@ -259,6 +275,7 @@ async def drive_link(name: str, ports: int | list[int], args, probe_names: list[
                 while acked() < args.warmup:
                     await progress()
                 start, measured_from = time.perf_counter(), acked()
+                cpu_from = (time.process_time(), cpu_seconds(servers))
                 sent_at.clear()
                 acked_at.clear()
                 deadline = start + args.seconds
@@ -270,6 +287,7 @@ async def drive_link(name: str, ports: int | list[int], args, probe_names: list[
         while acked() < step:
             await progress()
         elapsed = time.perf_counter() - start
+        sender_cpu, server_cpu = time.process_time() - cpu_from[0], cpu_seconds(servers) - cpu_from[1]
         done = acked()
         for s in [s for s in sent_at if s <= done and s not in acked_at]:
             acked_at[s] = time.perf_counter()
@@ -279,7 +297,7 @@ async def drive_link(name: str, ports: int | list[int], args, probe_names: list[
             reasons = {f.reason for ledger in ledgers.values() for f in ledger.failures}
             raise RuntimeError(f"{name}: {dropped} rows or failures were not scored: {sorted(reasons)[:3]}")
         return Result(name, done - measured_from, elapsed, args.rows, len(tensors[0].data),
-                      np.array(latencies) * 1e3)
+                      np.array(latencies) * 1e3, sender_cpu, server_cpu)
     finally:
         await link.close()
 
@@ -338,12 +356,13 @@ def report(args, results: list[Result], batch_ms: float) -> str:
         "the engine's RouterLink sending merged blocks; raw gRPC: a bare bidi client sending "
         "prebuilt messages of the same rows.",
         "",
-        "| sender -> server | steps | rows/s | MB/s | ack p50 ms | ack p99 ms |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| sender -> server | steps | rows/s | MB/s | ack p50 ms | ack p99 ms | CPU ms per step: sender / server |",
+        "|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
         lines.append(f"| {r.name} | {r.steps} | {r.rows_per_second:,.0f} | {r.megabytes_per_second:,.1f} "
-                     f"| {r.ack_p50_ms:.1f} | {r.ack_p99_ms:.1f} |")
+                     f"| {r.ack_p50_ms:.1f} | {r.ack_p99_ms:.1f} "
+                     f"| {r.cpu_ms_per_step(r.sender_cpu):.2f} / {r.cpu_ms_per_step(r.server_cpu):.2f} |")
     lines += [
         "",
         f"- Engine link -> router / raw gRPC -> ack-only (the target's ratio): "
@@ -386,19 +405,24 @@ async def run(args) -> None:
             Path(tmp) / "router2.log")
         try:
             tensors = payloads(args.rows, args.hidden)
-            rounds = [(await drive_link(f"engine link -> router, {args.probes} probes", router_port, args, names, tensors),
-                       await drive(f"raw gRPC -> router, {args.probes} probes", router_port, args, names, tensors),
-                       await drive_link("engine link -> ack-only", raw_port, args, [], tensors),
-                       await drive("raw gRPC -> ack-only", raw_port, args, [], tensors),
+            on = {port: [psutil.Process(proc.pid)] for proc, port in
+                  ((router, router_port), (raw, raw_port), (arithmetic, arithmetic_port), (second, second_port))}
+            rounds = [(await drive_link(f"engine link -> router, {args.probes} probes", router_port, args, names, tensors,
+                                        on[router_port]),
+                       await drive(f"raw gRPC -> router, {args.probes} probes", router_port, args, names, tensors,
+                                   on[router_port]),
+                       await drive_link("engine link -> ack-only", raw_port, args, [], tensors, on[raw_port]),
+                       await drive("raw gRPC -> ack-only", raw_port, args, [], tensors, on[raw_port]),
                        await drive(f"raw gRPC -> arithmetic-only, {args.probes} probes", arithmetic_port, args,
-                                   [], tensors))
+                                   [], tensors, on[arithmetic_port]))
                       for _ in range(args.rounds)]
             results = [sum(r[1:], r[0]) for r in zip(*rounds)]
             batch_ms = router_batch_seconds(metrics_port) * 1e3
             # Router scaling: the same engine link and load, one replica against two.
-            scaling = [(await drive_link("engine link -> 1 router replica", router_port, args, names, tensors),
+            scaling = [(await drive_link("engine link -> 1 router replica", router_port, args, names, tensors,
+                                         on[router_port]),
                         await drive_link("engine link -> 2 router replicas", [router_port, second_port], args,
-                                         names, tensors))
+                                         names, tensors, on[router_port] + on[second_port]))
                        for _ in range(args.rounds)]
             results += [sum(r[1:], r[0]) for r in zip(*scaling)]
         finally:
@@ -412,14 +436,18 @@ async def run(args) -> None:
                     print(f"{proc.args[:3]} did not stop on SIGTERM; router log tail:\n"
                           + "".join(router_log.read_text().splitlines(True)[-5:]), file=sys.stderr)
     text = report(args, results, batch_ms)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(text)
-    RESULTS.with_suffix(".json").write_text(json.dumps({
+    out = args.out if args.out.is_absolute() else results_file.RESULTS / args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(text)
+    out.with_suffix(".json").write_text(json.dumps({
         "command": "python -m bench.stream_throughput" + "".join(f" {a}" for a in sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "args": vars(args), "router_batch_ms": batch_ms,
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "router_batch_ms": batch_ms,
         "results": [{"name": r.name, "steps": r.steps, "seconds": r.seconds, "rows_per_s": r.rows_per_second,
-                     "mb_per_s": r.megabytes_per_second, "ack_p50_ms": r.ack_p50_ms, "ack_p99_ms": r.ack_p99_ms}
+                     "mb_per_s": r.megabytes_per_second, "ack_p50_ms": r.ack_p50_ms, "ack_p99_ms": r.ack_p99_ms,
+                     "sender_cpu_ms_per_step": r.cpu_ms_per_step(r.sender_cpu),
+                     "server_cpu_ms_per_step": r.cpu_ms_per_step(r.server_cpu)}
                     for r in results]}, indent=1))
     print(text)
 
@@ -433,6 +461,8 @@ def main() -> None:
     parser.add_argument("--probes", type=int, default=10)
     parser.add_argument("--window", type=int, default=8, help="steps in flight")
     parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=Path("stream_throughput"),
+                        help="results stem under bench/results (or absolute): STEM.md and STEM.json")
     parser.add_argument("--serve-ack-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--serve-arithmetic-only", type=Path, metavar="PROBES_DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
