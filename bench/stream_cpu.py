@@ -16,8 +16,9 @@ engine link: `RouterLink.send_step` of the merged blocks (partition, split,
     `batch_sent`, the message's bytes) and, 8 steps later, its StepAck
     (`steps_acked`: ledgers, Processed events), on one replica that is marked up
     but never connected: the socket and gRPC are left out.
-router: `SessionState.batch` on a worker thread for a parsed batch of the same
-    rows, every request bound to `--probes` logistic probes reading every layer.
+router: `SessionState.batch` for a parsed batch of the same rows, every request
+    bound to `--probes` logistic probes reading every layer, handed to a thread
+    and back as the router does with batches over 4 MiB.
 
 `--service-heap` first imports what the engine service process holds (vLLM,
 torch, transformers: some 670,000 objects the garbage collector tracks), so
@@ -171,7 +172,7 @@ def router(args) -> float:
     for step in range(1, args.steps + 1):
         wire = pb.SessionRequest(batch=to_batch(step_blocks(args, bits, request_ids, step), step)).SerializeToString()
         batches.append(pb.SessionRequest.FromString(wire).batch)
-    with ThreadPoolExecutor(1) as scoring:  # as the router scores: off its event loop
+    with ThreadPoolExecutor(1) as scoring:  # as the router scores batches over INLINE_SCORING_BYTES
         scoring.submit(state.batch, batches[0]).result()
         started = time.process_time()
         for batch in batches[1:]:

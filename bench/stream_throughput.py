@@ -372,12 +372,13 @@ def report(args, results: list[Result], batch_ms: float) -> str:
         f"- Router / ack-only, both fed by raw gRPC (the router's own cost): "
         f"{raw_router.rows_per_second / raw_ack.rows_per_second:.2f}. At the router's rate a step took "
         f"{raw_router.seconds / max(raw_router.steps, 1) * 1e3:.1f} ms; {batch_ms:.1f} ms of it went to "
-        "decoding and scoring on a worker thread (its `undercurrent_router_batch_seconds` metric), "
+        "decoding and scoring (its `undercurrent_router_batch_seconds` metric; on its event loop for "
+        "batches up to 4 MiB of rows), "
         "the rest to gRPC, protobuf parsing and the event loop, which share the two cores with the client.",
-        f"- Arithmetic-only / ack-only, both fed by raw gRPC (what widening and projecting the rows "
-        f"through {args.probes} probes leaves of the transport's rate on these cores, the ceiling of "
-        f"the router's own ratio): {raw_arithmetic.rows_per_second / raw_ack.rows_per_second:.2f}; the "
-        f"router reaches {raw_router.rows_per_second / raw_arithmetic.rows_per_second:.2f} of it.",
+        f"- Arithmetic-only / ack-only, both fed by raw gRPC (what widening, checking and projecting "
+        f"the rows through {args.probes} probes, and nothing else, leaves of the transport's rate on "
+        f"these cores): {raw_arithmetic.rows_per_second / raw_ack.rows_per_second:.2f}; the router "
+        f"reaches {raw_router.rows_per_second / raw_arithmetic.rows_per_second:.2f} of it.",
         f"- Router scaling, the engine link to two replicas against one (alternating rounds after the "
         f"rows above): {two_replicas.rows_per_second / one_replica.rows_per_second:.2f}x. Both replicas "
         "share this machine's two cores with the sender, so this measures the link's spreading, not "
