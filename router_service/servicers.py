@@ -35,7 +35,7 @@ OUTBOX_SIZE = 1024  # replies waiting for the engine to read them; beyond it the
 # hands twice (0.3-0.5 ms per batch measured, BENCHMARKS.md section 22), as much as
 # a quarter of scoring a 2 MiB batch, and on a busy host each hop waits for the
 # scheduler (tens of ms were measured), which delays the verdict. A batch this size
-# holds the loop for about 3 ms on one core here. Larger batches go to the scoring
+# holds the loop for 3-4 ms on one core here. Larger batches go to the scoring
 # threads, so other sessions, heartbeats and admin calls keep flowing while numpy
 # works (it releases the GIL).
 INLINE_SCORING_BYTES = 4 * 1024 * 1024
