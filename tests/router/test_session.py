@@ -416,6 +416,26 @@ async def test_nan_rows_in_blocks_read_alike_are_named_by_their_own_block(make_r
     await client.close()
 
 
+async def test_nan_rows_of_a_block_no_probe_reads_are_still_reported(make_router, probes_dir):
+    """Rows no bound probe reads (layer 3 here) are still checked, through a plan with
+    no probes, and reported; the other block of the step is scored as ever."""
+    router = await make_router(probes_dir)
+    client = SessionClient(router)
+    await client.open()
+    client.start("r", "watch", prompt_length=0)
+    await client.sync()
+    dirty = np.zeros((2, HIDDEN))
+    dirty[1, 0] = np.inf
+    replies = await client.until_ack(client.batch(
+        block(np.zeros((2, HIDDEN)), ["r", "r"], [5, 6]), block(dirty, ["r", "r"], [5, 6], layer=3)))
+    assert kinds(replies) == ["error", "scores", "ack"]
+    assert replies[0].error.request_id == "r"
+    assert replies[0].error.message.startswith(
+        "blocks[1] (p@3).rows: 1 row(s) with NaN or Inf at token_positions [6]")
+    assert list(replies[1].scores.token_positions) == [5, 6]
+    await client.close()
+
+
 async def test_a_fault_in_blocks_read_alike_spares_the_blocks_other_probes_read(make_router, probes_dir,
                                                                                monkeypatch):
     router = await make_router(probes_dir)
