@@ -34,15 +34,14 @@ from pathlib import Path  # noqa: E402
 import psutil  # noqa: E402
 
 from bench import results_file  # noqa: E402
-from bench.stream_throughput import Result, drive_link, payloads, start_process, write_probes  # noqa: E402
+from bench.stream_throughput import Result, drive_link, payloads, start_router, write_probes  # noqa: E402
 
 
 async def run(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         started = time.perf_counter()
         names = write_probes(Path(tmp), args.probes, args.hidden)
-        routers = [start_process(["-m", "router_service", "--port", "0", "--host", "127.0.0.1", "--probes", tmp,
-                                  "--insecure"], Path(tmp) / f"router{i}.log") for i in range(2)]
+        routers = [start_router(tmp, Path(tmp) / f"router{i}.log") for i in range(2)]
         print(f"{len(routers)} routers with {args.probes} probes each up in {time.perf_counter() - started:.1f} s",
               flush=True)
         (first, first_port), (second, second_port) = routers

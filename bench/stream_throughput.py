@@ -313,6 +313,12 @@ def start_process(argv: list[str], log: Path) -> tuple[subprocess.Popen, int]:
     return proc, int(match.group(1))
 
 
+def start_router(probes_dir: str, log: Path, *flags: str) -> tuple[subprocess.Popen, int]:
+    """A router process on a free loopback port, plaintext, serving probes_dir."""
+    return start_process(["-m", "router_service", "--port", "0", "--host", "127.0.0.1", "--probes", probes_dir,
+                          "--insecure", *flags], log)
+
+
 def router_batch_seconds(metrics_port: int) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
     total = float(re.search(r"^undercurrent_router_batch_seconds_sum (\S+)", text, re.M).group(1))
@@ -393,17 +399,12 @@ async def run(args) -> None:
         names = write_probes(Path(tmp), args.probes, args.hidden)
         metrics_port = free_port()
         router_log = Path(tmp) / "router.log"
-        router, router_port = start_process(
-            ["-m", "router_service", "--port", "0", "--host", "127.0.0.1", "--probes", tmp,
-             "--metrics-port", str(metrics_port), "--insecure"], router_log)
+        router, router_port = start_router(tmp, router_log, "--metrics-port", str(metrics_port))
         raw, raw_port = start_process(["-m", "bench.stream_throughput", "--serve-ack-only"],
                                       Path(tmp) / "ack_only.log")
         arithmetic, arithmetic_port = start_process(
             ["-m", "bench.stream_throughput", "--serve-arithmetic-only", tmp], Path(tmp) / "arithmetic_only.log")
-        second, second_port = start_process(
-            ["-m", "router_service", "--port", "0", "--host", "127.0.0.1", "--probes", tmp,
-             "--insecure"],
-            Path(tmp) / "router2.log")
+        second, second_port = start_router(tmp, Path(tmp) / "router2.log")
         try:
             tensors = payloads(args.rows, args.hidden)
             on = {port: [psutil.Process(proc.pid)] for proc, port in
