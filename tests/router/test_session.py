@@ -610,12 +610,21 @@ async def test_a_verdict_never_waits_for_a_scoring_thread(make_router, probes_di
     await client.open()
     client.start("r", "tox")
     client.start("big", "watch")
+    client.start("mid", "watch")
     release = threading.Event()
     router.executor.submit(release.wait)  # the only scoring thread is taken
     try:
         hot = np.full((2, HIDDEN), 6.0)
         replies = await client.until_ack(client.batch(block(hot, ["r"] * 2, [4, 5])))
         assert kinds(replies) == ["abort", "ack"] and replies[0].abort.token_position == 5
+        # A decode step of many requests (1 MiB of rows here) is scored there too.
+        mid_rows = (1 << 20) // (4 * HIDDEN)
+        mid_values = np.arange(mid_rows, dtype=np.float32)
+        mid = block(np.outer(mid_values, np.eye(HIDDEN)[1]), ["mid"] * mid_rows, np.arange(4, 4 + mid_rows))
+        assert 256 * 1024 < row_bytes(to_batch([mid])) <= INLINE_SCORING_BYTES
+        replies = await client.until_ack(client.batch(mid))
+        assert kinds(replies) == ["scores", "ack"]
+        assert replies[0].scores.scores == pytest.approx(mid_values)
     finally:
         release.set()
     rows = INLINE_SCORING_BYTES // (4 * HIDDEN) + 1
