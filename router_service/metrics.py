@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PROBE_SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
 
 
 class RouterMetrics:
@@ -24,17 +32,8 @@ class RouterMetrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
             registry=r,
         )
-        self.probe_seconds = Histogram(
-            "undercurrent_router_probe_seconds",
-            "Time one probe spends on one batch after the shared matrix product "
-            "(ordering, scope, scores, rule); probes scored together share the common part equally",
-            ["probe"],
-            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1),
-            registry=r,
-        )
-        self.probe_rows = Counter(
-            "undercurrent_router_probe_rows", "Rows scored per probe", ["probe"], registry=r
-        )
+        self.probes = ProbeMetrics()
+        r.register(self.probes)
         self.aborts = Counter(
             "undercurrent_router_aborts", "Abort verdicts sent", ["probe"], registry=r
         )
@@ -42,3 +41,60 @@ class RouterMetrics:
             "undercurrent_router_request_errors", "In-band RequestErrors sent", ["code"], registry=r
         )
         self.probes_loaded = Gauge("undercurrent_router_probes", "Probes loaded", registry=r)
+
+
+class ProbeMetrics(Collector):
+    """Rows scored and seconds spent per probe and batch, one row of arrays per probe
+    name, so one batch records every probe it scored with a few numpy calls.
+
+    A labelled prometheus_client child costs a few microseconds per probe and
+    batch; with a thousand probes per request that alone was 8% of a router's
+    batch. Exported as `undercurrent_router_probe_rows_total{probe}` and the
+    histogram `undercurrent_router_probe_seconds{probe}`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # batches are scored on the event loop and on scoring threads
+        self._slots: dict[str, int] = {}
+        self._rows = np.zeros(0, dtype=np.float64)
+        self._seconds = np.zeros(0, dtype=np.float64)
+        self._buckets = np.zeros((0, len(PROBE_SECONDS_BUCKETS) + 1), dtype=np.int64)  # the last: +Inf
+
+    def slot(self, probe: str) -> int:
+        """The probe name's row, made on first use; kept, as a counter's labels are."""
+        with self._lock:
+            slot = self._slots.get(probe)
+            if slot is None:
+                slot = self._slots[probe] = len(self._slots)
+                if slot == self._rows.size:
+                    grow = max(16, slot)
+                    self._rows = np.concatenate([self._rows, np.zeros(grow)])
+                    self._seconds = np.concatenate([self._seconds, np.zeros(grow)])
+                    self._buckets = np.concatenate([self._buckets, np.zeros((grow, self._buckets.shape[1]),
+                                                                            dtype=np.int64)])
+            return slot
+
+    def record(self, slots: np.ndarray, rows: int, seconds: float) -> None:
+        """Each of the probes at `slots` (distinct) scored `rows` rows in `seconds`."""
+        bucket = int(np.searchsorted(PROBE_SECONDS_BUCKETS, seconds))  # the first bound >= seconds
+        with self._lock:
+            self._rows[slots] += rows
+            self._seconds[slots] += seconds
+            self._buckets[slots, bucket] += 1
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            names = list(self._slots.items())
+            rows, seconds, buckets = self._rows.copy(), self._seconds.copy(), np.cumsum(self._buckets, axis=1)
+        rows_metric = CounterMetricFamily("undercurrent_router_probe_rows", "Rows scored per probe",
+                                          labels=["probe"])
+        seconds_metric = HistogramMetricFamily(
+            "undercurrent_router_probe_seconds",
+            "Time per batch after the shared matrix product (ordering, scope, scores, rule); "
+            "probes scored together are each charged an equal share",
+            labels=["probe"])
+        bounds = [*(str(b) for b in PROBE_SECONDS_BUCKETS), "+Inf"]
+        for name, slot in names:
+            rows_metric.add_metric([name], rows[slot])
+            seconds_metric.add_metric([name], list(zip(bounds, buckets[slot].tolist())), seconds[slot])
+        yield rows_metric
+        yield seconds_metric

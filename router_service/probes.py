@@ -267,6 +267,7 @@ class ProjectionPlan:
                     self.norms.append((len(slots) - 1, form))
             self.columns[id(probe)] = slice(start, len(slots))
         self.width = len(slots)
+        self.first_columns = np.array([self.columns[id(p)].start for p in probes], dtype=np.int64)
         self.linear_columns = np.array([i for i, s in enumerate(slots) if s[0] == "linear"], dtype=np.int64)
         if linear:
             # [L, hidden], used transposed: BLAS runs a skinny x @ W.T several times

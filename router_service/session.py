@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,6 +24,7 @@ import numpy as np
 from common.activations import BatchDecodeError, BatchReader, Block
 from common.enum_checks import unknown_enum
 from common.errors import UndercurrentError, status_code_value
+from router_service.binding_grid import BindingGrid
 from router_service.metrics import RouterMetrics
 from router_service.probes import Probe, ProjectionPlan, first_firing_segments
 from router_service.registry import ProbeRegistry
@@ -39,10 +40,12 @@ DEFAULT_MAX_REQUESTS_PER_SESSION = 4096
 
 @dataclass
 class Binding:
+    """What a request's binding of a probe keeps besides its cell in the BindingGrid:
+    a stateful probe's trajectory, scores not yet sent, the tie-break between aborts."""
+
     probe: Probe
     action: int  # pb.PROBE_ACTION_OBSERVE or pb.PROBE_ACTION_ABORT
     order: int  # position in the request's bindings: breaks ties between aborts
-    row: int  # this binding's row in its probe's _BoundProbe rule arrays
     state: list = field(default_factory=list)
     pending_positions: list[np.ndarray] = field(default_factory=list)
     pending_scores: list[np.ndarray] = field(default_factory=list)
@@ -53,74 +56,46 @@ class Binding:
 class RequestState:
     request_id: str
     prompt_length: int
+    row: int  # its row in the session's BindingGrid
     bindings: dict[int, Binding]  # id(probe) -> binding, in request_start order
     incarnation: int = 0  # echoed on every message about this request
     aborted: bool = False
 
 
+@dataclass
 class _BoundProbe:
-    """A probe bound in this session, with the decision-rule state of every binding
-    of it as arrays, so a batch updates them all at once."""
+    """A probe bound by some request of the session: its column in the BindingGrid."""
 
-    def __init__(self, probe: Probe):
-        self.probe = probe
-        self.bindings = 0
-        self.seen = np.zeros(16, dtype=np.int64)  # rows scored so far, per binding row
-        self.streak = np.zeros(16, dtype=np.int64)  # consecutive rows >= threshold
-        self.abort = np.zeros(16, dtype=bool)  # the binding's action is ABORT
-        self._free = list(range(15, -1, -1))
-
-    def allocate(self, abort: bool) -> int:
-        if not self._free:
-            size = self.seen.size
-            self.seen, self.streak, self.abort = (
-                np.concatenate([a, np.zeros_like(a)]) for a in (self.seen, self.streak, self.abort))
-            self._free = list(range(2 * size - 1, size - 1, -1))
-        row = self._free.pop()
-        self.seen[row], self.streak[row], self.abort[row] = 0, 0, abort
-        self.bindings += 1
-        return row
-
-    def release(self, row: int) -> None:
-        self._free.append(row)
-        self.bindings -= 1
+    column: int
+    bindings: int = 0
 
 
 class _SlotTable:
     """A batch's request_ids resolved against this session: per slot its request,
-    prompt length and, per probe, its binding. Consecutive decode steps send the
-    same request_ids, so one table serves batch after batch until the ids or the
-    session's requests or bindings change; a step then costs no Python per row."""
+    grid row (-1: unknown request) and prompt length. Consecutive decode steps
+    send the same request_ids, so one table serves batch after batch until the ids
+    or the session's requests change."""
 
     def __init__(self, requests: list[RequestState | None]):
         self.requests = requests
         self.known = np.array([r is not None for r in requests], dtype=bool)
+        self.rows = np.array([r.row if r else -1 for r in requests], dtype=np.int64)
         self.prompt_lengths = np.array([r.prompt_length if r else 0 for r in requests], dtype=np.int64)
-        self._probes: dict[int, tuple[np.ndarray, np.ndarray, list[Binding | None]]] = {}
-
-    def bindings_of(self, probe: Probe) -> tuple[np.ndarray, np.ndarray, list[Binding | None]]:
-        """Per slot: does its request bind `probe`, the binding's rule row (-1: none), the Binding."""
-        entry = self._probes.get(id(probe))
-        if entry is None:
-            bindings = [r.bindings.get(id(probe)) if r is not None else None for r in self.requests]
-            bound = np.array([b is not None for b in bindings], dtype=bool)
-            rows = np.array([b.row if b is not None else -1 for b in bindings], dtype=np.int64)
-            entry = self._probes[id(probe)] = (bound, rows, bindings)
-        return entry
 
 
 @dataclass
-class _Gathered:
-    """Every row one probe reads in one batch, over all requests, in arrival order."""
+class _Rows:
+    """The rows some probes read in one batch: those of a group of blocks that the
+    same probes read, through one mask. Probes whose rows are the same _Rows, under
+    one token selector, are ordered and scored together."""
 
-    probe: Probe
-    # (block, mask) per part appended: probes with equal sources read the same rows,
-    # so they share one forward order (see _Order).
-    sources: list[tuple[int, int]] = field(default_factory=list)
-    slots: list[np.ndarray] = field(default_factory=list)  # index into batch.request_ids
-    positions: list[np.ndarray] = field(default_factory=list)
-    layers: list[np.ndarray] = field(default_factory=list)
-    values: list[np.ndarray] = field(default_factory=list)
+    slots: np.ndarray  # index into batch.request_ids
+    positions: np.ndarray
+    layers: np.ndarray
+    values: np.ndarray  # [rows, plan.width]: the form values of every probe of the plan
+    plan: ProjectionPlan
+    plan_columns: np.ndarray  # the grid columns of plan.probes (ascending)
+    columns: np.ndarray  # the grid columns of the probes that read these rows (ascending)
 
 
 @dataclass
@@ -133,7 +108,7 @@ class _Checked:
     block: Block
     slots: np.ndarray  # each row's index into batch.request_ids
     usable: np.ndarray
-    readers: tuple[Probe, ...]  # the session's probes that read the block's (tensor type, layer)
+    readers: np.ndarray  # grid columns of the session's probes that read its (tensor type, layer)
 
 
 @dataclass
@@ -149,8 +124,9 @@ class _Order:
     ends: np.ndarray
 
     @classmethod
-    def of(cls, part: _Gathered, tokens, prompt_lengths: np.ndarray) -> "_Order":
-        slots, positions, layers = (np.concatenate(a) for a in (part.slots, part.positions, part.layers))
+    def of(cls, parts: list[_Rows], tokens, prompt_lengths: np.ndarray) -> "_Order":
+        slots, positions, layers = (_joined([getattr(part, name) for part in parts])
+                                    for name in ("slots", "positions", "layers"))
         forward = np.lexsort((layers, positions, slots))  # per request: (token_position, layer)
         selected = forward[tokens.mask(positions[forward], prompt_lengths[slots[forward]])]
         slots, positions, layers = slots[selected], positions[selected], layers[selected]
@@ -204,12 +180,15 @@ class SessionState:
         self.clock = clock
         self.max_requests = max_requests
         self.requests: dict[str, RequestState] = {}
-        self._bound: dict[int, _BoundProbe] = {}  # id(probe) -> its bindings' rule state
+        self._grid = BindingGrid()
+        self._bound: dict[int, _BoundProbe] = {}  # id(probe) -> its grid column
+        # Per (tensor type, layer): the grid columns of the bound probes that read it.
+        self._readers: dict[tuple[int, int], np.ndarray] = {}
         self._ended: OrderedDict[str, int] = OrderedDict()  # request id -> its last incarnation
         self._reported_incompatible: set[tuple[str, str]] = set()
-        self._plans: OrderedDict[tuple[int, ...], ProjectionPlan] = OrderedDict()
+        self._plans: OrderedDict[bytes, ProjectionPlan] = OrderedDict()  # by grid columns
         # The last batch's request_ids and their _SlotTable; cleared whenever a
-        # request or binding comes or goes.
+        # request comes or goes.
         self._slot_table: tuple[tuple[str, ...], _SlotTable] | None = None
 
     # -- catalog ------------------------------------------------------------
@@ -253,6 +232,7 @@ class SessionState:
         out: list[pb.SessionResponse] = []
         bindings: dict[int, Binding] = {}
         names: set[str] = set()
+        row = self._grid.add_request()
         for i, wanted in enumerate(msg.probes):
             if bad := unknown_enum(wanted, f"request_start.probes[{i}]"):
                 out.append(refuse("INVALID_ARGUMENT", bad, wanted.probe))
@@ -273,9 +253,9 @@ class SessionState:
                 continue
             names.add(wanted.probe)
             action = wanted.action if wanted.action != pb.PROBE_ACTION_UNSPECIFIED else probe.manifest.action
-            row = self._bound.setdefault(id(probe), _BoundProbe(probe)).allocate(action == pb.PROBE_ACTION_ABORT)
-            bindings[id(probe)] = Binding(probe, action, len(bindings), row, probe.new_state())
-        self.requests[rid] = RequestState(rid, msg.prompt_length, bindings, incarnation)
+            self._grid.bind(row, self._column(probe), action == pb.PROBE_ACTION_ABORT)
+            bindings[id(probe)] = Binding(probe, action, len(bindings), probe.new_state())
+        self.requests[rid] = RequestState(rid, msg.prompt_length, row, bindings, incarnation)
         self._slot_table = None
         self._ended.pop(rid, None)
         self.metrics.live_requests.inc()
@@ -309,16 +289,30 @@ class SessionState:
     def _free(self, request: RequestState) -> None:
         for binding in list(request.bindings.values()):
             self._unbind(request, binding)
+        self._grid.release_request(request.row)
         self.metrics.live_requests.dec()
+
+    def _column(self, probe: Probe) -> int:
+        """The probe's grid column, made when a request of the session first binds it."""
+        bound = self._bound.get(id(probe))
+        if bound is None:
+            bound = self._bound[id(probe)] = _BoundProbe(
+                self._grid.add_probe(probe, self.metrics.probes.slot(probe.name)))
+            self._readers.clear()
+        bound.bindings += 1
+        return bound.column
 
     def _unbind(self, request: RequestState, binding: Binding) -> None:
         del request.bindings[id(binding.probe)]
-        self._slot_table = None
         self.registry.release(binding.probe)
         bound = self._bound[id(binding.probe)]
-        bound.release(binding.row)
+        self._grid.unbind(request.row, bound.column)
+        bound.bindings -= 1
         if bound.bindings == 0:
             del self._bound[id(binding.probe)]
+            self._grid.release_probe(bound.column)
+            self._readers.clear()
+            self._plans.clear()  # plans are cached by grid columns, which a new probe may take
 
     # -- batches ------------------------------------------------------------
 
@@ -337,17 +331,17 @@ class SessionState:
                 checked, errors = None, self._internal_error(batch, [i], err, reported)
             out += errors
             if checked is not None:
-                key = (tuple(id(p) for p in checked.readers), checked.block.wire_dtype)
+                key = (checked.readers.tobytes(), checked.block.wire_dtype)
                 read_alike.setdefault(key, []).append(checked)
-        gathered: dict[int, _Gathered] = {}
+        gathered: list[_Rows] = []
         for group in read_alike.values():
             try:
                 out += self._gather_group(batch, group, table, gathered, reported)
             except Exception as err:
                 out += self._internal_error(batch, [c.index for c in group], err, reported)
         candidates: dict[int, list[_Candidate]] = {}
-        for parts in _sharing_an_order(gathered.values()):
-            out += self._score_group(parts, table, candidates)
+        for parts, columns in self._sharing_an_order(gathered):
+            out += self._score_group(parts, columns, table, candidates)
         for slot, found in candidates.items():
             request = requests[slot]
             if not request.aborted:
@@ -409,28 +403,36 @@ class SessionState:
             out += self._bad_rows(batch, table, where, "with a negative token position", block, slots,
                                   usable & negative, reported)
             usable = usable & ~negative
-        readers = tuple(bound.probe for bound in self._bound.values()
-                        if bound.probe.manifest.reads(block.tensor_type, block.layer))
         # A block no probe reads still has its rows checked (in a group of its own kind).
-        return _Checked(i, where, block, slots, usable, readers), out
+        return _Checked(i, where, block, slots, usable, self._readers_of(block.tensor_type, block.layer)), out
+
+    def _readers_of(self, tensor_type: int, layer: int) -> np.ndarray:
+        readers = self._readers.get((tensor_type, layer))
+        if readers is None:
+            readers = self._readers[(tensor_type, layer)] = np.array(
+                sorted(bound.column for bound in self._bound.values()
+                       if self._grid.probes[bound.column].manifest.reads(tensor_type, layer)), dtype=np.int64)
+        return readers
 
     def _gather_group(
         self,
         batch: pb.ActivationBatch,
         group: list[_Checked],
         table: _SlotTable,
-        gathered: dict[int, _Gathered],
+        gathered: list[_Rows],
         reported: set[tuple[str, str]],
     ) -> list[pb.SessionResponse]:
         """Widens, checks and projects the rows of blocks that the same probes read
         in one pass (one matrix product for all of them), and files the usable rows
-        under each probe that reads them."""
+        once per set of probes that read the same ones."""
         first = group[0]
         slots = _joined([c.slots for c in group])
         usable = _joined([c.usable for c in group])
-        readers = [(probe, usable & table.bindings_of(probe)[0][slots]) for probe in first.readers]
+        # [rows, readers]: which rows each reader reads (its request binds it).
+        reads = usable[:, None] & self._grid.bound[np.ix_(np.where(usable, table.rows[slots], 0), first.readers)]
+        columns = first.readers[reads.any(axis=0)]
         # A group no probe reads still has its rows checked: an empty plan only checks them.
-        plan = self._plan(tuple(probe for probe, reads in readers if reads.any()))
+        plan = self._plan(columns)
         values, finite = plan.evaluate([c.block.rows for c in group], first.block.wire_dtype)
         out = []
         if not finite.all():
@@ -441,88 +443,112 @@ class SessionState:
                 if bad.any():
                     out += self._bad_rows(batch, table, c.where, "with NaN or Inf", c.block, c.slots, bad, reported)
                 start = end
-            readers = [(probe, reads & finite) for probe, reads in readers]
-        readers = [(probe, reads) for probe, reads in readers if reads.any()]
-        if not readers:
+            reads &= finite[:, None]
+        reading = reads.any(axis=0)
+        if not reading.any():
             return out
+        reads, readers = reads[:, reading], first.readers[reading]
         positions = _joined([c.block.token_positions for c in group])
         layers = np.repeat(np.array([c.block.layer for c in group], dtype=np.int64),
                            [c.block.num_rows for c in group])
-        masks: dict[bytes, int] = {}  # readers with the same rows share one mask number
-        for probe, reads in readers:
-            part = gathered.setdefault(id(probe), _Gathered(probe))
-            part.sources.append((first.index, masks.setdefault(reads.tobytes(), len(masks))))
-            take = slice(None) if reads.all() else reads  # the usual case: views, no copies through a mask
-            part.slots.append(slots[take])
-            part.positions.append(positions[take])
-            part.layers.append(layers[take])
-            part.values.append(values[take, plan.columns[id(probe)]])
+        # Readers whose requests bind them all read the same rows: the usual case, one set.
+        if (reads == reads[:, :1]).all():
+            masks, sets = reads[:, :1].T, np.zeros(readers.size, dtype=np.int64)
+        else:
+            masks, sets = np.unique(reads.T, axis=0, return_inverse=True)
+        for k, mask in enumerate(masks):
+            take = slice(None) if mask.all() else mask  # the usual case: views, no copies through a mask
+            gathered.append(_Rows(slots[take], positions[take], layers[take], values[take], plan, columns,
+                                  readers[sets.reshape(-1) == k]))
         return out
 
+    def _sharing_an_order(self, gathered: list[_Rows]) -> list[tuple[list[_Rows], np.ndarray]]:
+        """The gathered rows grouped by what orders them: each set of probes (grid
+        columns, ascending) that read the same _Rows under one token selector, with
+        those _Rows."""
+        if not gathered:
+            return []
+        grid = self._grid
+        if len(gathered) == 1:
+            member = np.ones((gathered[0].columns.size, 1), dtype=np.int64)
+            columns = gathered[0].columns
+        else:
+            columns = np.unique(np.concatenate([rows.columns for rows in gathered]))
+            member = np.zeros((columns.size, len(gathered)), dtype=np.int64)
+            for k, rows in enumerate(gathered):
+                member[np.searchsorted(columns, rows.columns), k] = 1
+        keys, sets = np.unique(np.column_stack([grid.selector[columns], member]), axis=0, return_inverse=True)
+        sets = sets.reshape(-1)
+        return [([gathered[k] for k in np.flatnonzero(key[1:])], columns[sets == j]) for j, key in enumerate(keys)]
+
     def _score_group(
-        self, parts: list[_Gathered], table: _SlotTable, candidates: dict[int, list[_Candidate]],
+        self, parts: list[_Rows], columns: np.ndarray, table: _SlotTable, candidates: dict[int, list[_Candidate]],
     ) -> list[pb.SessionResponse]:
-        """Scores probes that read the same rows under one token selector, over all
-        their requests' rows: one forward order and one run of the decision rule
-        for all of them. Files abort candidates; returns scores."""
+        """Scores probes (grid columns) that read the same rows under one token
+        selector, over all their requests' rows: one forward order, one matrix of
+        scores and one run of the decision rule for all of them. Files abort
+        candidates; returns scores."""
         started = time.perf_counter()
-        order = _Order.of(parts[0], parts[0].probe.manifest.tokens, table.prompt_lengths)
-        probes = [part.probe for part in parts]
+        grid = self._grid
+        probes = [grid.probes[c] for c in columns.tolist()]
+        order = _Order.of(parts, probes[0].manifest.tokens, table.prompt_lengths)
         if order.selected.size == 0:
-            self._observe_probe_seconds(probes, [0.0] * len(probes), time.perf_counter() - started)
+            self.metrics.probes.record(grid.metric_slot[columns], 0, time.perf_counter() - started)
             return []
         positions, layers, starts, ends = order.positions, order.layers, order.starts, order.ends
         segment_slots = order.slots[starts]
-        scores, own_seconds = [], []
-        for part in parts:
-            probe_started = time.perf_counter()
-            scores.append(self._scores(part, order, table, segment_slots))
-            own_seconds.append(time.perf_counter() - probe_started)
-            self.metrics.probe_rows.labels(part.probe.name).inc(scores[-1].size)
-        bound = [self._bound[id(probe)] for probe in probes]
-        _, rows_by_slot, by_slot = zip(*(table.bindings_of(probe) for probe in probes))
-        rule_rows = [rows[segment_slots] for rows in rows_by_slot]
-        seen = np.column_stack([b.seen[rows] for b, rows in zip(bound, rule_rows)])
-        streak = np.column_stack([b.streak[rows] for b, rows in zip(bound, rule_rows)])
-        abort = np.column_stack([b.abort[rows] for b, rows in zip(bound, rule_rows)])
-        manifests = [probe.manifest for probe in probes]
-        hits = first_firing_segments(
-            np.column_stack(scores), starts, np.array([m.threshold for m in manifests]),
-            np.array([m.min_tokens for m in manifests]), np.array([m.patience for m in manifests]),
-            seen, streak)
-        for j, (b, rows) in enumerate(zip(bound, rule_rows)):
-            b.seen[rows], b.streak[rows] = seen[:, j], streak[:, j]
+        scores = self._scores(parts, columns, probes, order, table, segment_slots)
+        cells = np.ix_(table.rows[segment_slots], columns)
+        seen, streak, abort = grid.seen[cells], grid.streak[cells], grid.abort[cells]
+        hits = first_firing_segments(scores, starts, grid.threshold[columns], grid.min_tokens[columns],
+                                     grid.patience[columns], seen, streak)
+        grid.seen[cells], grid.streak[cells] = seen, streak
         for k, j in zip(*(index.tolist() for index in np.nonzero(abort & (hits >= 0)))):
             hit, slot = hits[k, j], int(segment_slots[k])
-            candidates.setdefault(slot, []).append(
-                _Candidate(int(positions[hit]), int(layers[hit]), by_slot[j][slot], float(scores[j][hit])))
+            candidates.setdefault(slot, []).append(_Candidate(
+                int(positions[hit]), int(layers[hit]), table.requests[slot].bindings[id(probes[j])],
+                float(scores[hit, j])))
         out = []
         for j, k in zip(*(index.tolist() for index in np.nonzero(~abort.T))):  # probe by probe
             slot = int(segment_slots[k])
-            binding = by_slot[j][slot]
+            request = table.requests[slot]
+            binding = request.bindings[id(probes[j])]
             binding.pending_positions.append(positions[starts[k]:ends[k]])
-            binding.pending_scores.append(scores[j][starts[k]:ends[k]])
-            if message := self._flush_scores(table.requests[slot], binding, force=False):
+            binding.pending_scores.append(scores[starts[k]:ends[k], j])
+            if message := self._flush_scores(request, binding, force=False):
                 out.append(message)
-        self._observe_probe_seconds(probes, own_seconds, time.perf_counter() - started)
+        self.metrics.probes.record(grid.metric_slot[columns], order.selected.size,
+                                   (time.perf_counter() - started) / columns.size)
         return out
 
-    @staticmethod
-    def _scores(part: _Gathered, order: _Order, table: _SlotTable, segment_slots: np.ndarray) -> np.ndarray:
-        """One probe's scores of the ordered rows (float64, one per row)."""
-        probe = part.probe
-        values = np.concatenate(part.values)[order.selected]
-        if probe.stateless:
-            return probe.score(values, None)
-        by_slot = table.bindings_of(probe)[2]
-        return np.concatenate([probe.score(values[a:b], by_slot[s].state)
-                               for a, b, s in zip(order.starts, order.ends, segment_slots.tolist())])
+    def _scores(self, parts: list[_Rows], columns: np.ndarray, probes: list[Probe], order: _Order,
+                table: _SlotTable, segment_slots: np.ndarray) -> np.ndarray:
+        """The probes' scores of the ordered rows: [rows, probes] float64. Probes
+        whose score is their one form's value take it from the plans' values in one
+        indexing for all of them; the others score probe by probe."""
+        def values(plan_columns: list[np.ndarray | slice]) -> np.ndarray:
+            """The ordered rows' values in these plan columns (one entry per part)."""
+            return _joined([part.values[:, taken] for part, taken in zip(parts, plan_columns)])[order.selected]
 
-    def _observe_probe_seconds(self, probes: list[Probe], own: list[float], total: float) -> None:
-        """Each probe's own scoring time plus an equal share of what its group shares."""
-        shared = (total - sum(own)) / len(probes)
-        for probe, seconds in zip(probes, own):
-            self.metrics.probe_seconds.labels(probe.name).observe(seconds + shared)
+        def first_columns(of: np.ndarray) -> list[np.ndarray]:
+            return [part.plan.first_columns[np.searchsorted(part.plan_columns, of)] for part in parts]
+
+        direct = self._grid.direct[columns]
+        if direct.all():
+            return values(first_columns(columns))
+        scores = np.empty((order.selected.size, columns.size), dtype=np.float64)
+        if direct.any():
+            scores[:, direct] = values(first_columns(columns[direct]))
+        for j in np.flatnonzero(~direct).tolist():
+            probe = probes[j]
+            probe_values = values([part.plan.columns[id(probe)] for part in parts])
+            if probe.stateless:
+                scores[:, j] = probe.score(probe_values, None)
+            else:
+                scores[:, j] = np.concatenate([
+                    probe.score(probe_values[a:b], table.requests[slot].bindings[id(probe)].state)
+                    for a, b, slot in zip(order.starts, order.ends, segment_slots.tolist())])
+        return scores
 
     def _abort(self, request: RequestState, binding: Binding, score: float, position: int,
                layer: int) -> pb.SessionResponse:
@@ -563,7 +589,7 @@ class SessionState:
 
         Call it before `batch`, on the thread that owns the registry."""
         out = []
-        if not any(bound.probe.retired for bound in self._bound.values()):
+        if not any(self._grid.probes[bound.column].retired for bound in self._bound.values()):
             return out  # the usual case, checked per probe rather than per binding
         for request in self.requests.values():
             for binding in [b for b in request.bindings.values() if b.probe.retired]:
@@ -574,12 +600,13 @@ class SessionState:
                     binding.probe.name))
         return out
 
-    def _plan(self, probes: tuple[Probe, ...]) -> ProjectionPlan:
-        # The cached plan holds its probes, so their ids cannot be reused while it lives.
-        key = tuple(id(p) for p in probes)
+    def _plan(self, columns: np.ndarray) -> ProjectionPlan:
+        """The plan of the probes at these grid columns (ascending), cached until a
+        column changes hands."""
+        key = columns.tobytes()
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = ProjectionPlan(probes)
+            plan = self._plans[key] = ProjectionPlan(tuple(self._grid.probes[c] for c in columns.tolist()))
             if len(self._plans) > PLAN_CACHE_SIZE:
                 self._plans.popitem(last=False)
         else:
@@ -659,15 +686,6 @@ class SessionState:
         log.warning("request error", extra={"request_id": request_id, "probe": probe, "code": code,
                                             "step": step, "error": message})
         return error(request_id, code, message, probe, incarnation=incarnation, step=step)
-
-
-def _sharing_an_order(parts: Iterable[_Gathered]) -> list[list[_Gathered]]:
-    """The probes' gathered rows grouped by what orders them: probes that read the
-    same rows (the same blocks through the same masks) under one token selector."""
-    groups: dict[tuple, list[_Gathered]] = {}
-    for part in parts:
-        groups.setdefault((tuple(part.sources), part.probe.manifest.tokens), []).append(part)
-    return list(groups.values())
 
 
 def _joined(arrays: list[np.ndarray]) -> np.ndarray:

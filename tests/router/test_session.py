@@ -9,6 +9,7 @@ import pytest
 
 from common.activations import to_batch
 from router_service.probe_files import write_probe
+from router_service import session as session_state
 from router_service.probes import ProjectionPlan
 from router_service.servicers import INLINE_SCORING_BYTES, LiveSession, row_bytes
 from tests.router.helpers import (
@@ -579,12 +580,11 @@ async def test_an_internal_failure_still_acks_the_step_and_keeps_the_session(mak
                                               incarnation=7))
     client.send(request_start=pb.RequestStart(request_id="q", probes=[pb.ProbeBinding(probe="tox")],
                                               incarnation=8))
-    tox = next(p for p in router.registry.probes() if p.name == "tox")
 
-    def broken(values, state):
+    def broken(*args):
         raise RuntimeError("injected fault")
 
-    monkeypatch.setattr(tox, "score", broken)
+    monkeypatch.setattr(session_state, "first_firing_segments", broken)  # the decision rule, after the gathering
     step = client.batch(block(np.zeros((2, HIDDEN)), ["r", "q"], [0, 0]))
     replies = await client.until_ack(step)
     # One error per request of the batch, each naming its request, incarnation and step.

@@ -121,3 +121,39 @@ def test_probes_reading_the_same_rows_keep_their_own_rules_and_state(tmp_path):
 
     assert verdicts == {"a": ("mid", 1), "b": ("mid", 2), "c": ("low", 2), "e": ("high", 5), "g": ("low", 2)}
     assert verdicts == {rid: (hit[2], hit[0]) for rid in values if (hit := first_firing(rid))}
+
+
+def test_rule_state_survives_the_grid_growing_and_freed_cells_start_clean(tmp_path):
+    """Each binding's rule state is a cell of the session's [request, probe] grid:
+    it keeps its streak while the grid grows past its 16 x 16 cells for new
+    requests and probes, and a request or probe that takes a freed row or column
+    starts from a clean cell, with its own threshold and patience."""
+    registry = ProbeRegistry()
+    for i in range(24):  # patience 2 on row[0] >= 1; "p23" at >= 0.5
+        registry.load(load_probe_path(linear_probe(tmp_path, f"p{i}", np.eye(HIDDEN)[0], kind="linear",
+                                                   threshold=0.5 if i == 23 else 1.0, rule={"patience": 2})))
+    state = SessionState(registry, model_info(), RouterMetrics())
+
+    def bind(rid, *probes):
+        assert state.start(pb.RequestStart(request_id=rid, probes=[pb.ProbeBinding(probe=p) for p in probes])) == []
+
+    def aborts(step, ids, positions, values):
+        replies = state.batch(to_batch([block(rows(*values), ids, positions)], step=step))
+        assert [m.WhichOneof("message") for m in replies][-1] == "ack"
+        assert not [m for m in replies if m.WhichOneof("message") == "error"]
+        return {m.abort.request_id: (m.abort.probe, m.abort.token_position)
+                for m in replies if m.WhichOneof("message") == "abort"}
+
+    bind("held", "p0")
+    assert aborts(1, ["held"], [0], [1.0]) == {}  # a streak of one
+    for i in range(20):  # 20 more requests and 21 more probes: the grid grows both ways
+        bind(f"r{i}", *(f"p{j}" for j in range(1, 22)))
+    assert aborts(2, ["held"], [1], [1.0]) == {"held": ("p0", 1)}  # the streak carried through the growth
+
+    bind("first", "p22")
+    assert aborts(3, ["first"], [0], [1.0]) == {}  # a streak of one in the cell ("first", "p22")
+    state.end(pb.RequestEnd(request_id="held"))
+    state.end(pb.RequestEnd(request_id="first"))  # p0 and p22 are bound by no request now: columns freed
+    bind("second", "p23")  # takes the row and the column freed last: that cell
+    assert aborts(4, ["second"], [0], [1.0]) == {}  # no streak inherited
+    assert aborts(5, ["second"], [1], [0.7]) == {"second": ("p23", 1)}  # p23's own threshold
