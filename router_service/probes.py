@@ -92,7 +92,7 @@ class Aggregation:
         ends = np.arange(len(state["tail"]), len(history)) + 1
         starts = np.maximum(ends - window, 0)
         means = (sums[ends] - sums[starts]) / (ends - starts)
-        state["tail"] = history[len(history) - (window - 1) :] if window > 1 else np.zeros(0)
+        state["tail"] = history[max(0, len(history) - (window - 1)):] if window > 1 else np.zeros(0)
         return means
 
 

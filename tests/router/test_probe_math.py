@@ -178,6 +178,22 @@ def test_trajectory_across_batches_matches_a_loop(rng, aggregation, reference):
     np.testing.assert_allclose(got, expected, rtol=1e-9, atol=1e-9)
 
 
+
+@pytest.mark.parametrize("kind", ["rolling_mean", "max_rolling_mean"])
+def test_a_window_longer_than_the_rows_so_far_carries_all_of_them(rng, kind):
+    """Batches of one to three rows against a window of 5: the tail carried to
+    the next batch is every row so far until there are window - 1 of them (a
+    tail cut from a negative index kept too few, e.g. batches [1, 2] then [3]
+    gave a mean of 2.5, not 2)."""
+    p = probe(kind="trajectory", base={"kind": "linear"}, aggregation={"kind": kind, "window": 5},
+              tensors={"weight": rng.normal(size=H)})
+    values = form_values(p, rng.normal(size=(12, H)))
+    for bounds in ([0, 2, 3, 12], [0, 1, 3, 6, 12], [0, 3, 4, 5, 12]):
+        reference = (rolling_mean_loop if kind == "rolling_mean" else max_rolling_mean_loop)
+        np.testing.assert_allclose(score_in_batches(p, values, bounds),
+                                   reference([float(v) for v in values[:, 0]], 5), rtol=1e-9, atol=1e-9)
+
+
 def test_cascade_counts_agreeing_members_with_their_own_trajectories(rng):
     w_a, w_b = rng.normal(size=H), rng.normal(size=H)
     fields = dict(k=2, members=[
