@@ -1,11 +1,11 @@
 """Router memory per open request: resident memory of a real router process as
 one Session opens requests bound to probes, none of them ended.
 
-    python -m bench.router_memory [--requests 1000,5000,10000] [--probes 4]
+    python -m bench.router_memory [--requests 1000,5000,10000] [--probes 4] [--out router_memory.json]
 
 Reads the router's RSS (tools.process_memory: its process tree, the router alone) after each level, once the router has
 acknowledged an empty batch sent after the last request_start (so every start
-was processed). Writes bench/results/router_memory.json.
+was processed). Writes bench/results/router_memory.json (or `--out`).
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import results_file
 from router_service.probe_files import write_probe
 from tests.router.helpers import SessionClient, model_info
 from tools import processes
 from tools.process_memory import tree_memory
 
 HIDDEN = 1024
-RESULTS = Path(__file__).resolve().parent / "results" / "router_memory.json"
 
 
 def rss_kib(pid: int) -> int:
@@ -58,7 +58,7 @@ async def run(args) -> dict:
                     client.start(f"req-{opened}", *names, prompt_length=16)
                     opened += 1
                 await client.sync()
-                time.sleep(0.5)
+                await asyncio.sleep(0.5)
                 rows.append({"open_requests": level, "rss_kib": rss_kib(router.process.pid)})
                 print(rows[-1], flush=True)
             await client.close()
@@ -67,19 +67,18 @@ async def run(args) -> dict:
     base = rows[0]["rss_kib"]
     for row in rows[1:]:
         row["kib_per_1000_requests"] = (row["rss_kib"] - base) / row["open_requests"] * 1000
-    return {"command": "python -m bench.router_memory" + "".join(f" {a}" for a in sys.argv[1:]),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "probes_per_request": args.probes,
-            "rows": rows}
+    return {"probes_per_request": args.probes, "rows": rows}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", default="1000,5000,10000", help="open-request levels, ascending")
     parser.add_argument("--probes", type=int, default=4, help="probes bound to every request")
+    parser.add_argument("--out", default="router_memory.json", help="file name under bench/results/")
     args = parser.parse_args()
-    report = asyncio.run(run(args))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=1))
+    started = time.time()
+    report = {**results_file.provenance(started), **asyncio.run(run(args))}
+    results_file.write(args.out, report)
     print(json.dumps(report, indent=1))
     return 0
 
