@@ -17,21 +17,28 @@ def unknown_enum(message: Message, where: str = "") -> str | None:
     """The first enum field (depth first, in field order) holding a value its enum
     does not define, as "path: value is not a EnumName"; None when all are known."""
     for field in _enum_paths(message.DESCRIPTOR):
-        path = f"{where}.{field.name}" if where else field.name
         repeated = field.is_repeated
         if field.type == FieldDescriptor.TYPE_ENUM:
             value = getattr(message, field.name)
-            for i, item in enumerate(value if repeated else [value]):
-                if field.enum_type.values_by_number.get(item) is None:
-                    at = f"{path}[{i}]" if repeated else path
-                    return f"{at}: {item} is not a {_enum_name(field)}"
+            known = field.enum_type.values_by_number
+            if repeated:
+                for i, item in enumerate(value):
+                    if item not in known:
+                        return f"{_path(where, field)}[{i}]: {item} is not a {_enum_name(field)}"
+            elif value not in known:  # the usual case costs one lookup: a request_start checks each binding
+                return f"{_path(where, field)}: {value} is not a {_enum_name(field)}"
         elif repeated or message.HasField(field.name):
             value = getattr(message, field.name)
+            path = _path(where, field)
             for i, item in enumerate(value if repeated else [value]):
                 found = unknown_enum(item, f"{path}[{i}]" if repeated else path)
                 if found:
                     return found
     return None
+
+
+def _path(where: str, field: FieldDescriptor) -> str:
+    return f"{where}.{field.name}" if where else field.name
 
 
 # Message type -> its fields, in field order, that are enums or messages holding
