@@ -47,8 +47,8 @@ class Binding:
     action: int  # pb.PROBE_ACTION_OBSERVE or pb.PROBE_ACTION_ABORT
     order: int  # position in the request's bindings: breaks ties between aborts
     state: list = field(default_factory=list)
-    pending_positions: list[np.ndarray] = field(default_factory=list)
-    pending_scores: list[np.ndarray] = field(default_factory=list)
+    pending_positions: list[int] = field(default_factory=list)  # scores not sent yet, end to end
+    pending_scores: list[float] = field(default_factory=list)
     last_scores_sent: float = float("-inf")
 
 
@@ -509,14 +509,23 @@ class SessionState:
                 int(positions[hit]), int(layers[hit]), table.requests[slot].bindings[id(probes[j])],
                 float(scores[hit, j])))
         out = []
-        for j, k in zip(*(index.tolist() for index in np.nonzero(~abort.T))):  # probe by probe
-            slot = int(segment_slots[k])
-            request = table.requests[slot]
-            binding = request.bindings[id(probes[j])]
-            binding.pending_positions.append(positions[starts[k]:ends[k]])
-            binding.pending_scores.append(scores[starts[k]:ends[k], j])
-            if message := self._flush_scores(request, binding, force=False):
-                out.append(message)
+        observed = np.nonzero(~abort.T)  # probe by probe
+        if observed[0].size:
+            # One message per observe binding and batch: as Python lists, a request's
+            # scores are a slice each; numpy would cost a slice and a tolist() per message.
+            slots, position_list = segment_slots.tolist(), positions.tolist()
+            bounds = list(zip(starts.tolist(), ends.tolist()))
+            probe_scores: dict[int, list[float]] = {}
+            for j, k in zip(*(index.tolist() for index in observed)):
+                request = table.requests[slots[k]]
+                binding = request.bindings[id(probes[j])]
+                if (column := probe_scores.get(j)) is None:
+                    column = probe_scores[j] = scores[:, j].tolist()
+                first, last = bounds[k]
+                binding.pending_positions += position_list[first:last]
+                binding.pending_scores += column[first:last]
+                if message := self._flush_scores(request, binding, force=False):
+                    out.append(message)
         self.metrics.probes.record(grid.metric_slot[columns], order.selected.size,
                                    (time.perf_counter() - started) / columns.size)
         return out
@@ -567,20 +576,21 @@ class SessionState:
     def _flush_scores(self, request: RequestState, binding: Binding, force: bool) -> pb.SessionResponse | None:
         if not binding.pending_scores:
             return None
-        now = self.clock()
-        if not force and now - binding.last_scores_sent < self.scores_interval:
-            return None
-        binding.last_scores_sent = now
-        message = pb.ProbeScores(
-            request_id=request.request_id,
-            probe=binding.probe.name,
-            token_positions=_joined(binding.pending_positions).tolist(),
-            scores=_joined(binding.pending_scores).tolist(),
-            incarnation=request.incarnation,
-        )
-        binding.pending_positions.clear()
-        binding.pending_scores.clear()
-        return pb.SessionResponse(scores=message)
+        if self.scores_interval:
+            now = self.clock()
+            if not force and now - binding.last_scores_sent < self.scores_interval:
+                return None
+            binding.last_scores_sent = now
+        # Filled in place: building a ProbeScores and then the response copies it.
+        response = pb.SessionResponse()
+        message = response.scores
+        message.request_id = request.request_id
+        message.probe = binding.probe.name
+        message.token_positions.extend(binding.pending_positions)
+        message.scores.extend(binding.pending_scores)
+        message.incarnation = request.incarnation
+        binding.pending_positions, binding.pending_scores = [], []
+        return response
 
     # -- helpers ------------------------------------------------------------
 
