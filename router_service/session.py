@@ -76,7 +76,12 @@ class _SlotTable:
     send the same request_ids, so one table serves batch after batch until the ids
     or the session's requests change."""
 
-    def __init__(self, requests: list[RequestState | None]):
+    def __init__(self, ids: tuple[str, ...], requests: list[RequestState | None]):
+        first: dict[str, int] = {}
+        # A request named again later in request_ids: that slot is refused (its
+        # rows would update the request's rule state twice in one batch).
+        self.repeated = {j: first[rid] for j, rid in enumerate(ids) if first.setdefault(rid, j) != j}
+        requests = [None if j in self.repeated else r for j, r in enumerate(requests)]
         self.requests = requests
         self.known = np.array([r is not None for r in requests], dtype=bool)
         self.rows = np.array([r.row if r else -1 for r in requests], dtype=np.int64)
@@ -322,6 +327,8 @@ class SessionState:
         reported: set[tuple[str, str]] = set()  # (request, problem): one error per batch each
         table = self._slots(batch)
         requests = table.requests
+        for j, first in table.repeated.items():
+            out += self._repeated_request(batch, j, first)
         reader = BatchReader(batch, as_float32=False)
         read_alike: dict[tuple, list[_Checked]] = {}
         for i in range(len(batch.blocks)):
@@ -356,7 +363,7 @@ class SessionState:
     def _slots(self, batch: pb.ActivationBatch) -> _SlotTable:
         ids = tuple(batch.request_ids)
         if self._slot_table is None or self._slot_table[0] != ids:
-            self._slot_table = (ids, _SlotTable([self.requests.get(rid) for rid in ids]))
+            self._slot_table = (ids, _SlotTable(ids, [self.requests.get(rid) for rid in ids]))
         return self._slot_table[1]
 
     def _check_block(
@@ -396,8 +403,9 @@ class SessionState:
         out = []
         usable = table.known[slots]
         if not usable.all():
-            for j in np.unique(slots[~usable]):
-                out += self._unknown_request(batch.request_ids[j], where, batch.step, reported)
+            for j in np.unique(slots[~usable]).tolist():
+                if j not in table.repeated:  # refused once for the batch, in batch()
+                    out += self._unknown_request(batch.request_ids[j], where, batch.step, reported)
         negative = block.token_positions < 0
         if negative.any():
             out += self._bad_rows(batch, table, where, "with a negative token position", block, slots,
@@ -622,6 +630,12 @@ class SessionState:
         else:
             self._plans.move_to_end(key)
         return plan
+
+    def _repeated_request(self, batch: pb.ActivationBatch, j: int, first: int) -> list[pb.SessionResponse]:
+        rid = batch.request_ids[j]
+        return [self._error(rid, "INVALID_ARGUMENT",
+                            f"batch.request_ids[{j}]: request {rid!r} is named again (first at [{first}]); "
+                            f"the rows naming [{j}] were not scored", step=batch.step)]
 
     def _unknown_request(self, rid: str, where: str, step: int,
                          reported: set[tuple[str, str]]) -> list[pb.SessionResponse]:

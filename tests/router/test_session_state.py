@@ -157,3 +157,21 @@ def test_rule_state_survives_the_grid_growing_and_freed_cells_start_clean(tmp_pa
     bind("second", "p23")  # takes the row and the column freed last: that cell
     assert aborts(4, ["second"], [0], [1.0]) == {}  # no streak inherited
     assert aborts(5, ["second"], [1], [0.7]) == {"second": ("p23", 1)}  # p23's own threshold
+
+
+def test_a_request_named_twice_in_one_batch_has_the_second_slots_rows_refused(state):
+    """request_ids naming a request again (an engine keeps one slot per request):
+    the rows through the later slot are refused with an error naming both
+    indexes, the rest of the batch is scored, and no unknown-request error is made up."""
+    start(state, "a", 1)
+    start(state, "b", 2)
+    batch = to_batch([block(rows(1.0, 2.0, 3.0), ["a", "b", "a"], [0, 0, 1])], step=6)
+    assert list(batch.request_ids) == ["a", "b"]
+    batch.request_ids.append("a")
+    batch.blocks[0].request_index[2] = 2  # the row at position 1 names "a" through [2]
+    replies = state.batch(batch)
+    assert summary(replies) == [("error", "a", 1, 6), ("scores", "a", 1, 0), ("scores", "b", 2, 0), ("ack", "", 0, 6)]
+    assert replies[0].error.code == pb.STATUS_CODE_INVALID_ARGUMENT
+    assert replies[0].error.message == (
+        "batch.request_ids[2]: request 'a' is named again (first at [0]); the rows naming [2] were not scored")
+    assert (list(replies[1].scores.token_positions), list(replies[1].scores.scores)) == ([0], [1.0])
