@@ -81,8 +81,7 @@ class _SlotTable:
         # A request named again later in request_ids: that slot is refused (its
         # rows would update the request's rule state twice in one batch).
         self.repeated = {j: first[rid] for j, rid in enumerate(ids) if first.setdefault(rid, j) != j}
-        requests = [None if j in self.repeated else r for j, r in enumerate(requests)]
-        self.requests = requests
+        self.requests = requests = [None if j in self.repeated else r for j, r in enumerate(requests)]
         self.known = np.array([r is not None for r in requests], dtype=bool)
         self.rows = np.array([r.row if r else -1 for r in requests], dtype=np.int64)
         self.prompt_lengths = np.array([r.prompt_length if r else 0 for r in requests], dtype=np.int64)
