@@ -44,12 +44,10 @@ class BindingGrid:
     def add_request(self) -> int:
         if not self._free_rows:
             self._grow(rows=2 * self.bound.shape[0], columns=self.bound.shape[1])
-        row = self._free_rows.pop()
-        self.bound[row] = False
-        return row
+        return self._free_rows.pop()
 
     def release_request(self, row: int) -> None:
-        self.bound[row] = False
+        self.bound[row] = False  # so the row is clean when taken again
         self._free_rows.append(row)
 
     # -- probes -------------------------------------------------------------
@@ -59,7 +57,6 @@ class BindingGrid:
             self._grow(rows=self.bound.shape[0], columns=2 * self.bound.shape[1])
         column = self._free_columns.pop()
         manifest = probe.manifest
-        self.bound[:, column] = False
         self.probes[column] = probe
         self.threshold[column] = manifest.threshold
         self.min_tokens[column] = manifest.min_tokens
@@ -70,7 +67,7 @@ class BindingGrid:
         return column
 
     def release_probe(self, column: int) -> None:
-        self.bound[:, column] = False
+        self.bound[:, column] = False  # so the column is clean when taken again
         self.probes[column] = None
         self._free_columns.append(column)
 
