@@ -1,11 +1,13 @@
-"""Router memory per open request: resident memory of a real router process as
-one Session opens requests bound to probes, none of them ended.
+"""Router memory and CPU per open request: resident memory of a real router
+process as one Session opens requests bound to probes, none of them ended, and
+the router's CPU per request_start (its process, gRPC included).
 
     python -m bench.router_memory [--requests 1000,5000,10000] [--probes 4] [--out router_memory.json]
 
 Reads the router's RSS (tools.process_memory: its process tree, the router alone) after each level, once the router has
 acknowledged an empty batch sent after the last request_start (so every start
-was processed). Writes bench/results/router_memory.json (or `--out`).
+was processed); the CPU is the router's user and system time over each level,
+less the sleep before reading memory. Writes bench/results/router_memory.json (or `--out`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 from bench import results_file
 from router_service.probe_files import write_probe
@@ -31,6 +34,11 @@ HIDDEN = 1024
 
 def rss_kib(pid: int) -> int:
     return tree_memory(pid).rss_bytes // 1024
+
+
+def cpu_seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
 
 
 async def run(args) -> dict:
@@ -53,13 +61,17 @@ async def run(args) -> dict:
             await client.sync()
             rows = [{"open_requests": 0, "rss_kib": rss_kib(router.process.pid)}]
             opened = 0
+            process = psutil.Process(router.process.pid)
             for level in levels:
+                before, starts = cpu_seconds(process), level - opened
                 while opened < level:
                     client.start(f"req-{opened}", *names, prompt_length=16)
                     opened += 1
                 await client.sync()
+                cpu_ms_per_start = (cpu_seconds(process) - before) / starts * 1000
                 await asyncio.sleep(0.5)
-                rows.append({"open_requests": level, "rss_kib": rss_kib(router.process.pid)})
+                rows.append({"open_requests": level, "rss_kib": rss_kib(router.process.pid),
+                             "router_cpu_ms_per_start": round(cpu_ms_per_start, 3)})
                 print(rows[-1], flush=True)
             await client.close()
         finally:

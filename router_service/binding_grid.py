@@ -73,9 +73,10 @@ class BindingGrid:
 
     # -- bindings -----------------------------------------------------------
 
-    def bind(self, row: int, column: int, abort: bool) -> None:
-        self.bound[row, column], self.abort[row, column] = True, abort
-        self.seen[row, column], self.streak[row, column] = 0, 0
+    def bind(self, row: int, columns: list[int], aborts: list[bool]) -> None:
+        """A request's bindings, all at once (a request_start may bind a thousand probes)."""
+        self.bound[row, columns], self.abort[row, columns] = True, aborts
+        self.seen[row, columns], self.streak[row, columns] = 0, 0
 
     def unbind(self, row: int, column: int) -> None:
         self.bound[row, column] = False

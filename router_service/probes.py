@@ -133,7 +133,10 @@ class Probe:
         """Scores depend on the row alone, so all requests score in one call."""
         return all(m.aggregation is None for m in self.members)
 
-    def new_state(self) -> list[dict | None]:
+    def new_state(self) -> list[dict | None] | None:
+        """A binding's trajectory state; None for a stateless probe, which keeps none."""
+        if self.stateless:
+            return None
         return [m.aggregation.new_state() if m.aggregation else None for m in self.members]
 
     def score(self, values: np.ndarray, state: list[dict | None] | None) -> np.ndarray:

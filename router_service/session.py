@@ -17,7 +17,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -41,14 +41,19 @@ DEFAULT_MAX_REQUESTS_PER_SESSION = 4096
 @dataclass
 class Binding:
     """What a request's binding of a probe keeps besides its cell in the BindingGrid:
-    a stateful probe's trajectory, scores not yet sent, the tie-break between aborts."""
+    a stateful probe's trajectory, scores not yet sent, the tie-break between aborts.
+
+    A request_start may make a thousand of these, and every container they hold
+    is one more object for the cyclic garbage collector to walk while the request
+    lives (most of a start's cost, measured): so a stateless probe's binding holds
+    no state, and the lists of scores not yet sent exist only while there are some."""
 
     probe: Probe
     action: int  # pb.PROBE_ACTION_OBSERVE or pb.PROBE_ACTION_ABORT
     order: int  # position in the request's bindings: breaks ties between aborts
-    state: list = field(default_factory=list)
-    pending_positions: list[int] = field(default_factory=list)  # scores not sent yet, end to end
-    pending_scores: list[float] = field(default_factory=list)
+    state: list | None = None  # a stateful probe's trajectory (Probe.new_state)
+    pending_positions: list[int] | None = None  # scores not sent yet, end to end
+    pending_scores: list[float] | None = None
     last_scores_sent: float = float("-inf")
 
 
@@ -236,29 +241,34 @@ class SessionState:
         out: list[pb.SessionResponse] = []
         bindings: dict[int, Binding] = {}
         names: set[str] = set()
+        columns: list[int] = []  # the grid cells this request binds, written at once
+        aborts: list[bool] = []
         row = self._grid.add_request()
         for i, wanted in enumerate(msg.probes):
-            if bad := unknown_enum(wanted, f"request_start.probes[{i}]"):
-                out.append(refuse("INVALID_ARGUMENT", bad, wanted.probe))
+            name = wanted.probe  # read once: each read of a message's string field makes a new str
+            if bad := unknown_enum(wanted):  # its path is built for the error only
+                out.append(refuse("INVALID_ARGUMENT", f"request_start.probes[{i}].{bad}", name))
                 continue
-            if wanted.probe in names:
+            if name in names:
                 out.append(refuse("INVALID_ARGUMENT",
-                                  f"request_start.probes[{i}]: probe {wanted.probe!r} bound twice", wanted.probe))
+                                  f"request_start.probes[{i}]: probe {name!r} bound twice", name))
                 continue
             try:
-                probe = self.registry.bind(wanted.probe)
+                probe = self.registry.bind(name)
             except UndercurrentError as err:
-                out.append(refuse(err.code.name, f"request_start.probes[{i}]: {err}", wanted.probe))
+                out.append(refuse(err.code.name, f"request_start.probes[{i}]: {err}", name))
                 continue
-            reason = probe.manifest.incompatibility(self.model)
-            if reason is not None:
+            # A probe some request of the session binds was checked against the model then.
+            if id(probe) not in self._bound and (reason := probe.manifest.incompatibility(self.model)):
                 self.registry.release(probe)
-                out.append(refuse("FAILED_PRECONDITION", f"request_start.probes[{i}]: {reason}", wanted.probe))
+                out.append(refuse("FAILED_PRECONDITION", f"request_start.probes[{i}]: {reason}", name))
                 continue
-            names.add(wanted.probe)
-            action = wanted.action if wanted.action != pb.PROBE_ACTION_UNSPECIFIED else probe.manifest.action
-            self._grid.bind(row, self._column(probe), action == pb.PROBE_ACTION_ABORT)
+            names.add(name)
+            action = wanted.action or probe.manifest.action  # PROBE_ACTION_UNSPECIFIED is 0
+            columns.append(self._column(probe))
+            aborts.append(action == pb.PROBE_ACTION_ABORT)
             bindings[id(probe)] = Binding(probe, action, len(bindings), probe.new_state())
+        self._grid.bind(row, columns, aborts)
         self.requests[rid] = RequestState(rid, msg.prompt_length, row, bindings, incarnation)
         self._slot_table = None
         self._ended.pop(rid, None)
@@ -529,8 +539,11 @@ class SessionState:
                 if (column := probe_scores.get(j)) is None:
                     column = probe_scores[j] = scores[:, j].tolist()
                 first, last = bounds[k]
-                binding.pending_positions += position_list[first:last]
-                binding.pending_scores += column[first:last]
+                if binding.pending_scores is None:
+                    binding.pending_positions, binding.pending_scores = position_list[first:last], column[first:last]
+                else:
+                    binding.pending_positions += position_list[first:last]
+                    binding.pending_scores += column[first:last]
                 if message := self._flush_scores(request, binding, force=False):
                     out.append(message)
         self.metrics.probes.record(grid.metric_slot[columns], order.selected.size,
@@ -596,7 +609,7 @@ class SessionState:
         message.token_positions.extend(binding.pending_positions)
         message.scores.extend(binding.pending_scores)
         message.incarnation = request.incarnation
-        binding.pending_positions, binding.pending_scores = [], []
+        binding.pending_positions = binding.pending_scores = None
         return response
 
     # -- helpers ------------------------------------------------------------
