@@ -11,7 +11,9 @@ grew by a quarter: a pause of the router's every session, verdicts included.
 Runs `router_service.session.SessionState` in this process (no gRPC; the
 start-up heap frozen as the router's is) and reports, per round: CPU ms per
 request_start and per request_end, a full collection's wall ms with every
-request open, and the objects the collector tracks then. Writes
+request open, the objects the collector tracks then, and the full collections
+CPython ran by itself while the requests started (the requests open at each,
+and its pause). Writes
 bench/results/session_gc.json (or `--out`).
 """
 
@@ -25,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Self
 
 import numpy as np
 
@@ -55,6 +58,32 @@ def session(probes: int, requests: int) -> tuple[SessionState, list[str]]:
     return SessionState(registry, model, RouterMetrics(), max_requests=requests + 1), names
 
 
+class FullCollections:
+    """The full collections CPython ran on its own while the block ran: per
+    collection the requests open then and its wall milliseconds."""
+
+    def __init__(self, open_requests) -> None:
+        self.open_requests = open_requests
+        self.collections: list[dict] = []
+        self._started = 0.0
+
+    def __enter__(self) -> Self:
+        gc.callbacks.append(self._on)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._on)
+
+    def _on(self, phase: str, info: dict) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.collections.append({"open_requests": self.open_requests(),
+                                     "ms": round((time.perf_counter() - self._started) * 1000, 1)})
+
+
 def run(args) -> dict:
     state, names = session(args.probes, args.requests)
     starts = [pb.RequestStart(request_id=f"req-{i}", prompt_length=1,
@@ -66,10 +95,11 @@ def run(args) -> dict:
     rounds = []
     for _ in range(args.rounds):
         gc.collect()
-        started = time.process_time()
-        for message in starts:
-            state.start(message)
-        start_ms = (time.process_time() - started) / args.requests * 1000
+        with FullCollections(lambda: len(state.requests)) as seen:
+            started = time.process_time()
+            for message in starts:
+                state.start(message)
+            start_ms = (time.process_time() - started) / args.requests * 1000
         tracked = len(gc.get_objects())
         paused = time.perf_counter()
         gc.collect()
@@ -79,9 +109,11 @@ def run(args) -> dict:
             state.end(message)
         end_ms = (time.process_time() - started) / args.requests * 1000
         rounds.append({"start_ms": round(start_ms, 3), "end_ms": round(end_ms, 3),
-                       "full_collection_ms": round(pause_ms, 1), "tracked_objects": tracked})
+                       "full_collection_ms": round(pause_ms, 1), "tracked_objects": tracked,
+                       "collections_while_starting": seen.collections})
         print(rounds[-1], flush=True)
-    medians = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+    medians = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]
+               if key != "collections_while_starting"}
     return {"probes_per_request": args.probes, "requests": args.requests, "rounds": rounds, "medians": medians}
 
 
