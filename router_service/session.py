@@ -17,7 +17,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -39,32 +39,27 @@ DEFAULT_MAX_REQUESTS_PER_SESSION = 4096
 
 
 @dataclass
-class Binding:
-    """What a request's binding of a probe keeps besides its cell in the BindingGrid:
-    a stateful probe's trajectory, scores not yet sent, the tie-break between aborts.
-
-    A request_start may make a thousand of these, and every container they hold
-    is one more object for the cyclic garbage collector to walk while the request
-    lives (most of a start's cost, measured): so a stateless probe's binding holds
-    no state, and the lists of scores not yet sent exist only while there are some."""
-
-    probe: Probe
-    action: int  # pb.PROBE_ACTION_OBSERVE or pb.PROBE_ACTION_ABORT
-    order: int  # position in the request's bindings: breaks ties between aborts
-    state: list | None = None  # a stateful probe's trajectory (Probe.new_state)
-    pending_positions: list[int] | None = None  # scores not sent yet, end to end
-    pending_scores: list[float] | None = None
-    last_scores_sent: float = float("-inf")
-
-
-@dataclass
 class RequestState:
+    """A request and its bindings: each binding is a cell of the session's
+    BindingGrid (the request's row, the probe's column), and what a binding keeps
+    besides lives in dicts by column that hold entries only for the bindings that
+    need one.
+
+    A request_start may bind a thousand probes, and every Python object a
+    binding held was one more for the cyclic garbage collector to walk, at every
+    full collection, on the event loop, while the request lived (most of a
+    start's cost, and pauses of about 100 ms with 200 such requests open,
+    measured). A dict of ints only is not walked at all."""
+
     request_id: str
     prompt_length: int
     row: int  # its row in the session's BindingGrid
-    bindings: dict[int, Binding]  # id(probe) -> binding, in request_start order
+    orders: dict[int, int]  # grid column -> its binding's place in request_start (breaks ties between aborts)
     incarnation: int = 0  # echoed on every message about this request
     aborted: bool = False
+    trajectories: dict[int, list] = field(default_factory=dict)  # column -> a stateful probe's state
+    pending: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)  # column -> scores not sent
+    scores_sent: dict[int, float] = field(default_factory=dict)  # column -> when its scores last went out
 
 
 @dataclass
@@ -152,11 +147,12 @@ class _Candidate:
 
     position: int
     layer: int
-    binding: Binding
+    column: int  # the binding's grid column
+    order: int  # the binding's place in request_start
     score: float
 
     def key(self) -> tuple[int, int, int]:
-        return (self.position, self.layer, self.binding.order)
+        return (self.position, self.layer, self.order)
 
 
 def error(request_id: str, code: str, message: str, probe: str = "", incarnation: int = 0,
@@ -239,10 +235,10 @@ class SessionState:
         if msg.prompt_length < 0:
             return [refuse("INVALID_ARGUMENT", f"request_start.prompt_length {msg.prompt_length} is negative")]
         out: list[pb.SessionResponse] = []
-        bindings: dict[int, Binding] = {}
+        orders: dict[int, int] = {}  # grid column -> place, in binding order
+        trajectories: dict[int, list] = {}
         names: set[str] = set()
-        columns: list[int] = []  # the grid cells this request binds, written at once
-        aborts: list[bool] = []
+        aborts: list[bool] = []  # per column of orders: the grid cells are written at once
         row = self._grid.add_request()
         for i, wanted in enumerate(msg.probes):
             name = wanted.probe  # read once: each read of a message's string field makes a new str
@@ -265,11 +261,13 @@ class SessionState:
                 continue
             names.add(name)
             action = wanted.action or probe.manifest.action  # PROBE_ACTION_UNSPECIFIED is 0
-            columns.append(self._column(probe))
+            column = self._column(probe)
+            orders[column] = len(orders)
             aborts.append(action == pb.PROBE_ACTION_ABORT)
-            bindings[id(probe)] = Binding(probe, action, len(bindings), probe.new_state())
-        self._grid.bind(row, columns, aborts)
-        self.requests[rid] = RequestState(rid, msg.prompt_length, row, bindings, incarnation)
+            if (trajectory := probe.new_state()) is not None:
+                trajectories[column] = trajectory
+        self._grid.bind(row, list(orders), aborts)
+        self.requests[rid] = RequestState(rid, msg.prompt_length, row, orders, incarnation, trajectories=trajectories)
         self._slot_table = None
         self._ended.pop(rid, None)
         self.metrics.live_requests.inc()
@@ -283,7 +281,7 @@ class SessionState:
                                 "is not running on this session", incarnation=msg.incarnation)]
         del self.requests[msg.request_id]
         self._slot_table = None
-        out = [m for b in request.bindings.values() if (m := self._flush_scores(request, b, force=True))]
+        out = [m for column in list(request.pending) if (m := self._flush_scores(request, column, force=True))]
         self._free(request)
         self._ended[msg.request_id] = request.incarnation
         self._ended.move_to_end(msg.request_id)
@@ -301,8 +299,8 @@ class SessionState:
         return count
 
     def _free(self, request: RequestState) -> None:
-        for binding in list(request.bindings.values()):
-            self._unbind(request, binding)
+        for column in list(request.orders):
+            self._unbind(request, column)
         self._grid.release_request(request.row)
         self.metrics.live_requests.dec()
 
@@ -316,14 +314,18 @@ class SessionState:
         bound.bindings += 1
         return bound.column
 
-    def _unbind(self, request: RequestState, binding: Binding) -> None:
-        del request.bindings[id(binding.probe)]
-        self.registry.release(binding.probe)
-        bound = self._bound[id(binding.probe)]
-        self._grid.unbind(request.row, bound.column)
+    def _unbind(self, request: RequestState, column: int) -> None:
+        probe = self._grid.probes[column]
+        del request.orders[column]
+        request.trajectories.pop(column, None)
+        request.pending.pop(column, None)
+        request.scores_sent.pop(column, None)
+        self.registry.release(probe)
+        bound = self._bound[id(probe)]
+        self._grid.unbind(request.row, column)
         bound.bindings -= 1
         if bound.bindings == 0:
-            del self._bound[id(binding.probe)]
+            del self._bound[id(probe)]
             self._grid.release_probe(bound.column)
             self._readers.clear()
             self._plans.clear()  # plans are cached by grid columns, which a new probe may take
@@ -363,7 +365,7 @@ class SessionState:
             if not request.aborted:
                 request.aborted = True
                 best = min(found, key=_Candidate.key)
-                out.append(self._abort(request, best.binding, best.score, best.position, best.layer))
+                out.append(self._abort(request, best.column, best.score, best.position, best.layer))
         out.append(pb.SessionResponse(ack=pb.StepAck(step=batch.step)))
         self.metrics.batches.inc()
         self.metrics.batch_seconds.observe(time.perf_counter() - started)
@@ -520,10 +522,11 @@ class SessionState:
         hits = first_firing_segments(scores, starts, grid.threshold[columns], grid.min_tokens[columns],
                                      grid.patience[columns], seen, streak)
         grid.seen[cells], grid.streak[cells] = seen, streak
+        column_list = columns.tolist()
         for k, j in zip(*(index.tolist() for index in np.nonzero(abort & (hits >= 0)))):
-            hit, slot = hits[k, j], int(segment_slots[k])
+            hit, slot, column = hits[k, j], int(segment_slots[k]), column_list[j]
             candidates.setdefault(slot, []).append(_Candidate(
-                int(positions[hit]), int(layers[hit]), table.requests[slot].bindings[id(probes[j])],
+                int(positions[hit]), int(layers[hit]), column, table.requests[slot].orders[column],
                 float(scores[hit, j])))
         out = []
         observed = np.nonzero(~abort.T)  # probe by probe
@@ -534,17 +537,16 @@ class SessionState:
             bounds = list(zip(starts.tolist(), ends.tolist()))
             probe_scores: dict[int, list[float]] = {}
             for j, k in zip(*(index.tolist() for index in observed)):
-                request = table.requests[slots[k]]
-                binding = request.bindings[id(probes[j])]
-                if (column := probe_scores.get(j)) is None:
-                    column = probe_scores[j] = scores[:, j].tolist()
+                request, column = table.requests[slots[k]], column_list[j]
+                if (of_probe := probe_scores.get(j)) is None:
+                    of_probe = probe_scores[j] = scores[:, j].tolist()
                 first, last = bounds[k]
-                if binding.pending_scores is None:
-                    binding.pending_positions, binding.pending_scores = position_list[first:last], column[first:last]
+                if (pending := request.pending.get(column)) is None:
+                    request.pending[column] = (position_list[first:last], of_probe[first:last])
                 else:
-                    binding.pending_positions += position_list[first:last]
-                    binding.pending_scores += column[first:last]
-                if message := self._flush_scores(request, binding, force=False):
+                    pending[0].extend(position_list[first:last])
+                    pending[1].extend(of_probe[first:last])
+                if message := self._flush_scores(request, column, force=False):
                     out.append(message)
         self.metrics.probes.record(grid.metric_slot[columns], order.selected.size,
                                    (time.perf_counter() - started) / columns.size)
@@ -569,19 +571,19 @@ class SessionState:
         if direct.any():
             scores[:, direct] = values(first_columns(columns[direct]))
         for j in np.flatnonzero(~direct).tolist():
-            probe = probes[j]
+            probe, column = probes[j], int(columns[j])
             probe_values = values([part.plan.columns[id(probe)] for part in parts])
             if probe.stateless:
                 scores[:, j] = probe.score(probe_values, None)
             else:
                 scores[:, j] = np.concatenate([
-                    probe.score(probe_values[a:b], table.requests[slot].bindings[id(probe)].state)
+                    probe.score(probe_values[a:b], table.requests[slot].trajectories[column])
                     for a, b, slot in zip(order.starts, order.ends, segment_slots.tolist())])
         return scores
 
-    def _abort(self, request: RequestState, binding: Binding, score: float, position: int,
+    def _abort(self, request: RequestState, column: int, score: float, position: int,
                layer: int) -> pb.SessionResponse:
-        m = binding.probe.manifest
+        m = self._grid.probes[column].manifest
         reason = (
             f"probe {m.name!r} (version {m.version}) scored {score:.4g} >= threshold {m.threshold:g} "
             f"at token {position}, layer {layer} (patience {m.patience}, min_tokens {m.min_tokens})"
@@ -593,23 +595,26 @@ class SessionState:
             request_id=request.request_id, probe=m.name, score=score, token_position=position,
             reason=reason, incarnation=request.incarnation))
 
-    def _flush_scores(self, request: RequestState, binding: Binding, force: bool) -> pb.SessionResponse | None:
-        if not binding.pending_scores:
+    def _flush_scores(self, request: RequestState, column: int, force: bool) -> pb.SessionResponse | None:
+        """The binding's scores not sent yet, as one message, unless --scores-interval
+        holds them back (`force`: at the request's end)."""
+        pending = request.pending.get(column)
+        if pending is None or not pending[1]:
             return None
         if self.scores_interval:
             now = self.clock()
-            if not force and now - binding.last_scores_sent < self.scores_interval:
+            if not force and now - request.scores_sent.get(column, float("-inf")) < self.scores_interval:
                 return None
-            binding.last_scores_sent = now
+            request.scores_sent[column] = now
+        positions, scores = request.pending.pop(column)
         # Filled in place: building a ProbeScores and then the response copies it.
         response = pb.SessionResponse()
         message = response.scores
         message.request_id = request.request_id
-        message.probe = binding.probe.name
-        message.token_positions.extend(binding.pending_positions)
-        message.scores.extend(binding.pending_scores)
+        message.probe = self._grid.probes[column].name
+        message.token_positions.extend(positions)
+        message.scores.extend(scores)
         message.incarnation = request.incarnation
-        binding.pending_positions = binding.pending_scores = None
         return response
 
     # -- helpers ------------------------------------------------------------
@@ -622,12 +627,12 @@ class SessionState:
         if not any(self._grid.probes[bound.column].retired for bound in self._bound.values()):
             return out  # the usual case, checked per probe rather than per binding
         for request in self.requests.values():
-            for binding in [b for b in request.bindings.values() if b.probe.retired]:
-                self._unbind(request, binding)
+            for column in [c for c in request.orders if self._grid.probes[c].retired]:
+                name = self._grid.probes[column].name
+                self._unbind(request, column)
                 out.append(self._error(
                     request.request_id, "NOT_FOUND",
-                    f"probe {binding.probe.name!r} was unloaded by force; it no longer scores this request",
-                    binding.probe.name))
+                    f"probe {name!r} was unloaded by force; it no longer scores this request", name))
         return out
 
     def _plan(self, columns: np.ndarray) -> ProjectionPlan:
