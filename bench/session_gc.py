@@ -4,10 +4,12 @@ with many probes bound to every request.
 
     python -m bench.session_gc [--probes 1000] [--requests 200] [--rounds 3] [--out session_gc.json]
 
-A router keeps per request and bound probe a few Python objects for as long as
-the request lives. CPython's cyclic collector walks every one of them at each
-full collection, and runs one on the event loop whenever the long-lived objects
-grew by a quarter: a pause of the router's every session, verdicts included.
+Every Python object a router keeps while a request lives is walked by
+CPython's cyclic collector at each full collection, which it runs on the event
+loop whenever the long-lived objects grew by a quarter: a pause of the router's
+every session, verdicts included. A binding is a cell of the session's arrays,
+so the objects walked should not grow with the probes bound (BENCHMARKS.md
+section 26).
 Runs `router_service.session.SessionState` in this process (no gRPC; the
 start-up heap frozen as the router's is) and reports, per round: CPU ms per
 request_start and per request_end, a full collection's wall ms with every
