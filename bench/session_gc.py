@@ -29,11 +29,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Self
 
 import numpy as np
 
 from bench import results_file
+from bench.gc_watch import Collections
 from common.gc_heap import freeze_startup_heap
 from router_service.metrics import RouterMetrics
 from router_service.probe_files import load_probe_path, write_probe
@@ -60,32 +60,6 @@ def session(probes: int, requests: int) -> tuple[SessionState, list[str]]:
     return SessionState(registry, model, RouterMetrics(), max_requests=requests + 1), names
 
 
-class FullCollections:
-    """The full collections CPython ran on its own while the block ran: per
-    collection the requests open then and its wall milliseconds."""
-
-    def __init__(self, open_requests) -> None:
-        self.open_requests = open_requests
-        self.collections: list[dict] = []
-        self._started = 0.0
-
-    def __enter__(self) -> Self:
-        gc.callbacks.append(self._on)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        gc.callbacks.remove(self._on)
-
-    def _on(self, phase: str, info: dict) -> None:
-        if info["generation"] != 2:
-            return
-        if phase == "start":
-            self._started = time.perf_counter()
-        else:
-            self.collections.append({"open_requests": self.open_requests(),
-                                     "ms": round((time.perf_counter() - self._started) * 1000, 1)})
-
-
 def run(args) -> dict:
     state, names = session(args.probes, args.requests)
     starts = [pb.RequestStart(request_id=f"req-{i}", prompt_length=1,
@@ -97,7 +71,7 @@ def run(args) -> dict:
     rounds = []
     for _ in range(args.rounds):
         gc.collect()
-        with FullCollections(lambda: len(state.requests)) as seen:
+        with Collections(lambda: {"open_requests": len(state.requests)}) as seen:
             started = time.process_time()
             for message in starts:
                 state.start(message)
@@ -112,7 +86,7 @@ def run(args) -> dict:
         end_ms = (time.process_time() - started) / args.requests * 1000
         rounds.append({"start_ms": round(start_ms, 3), "end_ms": round(end_ms, 3),
                        "full_collection_ms": round(pause_ms, 1), "tracked_objects": tracked,
-                       "collections_while_starting": seen.collections})
+                       "collections_while_starting": seen.full})
         print(rounds[-1], flush=True)
     medians = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]
                if key != "collections_while_starting"}

@@ -54,6 +54,7 @@ import msgspec  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import results_file  # noqa: E402
+from bench.gc_watch import Collections  # noqa: E402
 from common import tensor_codec  # noqa: E402
 from common.gc_heap import freeze_startup_heap  # noqa: E402
 from common.activations import Block, decode_parts, encode_part, session_request_bytes, to_batch  # noqa: E402
@@ -71,30 +72,6 @@ def step_blocks(args, bits: np.ndarray, request_ids: list[str], step: int) -> li
     positions, flags = np.full(args.rows, step, np.int64), np.ones(args.rows, bool)
     return [Block("resid", pb.TENSOR_TYPE_RESIDUAL_STREAM, layer, bits, request_ids, positions, flags, "bfloat16")
             for layer in range(args.blocks)]
-
-
-class Collections:
-    """The garbage collector's runs while measuring: per generation, how many, their
-    milliseconds in all and the longest one (what held the event loop longest)."""
-
-    def __init__(self) -> None:
-        self.count, self.ms, self.longest_ms, self._started = [0, 0, 0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0], 0.0
-
-    def __enter__(self) -> Collections:
-        gc.callbacks.append(self._on)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        gc.callbacks.remove(self._on)
-
-    def _on(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._started = time.perf_counter()
-        else:
-            generation, ms = info["generation"], 1e3 * (time.perf_counter() - self._started)
-            self.count[generation] += 1
-            self.ms[generation] += ms
-            self.longest_ms[generation] = max(self.longest_ms[generation], ms)
 
 
 async def engine(args) -> tuple[float, float, Collections, int]:
