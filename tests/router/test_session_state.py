@@ -1,5 +1,7 @@
 """SessionState alone, with no gRPC: what it answers to broken batches and limits."""
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -175,3 +177,23 @@ def test_a_request_named_twice_in_one_batch_has_the_second_slots_rows_refused(st
     assert replies[0].error.message == (
         "batch.request_ids[2]: request 'a' is named again (first at [0]); the rows naming [2] were not scored")
     assert (list(replies[1].scores.token_positions), list(replies[1].scores.scores)) == ([0], [1.0])
+
+
+def test_open_bindings_give_the_garbage_collector_nothing_to_walk(tmp_path):
+    """A full collection walks every tracked object, on the router's event loop:
+    requests of many probes must not add an object per binding (they added five)."""
+    registry, names = ProbeRegistry(), [f"p{i}" for i in range(200)]
+    for name in names:
+        registry.load(load_probe_path(linear_probe(tmp_path, name, np.eye(HIDDEN)[0], threshold=0.5)))
+    state = SessionState(registry, model_info(), RouterMetrics())
+
+    def open_requests(first, count):
+        for i in range(first, first + count):
+            assert state.start(pb.RequestStart(request_id=f"r{i}", probes=[pb.ProbeBinding(probe=n)
+                                                                          for n in names])) == []
+        gc.collect()
+        return len(gc.get_objects())
+
+    before = open_requests(0, 10)
+    after = open_requests(10, 20)  # 4,000 more bindings
+    assert after - before < 20 * 10, f"{after - before} objects tracked for 20 requests of 200 probes"
