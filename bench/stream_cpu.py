@@ -9,7 +9,7 @@ requests; `--rows 8 --hidden 1024 --blocks 25 --probes 4` is the shape of
 every type at every layer of the bench model at batch 8.
 
 engine drain: what the engine service does with a step's worker shipment
-    before the link (msgpack decode, `decode_parts`, `merge_blocks`,
+    before the link (`shipment_from_frames`, `decode_parts`, `merge_blocks`,
     `DeliveredPositions.filter`), the shipment built as a worker builds it.
 engine link: `RouterLink.send_step` of the merged blocks (partition, split,
     serialisation, ledger entries), the session's write path (step numbering,
@@ -78,6 +78,7 @@ async def engine(args) -> tuple[float, float, Collections, int]:
     """CPU seconds per step (drain, link), the collections while measuring, and how
     many objects the setup froze (0 with --no-gc-freeze)."""
     from engine_service.capture.merge import DeliveredPositions, merge_blocks
+    from engine_service.capture.push import shipment_frames, shipment_from_frames
     from engine_service.link import RouterLink, RouterLinkConfig
     from engine_service.link.session import ReplicaSession
     from engine_service.request_ledger import RequestLedger
@@ -97,14 +98,21 @@ async def engine(args) -> tuple[float, float, Collections, int]:
     while replica.queue:
         replica.queue.pop()
     bits, in_flight = rows(args), []
-    shipments = [msgspec.msgpack.encode({"rank": 0, "seq": step, "parts": [
-        encode_part(b) for b in step_blocks(args, bits, request_ids, step)]}) for step in range(1, args.steps + 1)]
+    shipments = []  # each step's frames as the worker sends them (its rows, one buffer, not copied)
+    for step in range(1, args.steps + 1):
+        step_rows = np.concatenate([bits] * args.blocks)  # the step's buffer: a slice per block
+        blocks = step_blocks(args, bits, request_ids, step)
+        for layer, block in enumerate(blocks):
+            block.rows = step_rows[layer * args.rows : (layer + 1) * args.rows]
+        header, buffers = shipment_frames({"rank": 0, "seq": step, "parts": [
+            encode_part(b, copy=False) for b in blocks]})
+        shipments.append([msgspec.msgpack.encode(header), *buffers])
     delivered, drain_s, link_s = DeliveredPositions(), 0.0, 0.0
     frozen = freeze_startup_heap() if args.gc_freeze else 0
     with Collections() as collections:
         for data in shipments:
             started = time.process_time()
-            blocks = delivered.filter(merge_blocks(decode_parts(msgspec.msgpack.decode(data)["parts"])))
+            blocks = delivered.filter(merge_blocks(decode_parts(shipment_from_frames(data)["parts"])))
             drained = time.process_time()
             link.send_step(blocks)
             item = replica.queue.pop()

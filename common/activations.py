@@ -78,9 +78,12 @@ class Record:
 WirePart = dict[str, Any]
 
 
-def encode_part(block: Block) -> WirePart:
-    """A block as plain values; rows as tensor_codec bytes (bfloat16 stays as bits)."""
-    dtype, shape, data = tensor_codec.pack(block.rows, block.wire_dtype)
+def encode_part(block: Block, copy: bool = True) -> WirePart:
+    """A block as plain values; rows as tensor_codec bytes (bfloat16 stays as bits),
+    or with copy=False a read-only view of them (for a sender that sends buffers
+    as they are: the rows must not change until sent)."""
+    pack = tensor_codec.pack if copy else tensor_codec.pack_view
+    dtype, shape, data = pack(block.rows, block.wire_dtype)
     return {
         "point": block.point,
         "tensor_type": int(block.tensor_type),

@@ -9,9 +9,13 @@ a per-worker sequence number; `unregister` returns each worker's last one, so
 the driver knows when every row of an ending request has arrived (a barrier),
 and nothing depends on two channels racing.
 
-The socket is a Unix socket in a directory only this user can open, and
-shipments are msgpack (plain values and bytes; never pickle, so a stray
-writer cannot run code in the engine service). Only workers on the driver's
+The socket is a Unix socket in a directory only this user can open. A
+shipment is one ZeroMQ message of several frames: its plain values in msgpack
+(never pickle, so a stray writer cannot run code in the engine service), then
+the buffers its rows live in, each sent as it is (a step's rows are one
+buffer, `staging.StepStaging`), and the driver reads the rows in place in the
+frames it received: no copy of the rows in Python on either side
+(`shipment_frames`, `shipment_from_frames`). Only workers on the driver's
 host push; a worker on another node keeps its rows for the `collective_rpc`
 drain, which still works for every worker.
 
@@ -53,6 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import zmq
 import zmq.asyncio
 
@@ -118,12 +123,76 @@ class ReadProgress:
         self._map.close()
 
 
+class ShipmentError(ValueError):
+    """A shipment whose parts point outside the frames that came with it."""
+
+
+def shipment_frames(shipment: dict) -> tuple[dict, list[memoryview]]:
+    """(header, buffers): the shipment with each part's rows replaced by where
+    they are, [frame, start, stop], frame 1 being the first buffer; and the
+    buffers, which go out as frames after the msgpack of the header.
+
+    Rows that view one contiguous array (the parts of a step all view its
+    staging buffer) share that array's frame, sent without a copy; other rows
+    (bytes, say) are a frame each. The header's rows are therefore small
+    whatever the step, and the buffers are what the worker holds for the driver."""
+    header_parts: list[dict] = []
+    buffers: list[memoryview] = []
+    frame_of: dict[int, tuple[int, int]] = {}  # id(root array) -> (its frame, its address)
+    for part in shipment["parts"]:
+        rows = memoryview(part["rows"])
+        root = _root_array(rows)
+        start = _address(np.frombuffer(rows, np.uint8)) - _address(root) if root is not None else -1
+        if 0 <= start <= root.nbytes - rows.nbytes:
+            if id(root) not in frame_of:
+                buffers.append(memoryview(root).cast("B"))
+                frame_of[id(root)] = (len(buffers), _address(root))
+            where = [frame_of[id(root)][0], start, start + rows.nbytes]
+        else:  # not a stretch of an array (bytes, say): a frame of its own
+            buffers.append(memoryview(rows.tobytes()))
+            where = [len(buffers), 0, rows.nbytes]
+        header_parts.append({**part, "rows": where})
+    return {**shipment, "parts": header_parts}, buffers
+
+
+def _root_array(rows: memoryview) -> np.ndarray | None:
+    """The C-contiguous array that non-empty `rows` view (through any numpy views), or None."""
+    array = rows.obj
+    if not isinstance(array, np.ndarray) or not rows.c_contiguous or not rows.nbytes:
+        return None
+    while isinstance(array.base, np.ndarray):
+        array = array.base
+    return array if array.flags.c_contiguous else None
+
+
+def _address(array: np.ndarray) -> int:
+    return array.__array_interface__["data"][0]
+
+
+def shipment_from_frames(frames: list) -> dict:  # zmq.Frame or any bytes-like object
+    """The inverse of shipment_frames() at the driver: each part's rows become a
+    read-only view of the frame that carried them. Raises ShipmentError naming
+    the part whose rows point outside its frames."""
+    buffers = [memoryview(frame).toreadonly() for frame in frames]
+    shipment = msgspec.msgpack.decode(buffers[0])
+    for i, part in enumerate(shipment["parts"]):
+        frame, start, stop = part["rows"]
+        if not (0 < frame < len(buffers) and 0 <= start <= stop <= len(buffers[frame])):
+            raise ShipmentError(
+                f"rank {shipment.get('rank')} seq {shipment.get('seq')}: parts[{i}].rows "
+                f"[{frame}, {start}, {stop}] is outside the {len(buffers) - 1} buffers that came with it"
+            )
+        part["rows"] = buffers[frame][start:stop]
+    return shipment
+
+
 @dataclass(eq=False)
 class _Waiting:
-    """A shipment the socket did not take yet; encoded when first offered."""
+    """A shipment the socket did not take yet; its header is encoded when first offered."""
 
-    shipment: dict
-    nbytes: int  # its rows' bytes: what the backlog bound counts
+    header: dict  # shipment_frames()'s
+    buffers: list[memoryview]
+    nbytes: int  # the buffers' bytes: what the backlog bound counts
     data: bytes | None = None
 
 
@@ -175,7 +244,8 @@ class Pusher:
         is kept for a later push; past the bound in all the oldest kept shipments
         are dropped)."""
         self.seq += 1
-        waiting = _Waiting({**shipment, "seq": self.seq}, sum(len(p["rows"]) for p in shipment["parts"]))
+        header, buffers = shipment_frames({**shipment, "seq": self.seq})
+        waiting = _Waiting(header, buffers, sum(b.nbytes for b in buffers))
         self._unsent.append(waiting)
         self._unsent_bytes += waiting.nbytes
         self._settle()
@@ -196,20 +266,22 @@ class Pusher:
                 self._keeping(f"it has not read {self._in_flight_bytes} bytes handed to the socket")
                 return
             if self._dropped:  # the report rides the next shipment that goes out
-                carried = Counter(dict(head.shipment.get("dropped", ()))) + self._dropped
-                head.shipment["dropped"] = sorted(carried.items())
+                carried = Counter(dict(head.header.get("dropped", ()))) + self._dropped
+                head.header["dropped"] = sorted(carried.items())
                 self._dropped = Counter()
                 head.data = None
             if head.data is None:
-                head.data = msgspec.msgpack.encode(head.shipment)
+                head.data = msgspec.msgpack.encode(head.header)
             try:
-                self._socket.send(head.data, flags=zmq.NOBLOCK)
+                # copy=False: ZeroMQ sends the rows from the step's buffer, which no
+                # later step writes (each step gathers into a buffer of its own).
+                self._socket.send_multipart([head.data, *head.buffers], flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 self._keeping("the socket's queue is full")
                 return
             self._unsent.popleft()
             self._unsent_bytes -= head.nbytes
-            self._in_flight.append((head.shipment["seq"], head.nbytes))
+            self._in_flight.append((head.header["seq"], head.nbytes))
             self._in_flight_bytes += head.nbytes
         self._keeping_logged = False
 
@@ -232,14 +304,14 @@ class Pusher:
         while self._in_flight_bytes + self._unsent_bytes > self.backlog_bytes and len(self._unsent) > 1:
             oldest = self._unsent.popleft()
             self._unsent_bytes -= oldest.nbytes
-            rows = rows_per_request(oldest.shipment)
+            rows = rows_per_request(oldest.header)
             self.dropped_rows += sum(rows.values())
-            self._dropped += rows + Counter(dict(oldest.shipment.get("dropped", ())))
+            self._dropped += rows + Counter(dict(oldest.header.get("dropped", ())))
             successor = self._unsent[0]
-            successor.shipment = {
-                **successor.shipment,
-                "gaps": [*oldest.shipment["gaps"], *successor.shipment["gaps"]],
-                "errors": [*oldest.shipment["errors"], *successor.shipment["errors"]],
+            successor.header = {
+                **successor.header,
+                "gaps": [*oldest.header["gaps"], *successor.header["gaps"]],
+                "errors": [*oldest.header["errors"], *successor.header["errors"]],
             }
             successor.data = None
             log.error("capture: rank %d dropped a shipment of %d rows: the engine service has not read "
@@ -309,10 +381,10 @@ class Sink:
         while True:
             try:
                 # On an asyncio socket a NOBLOCK receive resolves at once (or raises Again).
-                data = await self._socket.recv(flags=zmq.NOBLOCK)
+                frames = await self._socket.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return shipments
-            shipment = msgspec.msgpack.decode(data)
+            shipment = shipment_from_frames(frames)
             rank = shipment["rank"]
             progress = self._progress.get(rank)
             if progress is None:

@@ -82,14 +82,19 @@ class StepStaging:
     def collect(self) -> list[tuple[PointRows, np.ndarray, str]]:
         """The rows of every gather so far, as host numpy arrays with their wire
         dtype (bfloat16 as its bits): one device-to-host copy per buffer."""
-        host = {key: buffer.cpu() for key, buffer in self._buffers.items()}
+        host = {key: _as_numpy(buffer.cpu()) for key, buffer in self._buffers.items()}
         collected = []
         for staged, key in self._gathered:
-            rows = host[key][staged.offset : staged.offset + len(staged.index)]
-            if rows.dtype == torch.bfloat16:
-                collected.append((staged.point_rows, rows.view(torch.int16).numpy().view(np.uint16), "bfloat16"))
-            else:
-                array = rows.numpy()
-                collected.append((staged.point_rows, array, array.dtype.name))
+            array, dtype = host[key]
+            # A slice of the buffer's one array: the push sends that array as one frame.
+            collected.append((staged.point_rows, array[staged.offset : staged.offset + len(staged.index)], dtype))
         self._gathered = []
         return collected
+
+
+def _as_numpy(buffer: torch.Tensor) -> tuple[np.ndarray, str]:
+    """A host buffer as numpy, without a copy, and its wire dtype (bfloat16 as its bits)."""
+    if buffer.dtype == torch.bfloat16:
+        return buffer.view(torch.int16).numpy().view(np.uint16), "bfloat16"
+    array = buffer.numpy()
+    return array, array.dtype.name

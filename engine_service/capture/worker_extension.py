@@ -266,7 +266,7 @@ class _CaptureState:
                 key = (point_rows.point, point_rows.tensor_type, point_rows.layer)
                 self.buffers[key].append((point_rows, array, dtype))
         if self.pusher is not None and (self.buffers or self.errors or self.mapper.gaps):
-            self.pusher.push(self.drain())
+            self.pusher.push(self.drain(copy=False))
 
     def _receive(self, tensor_type: str, layer: int, tensor: torch.Tensor, addend: torch.Tensor | None) -> None:
         """One site's tensor this step (residual_stream: hidden states and residual)."""
@@ -293,8 +293,9 @@ class _CaptureState:
             log.error("capture: %s", message)
             self.errors.append(message)
 
-    def drain(self) -> dict:
-        """Everything buffered since the last drain, as plain values and bytes."""
+    def drain(self, copy: bool = True) -> dict:
+        """Everything buffered since the last drain, as plain values and bytes; with
+        copy=False the rows are views of the step's buffer (the push sends it as it is)."""
         parts: list[WirePart] = []
         for (point, tensor_type, layer), chunks in self.buffers.items():
             planned = [c[0] for c in chunks]
@@ -309,7 +310,8 @@ class _CaptureState:
                         token_positions=_end_to_end([p.positions for p in planned]),
                         is_generated=_end_to_end([p.is_generated for p in planned]),
                         wire_dtype=chunks[0][2],
-                    )
+                    ),
+                    copy=copy,
                 )
             )
         self.buffers.clear()

@@ -4,10 +4,13 @@ ZeroMQ sockets, no vLLM)."""
 import asyncio
 import time
 
+import msgspec
 import numpy as np
+import pytest
+import zmq
 
 from common.activations import Block, decode_part, encode_part
-from engine_service.capture.push import Pusher, Sink
+from engine_service.capture.push import Pusher, ShipmentError, Sink, shipment_frames, shipment_from_frames
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 
@@ -245,3 +248,58 @@ async def test_a_new_pusher_goes_on_from_the_last_ones_sequence():
     finally:
         second.close()
         sink.close()
+
+
+def step_parts(step_rows: np.ndarray, per_part: int) -> list[dict]:
+    """The parts of one step as a worker drains them: views of its staging buffer."""
+    return [
+        encode_part(Block("p", pb.TENSOR_TYPE_RESIDUAL_STREAM, layer, step_rows[start : start + per_part],
+                          [f"r{i}" for i in range(per_part)], np.arange(per_part), np.ones(per_part, bool)),
+                    copy=False)
+        for layer, start in enumerate(range(0, len(step_rows), per_part))
+    ]
+
+
+def test_a_steps_rows_go_as_its_one_buffer_without_a_copy():
+    step_rows = np.arange(6 * 4, dtype=np.float32).reshape(6, 4)
+    header, buffers = shipment_frames({"rank": 0, "parts": step_parts(step_rows, 2)})
+    assert len(buffers) == 1 and buffers[0].nbytes == step_rows.nbytes
+    assert np.shares_memory(np.frombuffer(buffers[0], np.uint8), step_rows)
+    assert [p["rows"] for p in header["parts"]] == [[1, 0, 32], [1, 32, 64], [1, 64, 96]]
+
+
+def test_rows_that_view_no_one_buffer_go_as_frames_of_their_own():
+    strided = np.arange(8 * 4, dtype=np.float32).reshape(8, 4)[::2]  # pack_view copies it
+    parts = [{"rows": b"abcd"}, {"rows": b""}, encode_part(Block(
+        "p", pb.TENSOR_TYPE_RESIDUAL_STREAM, 1, strided, ["r"] * 4, np.arange(4), np.ones(4, bool)), copy=False)]
+    header, buffers = shipment_frames({"rank": 0, "parts": parts})
+    assert [p["rows"] for p in header["parts"]] == [[1, 0, 4], [2, 0, 0], [3, 0, 64]]
+    assert [bytes(b) for b in buffers[:2]] == [b"abcd", b""]
+    received = shipment_from_frames([msgspec.msgpack.encode(header), *buffers])
+    np.testing.assert_array_equal(decode_part(received["parts"][2]).rows, strided)
+
+
+async def test_the_driver_reads_the_rows_in_place_in_the_frames_it_received():
+    sink = Sink()
+    pusher = Pusher(sink.address.as_dict(), 0)
+    step_rows = np.random.default_rng(0).normal(size=(6, 4)).astype(np.float32)
+    try:
+        pusher.push({"rank": 0, "parts": step_parts(step_rows, 2), "gaps": [], "errors": []})
+        assert pusher.held_bytes == step_rows.nbytes  # the step's buffer, until the driver reads it
+        (got,) = await sink.receive_until({0: 1}, timeout_s=10)
+        blocks = [decode_part(p) for p in got["parts"]]
+        np.testing.assert_array_equal(np.concatenate([b.rows for b in blocks]), step_rows)
+        assert [b.layer for b in blocks] == [0, 1, 2]
+        assert all(isinstance(p["rows"].obj, zmq.Frame) and p["rows"].readonly for p in got["parts"])
+    finally:
+        pusher.close()
+        sink.close()
+
+
+def test_a_shipment_whose_rows_point_outside_its_frames_is_refused_by_name():
+    header = {"rank": 3, "seq": 7, "parts": [{"rows": [1, 0, 4]}, {"rows": [1, 2, 9]}]}
+    with pytest.raises(ShipmentError, match=r"rank 3 seq 7: parts\[1\]\.rows \[1, 2, 9\] is outside the 1 buffers"):
+        shipment_from_frames([msgspec.msgpack.encode(header), b"abcd"])
+    header["parts"] = [{"rows": [0, 0, 1]}]  # frame 0 is the header itself
+    with pytest.raises(ShipmentError, match=r"parts\[0\]\.rows \[0, 0, 1\]"):
+        shipment_from_frames([msgspec.msgpack.encode(header), b"abcd"])
