@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -15,16 +16,6 @@ from engine_service.request_ledger import RequestLedger
 
 if TYPE_CHECKING:
     from engine_service.client_stream import ClientStream
-
-
-@dataclass
-class BoundProbe:
-    """A probe binding resolved against the routers' catalog."""
-
-    name: str
-    info: pb.ProbeInfo
-    failure_policy: int  # pb.FAILURE_POLICY_FAIL_CLOSED or pb.FAILURE_POLICY_FAIL_OPEN
-    action: int  # pb.PROBE_ACTION_OBSERVE or pb.PROBE_ACTION_ABORT
 
 
 @dataclass
@@ -145,7 +136,9 @@ class ActiveRequest:
     # link events about another run of the same id are not about this one.
     incarnation: int
     prompt_len: int
-    probes: list[BoundProbe]
+    # Resolved against the routers' catalog (requests.bind_probes): one message's
+    # repeated field, so the garbage collector has one object to walk, not one per binding.
+    probes: Sequence[pb.ProbeBinding]
     gate: TokenGate | None
     events: "ClientStream"  # pb.GenerateResponse items for the client stream
     # Where every probe row of this request stands; None without probes.

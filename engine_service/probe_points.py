@@ -21,15 +21,19 @@ PROBE_POINT_PREFIX = "probe."
 def probe_points(probes: list[pb.ProbeInfo]) -> list[ExtractionPoint]:
     """One point per (tensor_type, layer) the probes read; tokens are the probes'
     common selector, or every token when they differ (routers filter by scope)."""
-    selectors: dict[tuple[str, int | None], list[TokenSelector]] = defaultdict(list)
+    selectors: dict[tuple[str, int | None], list[pb.TokenSelector]] = defaultdict(list)
     for info in probes:
         tensor_type = tensor_type_from_proto(info.tensor_type)
         layers = list(info.layers) if tensor_type != "final_norm" else [None]
         for layer in layers:
-            selectors[(tensor_type, layer)].append(TokenSelector.from_proto(info.tokens))
+            selectors[(tensor_type, layer)].append(info.tokens)
     points = []
     for (tensor_type, layer), chosen in sorted(selectors.items(), key=lambda kv: (kv[0][0], kv[0][1] or -1)):
-        tokens = chosen[0] if all(s == chosen[0] for s in chosen) else TokenSelector()
+        # Parsed once per point, not once per probe (a request may bind a thousand
+        # probes reading one layer alike); a message unlike the first is parsed to compare.
+        tokens = TokenSelector.from_proto(chosen[0])
+        if any(s != chosen[0] and TokenSelector.from_proto(s) != tokens for s in chosen):
+            tokens = TokenSelector()
         suffix = "" if layer is None else f".{layer}"
         points.append(
             ExtractionPoint(

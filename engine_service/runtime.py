@@ -19,6 +19,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -28,12 +29,11 @@ from common.enum_names import short_name
 from common.errors import (
     AlreadyExists,
     FailedPrecondition,
-    NotFound,
     Unavailable,
 )
 from engine_service import link as links
 from engine_service import requests as reqs
-from engine_service.active_request import ActiveRequest, BoundProbe, TokenGate
+from engine_service.active_request import ActiveRequest, TokenGate
 from engine_service.capture.controller import CaptureController, require_prompt_computation
 from engine_service.client_stream import ClientStream
 from engine_service.metrics import EngineMetrics
@@ -254,10 +254,10 @@ class EngineRuntime:
         if request_id in self.active:
             raise AlreadyExists(f"request_id: {request_id!r} is already running")
         choice = reqs.sampling_choice(message.sampling, len(ids), self.limits)
-        probes = self._bind_probes(message.probes)
+        probes, probe_infos = self._bind_probes(message.probes)
         client_points = parse_points(message.extraction_points, self.model_info().num_layers)
         check_client_point_names(client_points)
-        probe_captures = probe_points([p.info for p in probes])
+        probe_captures = probe_points(probe_infos)
         points = client_points + probe_captures
         self.capture.validate(points, len(ids))
         if message.gate_tokens and not probes:
@@ -272,7 +272,7 @@ class EngineRuntime:
             captures=bool(points),
             accepted_at=accepted_at,
             ledger=(
-                RequestLedger(len(ids), {p.name: p.failure_policy for p in probes},
+                RequestLedger(len(ids), {p.probe: p.failure_policy for p in probes},
                               ExpectedRows(probe_captures, len(ids)))
                 if probes
                 else None
@@ -301,32 +301,14 @@ class EngineRuntime:
 
     # -- one request -------------------------------------------------------
 
-    def _bind_probes(self, bindings) -> list[BoundProbe]:
+    def _bind_probes(self, bindings) -> tuple[Sequence[pb.ProbeBinding], list[pb.ProbeInfo]]:
         if not bindings:
-            return []
+            return (), []
         if self.link is None:
             raise FailedPrecondition(
                 "probes: this engine runs without routers (--router not set); bind no probes"
             )
-        catalog = self.link.catalog()
-        bound = []
-        for i, binding in enumerate(bindings):
-            info = catalog.get(binding.probe)
-            if info is None:
-                known = ", ".join(sorted(catalog)) or "none"
-                raise NotFound(
-                    f"probes[{i}].probe: {binding.probe!r} is not loaded in any reachable "
-                    f"router (loaded: {known})"
-                )
-            bound.append(
-                BoundProbe(
-                    name=binding.probe,
-                    info=info,
-                    failure_policy=binding.failure_policy or self.settings.default_failure_policy,
-                    action=binding.action or info.action or pb.PROBE_ACTION_OBSERVE,
-                )
-            )
-        return bound
+        return reqs.bind_probes(bindings, self.link.catalog(), self.settings.default_failure_policy)
 
     async def _run(self, request: ActiveRequest, ids, choice: reqs.SamplingChoice, points) -> None:
         """Registers capture, runs vLLM, and always finishes the request's client stream."""
@@ -349,10 +331,7 @@ class EngineRuntime:
                     self.link.start_request(
                         request.request_id,
                         request.incarnation,
-                        [
-                            pb.ProbeBinding(probe=p.name, failure_policy=p.failure_policy, action=p.action)
-                            for p in request.probes
-                        ],
+                        request.probes,
                         request.prompt_len,
                         request.ledger,
                     )

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
@@ -61,7 +61,7 @@ _NOT_STARTED = ""
 class _Request:
     request_id: str
     incarnation: int
-    bindings: list[pb.ProbeBinding]
+    bindings: Sequence[pb.ProbeBinding]  # kept as given (the engine's: one repeated field)
     prompt_length: int
     ledger: RequestLedger
     replica: ReplicaSession | None = None
@@ -140,13 +140,15 @@ class RouterLink:
         self,
         request_id: str,
         incarnation: int,
-        bindings: list[pb.ProbeBinding],
+        bindings: Sequence[pb.ProbeBinding],
         prompt_length: int,
         ledger: RequestLedger,
     ) -> None:
+        """Homes the request on a replica (request_start). `bindings` is kept, not
+        copied, until the request ends: it goes out again if the request is re-homed."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already started on the router link")
-        request = _Request(request_id, incarnation, list(bindings), prompt_length, ledger)
+        request = _Request(request_id, incarnation, bindings, prompt_length, ledger)
         self._requests[request_id] = request
         self._home(request, reason="start")
 

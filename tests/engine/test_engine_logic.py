@@ -3,7 +3,7 @@
 import pytest
 
 from common.capture_spec import Scope
-from common.errors import InvalidArgument
+from common.errors import InvalidArgument, NotFound
 from engine_service import requests as reqs
 from engine_service.active_request import TokenGate
 from engine_service.probe_points import check_client_point_names, probe_points
@@ -49,6 +49,56 @@ def probe(name, layers, scope=pb.TokenSelector.SCOPE_GENERATED, tensor_type=pb.T
                         tokens=pb.TokenSelector(scope=scope))
 
 
+def catalog_of(names: list[str], action=pb.PROBE_ACTION_OBSERVE) -> dict[str, pb.ProbeInfo]:
+    return {n: pb.ProbeInfo(name=n, tensor_type=pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=[0], action=action)
+            for n in names}
+
+
+def test_bindings_resolve_policy_and_action_and_name_a_probe_no_router_loaded():
+    catalog = {**catalog_of(["watch"]), **catalog_of(["guard"], pb.PROBE_ACTION_ABORT)}
+    bindings, infos = reqs.bind_probes(
+        [pb.ProbeBinding(probe="watch"), pb.ProbeBinding(probe="guard"),
+         pb.ProbeBinding(probe="watch", failure_policy=pb.FAILURE_POLICY_FAIL_OPEN, action=pb.PROBE_ACTION_ABORT)],
+        catalog, pb.FAILURE_POLICY_FAIL_CLOSED)
+    assert [(b.probe, b.failure_policy, b.action) for b in bindings] == [
+        ("watch", pb.FAILURE_POLICY_FAIL_CLOSED, pb.PROBE_ACTION_OBSERVE),  # the engine's default, the probe's own
+        ("guard", pb.FAILURE_POLICY_FAIL_CLOSED, pb.PROBE_ACTION_ABORT),
+        ("watch", pb.FAILURE_POLICY_FAIL_OPEN, pb.PROBE_ACTION_ABORT),  # the client's choices win
+    ]
+    assert infos == [catalog["watch"], catalog["guard"], catalog["watch"]]
+    with pytest.raises(NotFound, match=r"probes\[1\]\.probe: 'gone' is not loaded in any reachable router "
+                                       r"\(loaded: guard, watch\)"):
+        reqs.bind_probes([pb.ProbeBinding(probe="watch"), pb.ProbeBinding(probe="gone")], catalog, 0)
+
+
+def test_open_requests_bindings_give_the_garbage_collector_nothing_to_walk():
+    """A request's bindings live while it runs, on the service's event loop: one
+    object each would make every full collection walk requests x probes of them
+    (517,168 objects and 47 ms at 256 requests of 1000 probes, BENCHMARKS.md section 28)."""
+    import gc
+
+    from engine_service.link import RouterLink, RouterLinkConfig
+    from engine_service.request_ledger import RequestLedger
+
+    names = [f"probe_{i}" for i in range(200)]
+    catalog = catalog_of(names)
+    link = RouterLink(RouterLinkConfig(targets="127.0.0.1:1", engine_id="test"), pb.ModelInfo(), lambda event: None)
+    messages = [pb.GenerateRequest(request_id=f"req-{i}", probes=[pb.ProbeBinding(probe=n) for n in names])
+                for i in range(20)]
+    kept = []
+    gc.collect()
+    before = len(gc.get_objects())
+    for i, message in enumerate(messages):
+        bindings, _ = reqs.bind_probes(message.probes, catalog, pb.FAILURE_POLICY_FAIL_OPEN)
+        ledger = RequestLedger(1, {b.probe: b.failure_policy for b in bindings})
+        link.start_request(message.request_id, i + 1, bindings, 1, ledger)
+        kept.append((bindings, ledger))
+    gc.collect()
+    added = len(gc.get_objects()) - before
+    assert added < 20 * 20, f"{added} objects for 20 requests of 200 bindings"  # one per binding: over 4,000
+    assert [len(b) for b, _ in kept] == [200] * 20
+
+
 def test_probe_points_capture_each_tensor_and_layer_once():
     points = probe_points([probe("a", [1]), probe("b", [1, 3]), probe("c", [], tensor_type=pb.TENSOR_TYPE_FINAL_NORM)])
     assert [(p.name, p.tensor_type, p.layers, p.tokens.scope) for p in points] == [
@@ -61,6 +111,17 @@ def test_probe_points_capture_each_tensor_and_layer_once():
 def test_probes_with_different_scopes_on_one_layer_capture_every_token():
     points = probe_points([probe("a", [2]), probe("b", [2], scope=pb.TokenSelector.SCOPE_PROMPT)])
     assert len(points) == 1 and points[0].tokens.scope == Scope.ALL
+
+
+def test_probes_whose_selectors_differ_only_in_spelling_share_theirs():
+    """An unspecified scope is every token: probes that spell it either way pick
+    the same tokens, so the point keeps their selector rather than every token."""
+    spelled = [pb.TokenSelector(scope=pb.TokenSelector.SCOPE_ALL, indexes=[0, 5]),
+               pb.TokenSelector(indexes=[0, 5])]
+    infos = [pb.ProbeInfo(name=f"p{i}", tensor_type=pb.TENSOR_TYPE_MLP_OUT, layers=[4], tokens=tokens)
+             for i, tokens in enumerate(spelled)]
+    (point,) = probe_points(infos)
+    assert (point.tokens.scope, point.tokens.indexes) == (Scope.ALL, (0, 5))
 
 
 def test_client_points_may_not_use_the_probe_prefix():
