@@ -85,7 +85,7 @@ def run(args) -> dict:
     for number in range(args.rounds):
         active: dict[str, ActiveRequest] = {}
         gc.collect()
-        with Collections(lambda: {"open_requests": len(active)}) as seen:
+        with Collections(lambda active=active: {"open_requests": len(active)}) as seen:
             started = time.process_time()
             for i, message in enumerate(messages):
                 active[message.request_id] = start(link, replica, catalog, message, number * args.requests + i)

@@ -669,8 +669,7 @@ class EngineRuntime:
             scores.CopyFrom(event.scores)
             scores.router = event.replica
             scores.ClearField("incarnation")
-            request.scores.add(scores)
-            self._show_scores(request)
+            self._show(request, request.scores.add(scores, request.ledger))
         elif isinstance(event, links.Abort):
             self.metrics.aborts.labels("PROBE_ABORT").inc()
             verdict = pb.Verdict()
@@ -704,8 +703,13 @@ class EngineRuntime:
                                   request.ledger.settled_below(), request.prompt_len)
 
     def _show_scores(self, request: ActiveRequest, below: int | None = None) -> None:
-        """Sends the client the held scores whose rows the ledger counts as scored."""
-        for scores in request.scores.release(request.ledger, below):
+        """After the ledger moved: sends the client the held scores whose rows it
+        now counts as scored."""
+        self._show(request, request.scores.release(request.ledger, below))
+
+    @staticmethod
+    def _show(request: ActiveRequest, shown: list[pb.ProbeScores]) -> None:
+        for scores in shown:
             request.events.put_nowait(pb.GenerateResponse(probe_event=pb.ProbeEvent(scores=scores)))
 
     def _on_unscored(self, request: ActiveRequest, failure: Failure) -> None:

@@ -216,10 +216,10 @@ def test_scores_are_shown_only_where_the_ledger_counts_rows_scored():
     held = HeldScores()
     first = sent(led, "r", 1, {10: 1, 11: 1})
     sent(led, "r", 2, {12: 1})
-    held.add(scores([10, 11]))
-    assert held.release(led) == []  # not acknowledged yet: held
+    assert held.add(scores([10, 11]), led) == []  # not acknowledged yet: held
+    assert held.release(led) == []
     led.acknowledged(first)
-    held.add(scores([12]))  # its ack never comes
+    assert held.add(scores([12]), led) == []  # its ack never comes
     assert [list(s.token_positions) for s in held.release(led)] == [[10, 11]]
     assert [list(s.token_positions) for s in held.release(led)] == []
     led.replica_failed("r", "router lost before acknowledging")
@@ -233,7 +233,7 @@ def test_a_message_is_split_at_the_settled_positions_and_the_end_withholds_the_r
     first = sent(led, "r", 1, {10: 1})
     sent(led, "s", 1, {11: 1})  # re-homed to another replica, whose ack never comes
     second = sent(led, "r", 2, {12: 1})
-    held.add(scores([10, 11, 12]))
+    held.add(scores([10, 11, 12]), led)
     led.acknowledged(first)
     shown = held.release(led)
     assert [(list(s.token_positions), list(s.scores)) for s in shown] == [([10], [10.0])]
@@ -243,6 +243,40 @@ def test_a_message_is_split_at_the_settled_positions_and_the_end_withholds_the_r
     # position 11 is still in flight: both withheld.
     shown = held.release(led, below=12)
     assert shown == [] and held.held == []
+
+
+def test_scores_already_settled_are_shown_as_they_arrive_and_the_rest_wait_for_the_ledger():
+    led = ledger()
+    held = HeldScores()
+    first = sent(led, "r", 1, {10: 1})
+    second = sent(led, "r", 2, {11: 1})
+    led.acknowledged(first)
+    shown = held.add(scores([10, 11]), led)
+    assert [list(s.token_positions) for s in shown] == [[10]]
+    assert [list(s.token_positions) for s in held.held] == [[11]]
+    led.acknowledged(second)
+    assert [list(s.token_positions) for s in held.release(led)] == [[11]] and held.held == []
+
+
+def test_a_message_per_binding_is_read_once_while_the_ledger_waits():
+    """A router sends one message per binding and step, before the step's ack:
+    each is read as it arrives, not every held one again (quadratic in bindings)."""
+
+    class CountingLedger(RequestLedger):
+        reads = 0
+
+        def outcome_at(self, position: int):
+            CountingLedger.reads += 1
+            return super().outcome_at(position)
+
+    led = CountingLedger(4, {f"p{i}": OPEN for i in range(1000)})
+    step = sent(led, "r", 1, {10: 1000})
+    held = HeldScores()
+    for i in range(1000):
+        assert held.add(pb.ProbeScores(request_id="q", probe=f"p{i}", token_positions=[10], scores=[0.5]), led) == []
+    assert CountingLedger.reads == 1000  # one read per message (reading all held each time: 500,500)
+    led.acknowledged(step)
+    assert len(held.release(led)) == 1000 and CountingLedger.reads == 2000
 
 
 # -- rows counted against what capture must make ------------------------------------

@@ -1,0 +1,70 @@
+"""CPU per request and step of showing a router's scores to the client, by the
+probes bound to the request.
+
+    python -m bench.held_scores [--probes 4,100,1000] [--steps 50] [--rounds 3] [--out held_scores.json]
+
+A router sends one ProbeScores message per binding and step, just before the
+step's StepAck; the engine service holds each until the request's ledger
+counts its rows scored (`active_request.HeldScores`), on its event loop. Each
+step here: the step's rows queued and sent on the ledger, one message per
+bound probe taken as the engine takes a Scores event, then the ack and the
+release the engine runs on it. Reports CPU ms per request and step
+(time.process_time) per round and the medians; run it alternately against
+another tree for a same-run comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from bench import results_file
+from engine_service.active_request import HeldScores
+from engine_service.request_ledger import RequestLedger
+from undercurrent.v1 import undercurrent_pb2 as pb
+
+PROMPT = 16
+LAYERS = 8  # the bench model's: a probe over every layer scores 8 rows a token
+
+
+def step_ms(probes: int, steps: int) -> float:
+    names = [f"probe_{i}" for i in range(probes)]
+    ledger = RequestLedger(PROMPT, {name: pb.FAILURE_POLICY_FAIL_OPEN for name in names})
+    held, shown = HeldScores(), 0
+    started = time.process_time()
+    for step in range(1, steps + 1):
+        position = PROMPT + step
+        message = ledger.queued("router", {position: LAYERS}, 0.0)
+        ledger.sent(message, step)
+        for name in names:
+            shown += len(held.add(pb.ProbeScores(request_id="r", probe=name, token_positions=[position] * LAYERS,
+                                                 scores=[0.5] * LAYERS), ledger))
+        ledger.acknowledged(message)
+        shown += len(held.release(ledger))
+    elapsed = time.process_time() - started
+    assert shown == probes * steps, (shown, probes, steps)
+    return elapsed / steps * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--probes", default="4,100,1000", help="probes bound to the request, comma-separated")
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default="held_scores.json", help="file name under bench/results/")
+    args = parser.parse_args()
+    counts = [int(p) for p in args.probes.split(",")]
+    started, rounds = time.time(), []
+    for number in range(args.rounds):
+        rounds.append({str(probes): step_ms(probes, args.steps) for probes in counts})
+        print(f"round {number}: " + "; ".join(f"{p} probes: {ms:.3f} ms" for p, ms in rounds[-1].items()),
+              flush=True)
+    results_file.write(args.out, {
+        **results_file.provenance(started), "args": vars(args), "unit": "CPU ms per request and step",
+        "rounds": rounds, "medians": {str(p): statistics.median(r[str(p)] for r in rounds) for p in counts},
+    })
+
+
+if __name__ == "__main__":
+    main()
