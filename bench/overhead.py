@@ -25,6 +25,9 @@ Modes:
                   (observe probes: residual_stream, attn_out and mlp_out on all
                   layers, and final_norm)
   uc_all_client   every tensor type at every layer, every token, streamed to the client
+  uc_many_probes  100 observe probes on one layer's residual stream (generated tokens):
+                  the router sends a score message per probe and step, each shown
+                  to the client (the run checks every score arrived)
   MODE/rpc        (for the modes in --rpc-modes) the same with rows drained by one
                   collective_rpc per drain instead of pushed by the workers: the
                   drain before and after that change, measured in the same run
@@ -72,6 +75,8 @@ from undercurrent.v1 import undercurrent_pb2 as pb  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 MODELS = {"embedded": "tiny-llama", "bench": "bench-llama"}
 MODES = ("vllm_default", "vllm_eager", "uc_off", "uc_one_layer", "uc_all_router", "uc_all_client")
+OPTIONAL_MODES = ("uc_many_probes",)  # run only when named in --modes
+MANY_PROBES = 100
 TENSOR_TYPES = (
     ("residual_stream", pb.TENSOR_TYPE_RESIDUAL_STREAM),
     ("attn_out", pb.TENSOR_TYPE_ATTN_OUT),
@@ -92,6 +97,9 @@ def write_probes(directory: Path, config: dict) -> None:
             "threshold": 1e30, "action": "observe"}
     write_probe(directory / "one_layer", {**base, "name": "one_layer", "tensor_type": "residual_stream",
                                           "layers": [layers // 2], "tokens": {"scope": "generated"}})
+    for i in range(MANY_PROBES):
+        write_probe(directory / f"many_{i}", {**base, "name": f"many_{i}", "tensor_type": "residual_stream",
+                                              "layers": [layers // 2], "tokens": {"scope": "generated"}})
     for name, _ in TENSOR_TYPES:
         extra = {} if name == "final_norm" else {"layers": list(range(layers))}
         write_probe(directory / f"all_{name}", {**base, "name": f"all_{name}", "tensor_type": name,
@@ -117,6 +125,9 @@ def generate_request(mode: str, request_id: str, prompt: list[int], tokens: int,
     )
     if mode == "uc_one_layer":
         message.probes.add(probe="one_layer", failure_policy=pb.FAILURE_POLICY_FAIL_OPEN)
+    elif mode == "uc_many_probes":
+        for i in range(MANY_PROBES):
+            message.probes.add(probe=f"many_{i}", failure_policy=pb.FAILURE_POLICY_FAIL_OPEN)
     elif mode == "uc_all_router":
         for name, _ in TENSOR_TYPES:
             message.probes.add(probe=f"all_{name}", failure_policy=pb.FAILURE_POLICY_FAIL_OPEN)
@@ -212,7 +223,7 @@ class Engines:
         await self.runtime.start()
         await self.runtime.link.wait_ready(timeout=60)
         deadline = time.monotonic() + 30
-        while len(self.runtime.link.catalog()) < 1 + len(TENSOR_TYPES):
+        while len(self.runtime.link.catalog()) < 1 + len(TENSOR_TYPES) + MANY_PROBES:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"router catalog incomplete: {sorted(self.runtime.link.catalog())}")
             await asyncio.sleep(0.1)
@@ -255,13 +266,15 @@ class Engines:
         return got
 
     async def _uc_one(self, message: pb.GenerateRequest, mode: str) -> int:
-        got = rows = 0
+        got = rows = scores = 0
         finished = None
         async for response in self.runtime.generate(message):
             if response.HasField("tokens"):
                 got += len(response.tokens.token_ids)
             elif response.HasField("activations"):
                 rows += sum(len(b.token_positions) for b in response.activations.blocks)
+            elif response.HasField("probe_event") and response.probe_event.HasField("scores"):
+                scores += len(response.probe_event.scores.scores)
             elif response.HasField("finished"):
                 finished = response.finished
         if finished.finish_reason != pb.FINISH_REASON_LENGTH or finished.unprobed_tokens or finished.dropped_records:
@@ -271,6 +284,9 @@ class Engines:
             expected = (len(message.token_ids.ids) + got - 1) * (3 * layers + 1)
             if rows != expected:
                 raise RuntimeError(f"{mode} {message.request_id}: {rows} rows streamed, expected {expected}")
+        if mode == "uc_many_probes" and scores != MANY_PROBES * (got - 1):  # the last token is never fed back
+            raise RuntimeError(f"{mode} {message.request_id}: {scores} scores shown, expected "
+                               f"{MANY_PROBES * (got - 1)}")
         return got
 
     async def close(self) -> None:
@@ -386,9 +402,9 @@ def main() -> int:
     args.modes = [m for m in args.modes.split(",") if m]
     args.rpc_modes = [m for m in args.rpc_modes.split(",") if m]
     args.ahead_modes = [m for m in args.ahead_modes.split(",") if m]
-    unknown = (set(args.modes) - set(MODES)) | (set(args.rpc_modes + args.ahead_modes) - set(args.modes))
+    unknown = (set(args.modes) - set(MODES + OPTIONAL_MODES)) | (set(args.rpc_modes + args.ahead_modes) - set(args.modes))
     if unknown:
-        parser.error(f"--modes: unknown {sorted(unknown)}; choose from {list(MODES)}")
+        parser.error(f"--modes: unknown {sorted(unknown)}; choose from {list(MODES + OPTIONAL_MODES)}")
     bind = PARALLEL[args.parallel][1]
     if bind:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
