@@ -3,6 +3,7 @@ counts each part carries. Pure functions over common.activations.Block."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -36,6 +37,50 @@ def _owner_masks(request_ids: list[str], owner_of: Callable[[str], str | None]) 
         return [(distinct[0], None)]
     return [(owner, np.fromiter((o == owner for o in owners), dtype=bool, count=len(owners)))
             for owner in distinct]
+
+
+def holding_little_else(blocks: list[Block]) -> list[Block]:
+    """The blocks, those whose rows are views of a buffer the blocks use less than
+    half of given rows of their own: what the blocks keep alive is then at most
+    twice their rows' bytes.
+
+    For a queue bounded by its rows' bytes (a replica's send queue) to bound the
+    memory it holds: a step's rows arrive from a worker as one buffer, read in
+    place (`capture.push`), which also holds rows for clients and for other
+    replicas; a router that stops reading must not keep those alive by the step.
+    Where the blocks use most of the buffer (one router, probes on every row) they
+    stay views, so the common case copies nothing."""
+    users: dict[int, tuple[int, list[int]]] = {}  # id(buffer) -> (its bytes, the blocks viewing it)
+    for i, block in enumerate(blocks):
+        buffer = buffer_kept_alive(block.rows)
+        if buffer is not None:
+            users.setdefault(id(buffer), (memoryview(buffer).nbytes, []))[1].append(i)
+    copied = list(blocks)
+    for size, viewing in users.values():
+        if size > 2 * sum(blocks[i].rows.nbytes for i in viewing):
+            for i in viewing:
+                copied[i] = dataclasses.replace(blocks[i], rows=blocks[i].rows.copy())
+    return copied
+
+
+def buffer_kept_alive(array: np.ndarray) -> object | None:
+    """The object whose memory `array` views (through numpy views and memoryviews);
+    None when the array owns its memory."""
+    buffer: object = array
+    while True:
+        if isinstance(buffer, np.ndarray) and buffer.base is not None:
+            buffer = buffer.base
+        elif isinstance(buffer, memoryview):
+            buffer = buffer.obj
+        else:
+            break
+    if buffer is array:
+        return None
+    try:
+        memoryview(buffer)
+    except TypeError:  # not a buffer numpy knows the size of: left as it is
+        return None
+    return buffer
 
 
 # Bytes a batch may need beyond its rows: the SessionRequest envelope, the step,

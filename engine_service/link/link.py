@@ -286,7 +286,9 @@ class RouterLink:
             self._not_sent(blocks, now, "too_large", f"dropped before sending: {err}")
             return
         for part in parts:
-            data = batch_bytes(part)  # once, rows not copied; the step is added as it is written
+            # Rows not copied, unless they would keep much more than themselves alive
+            # while queued; the step number is added as the batch is written.
+            data = batch_bytes(batching.holding_little_else(part))
             entries = []
             for request_id, positions in batching.rows_by_position(part).items():
                 request = self._requests[request_id]

@@ -5,10 +5,15 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgspec
+import numpy as np
 import prometheus_client
 import pytest
+import zmq
 from undercurrent.v1 import undercurrent_pb2 as pb
 
+from common.activations import Block, decode_parts, encode_part
+from engine_service.capture.push import shipment_frames, shipment_from_frames
 from engine_service.link import (
     Abort,
     Processed,
@@ -19,9 +24,11 @@ from engine_service.link import (
     Unavailable,
     Unscored,
 )
+from engine_service.link import batching
 from engine_service.link.assignment import pick_replica
+from engine_service.link.send_queue import QueuedBatch
 
-from .helpers import FAIL_CLOSED, FAST, MODEL, start, step, until
+from .helpers import FAIL_CLOSED, FAST, HIDDEN, MODEL, start, step, until
 
 
 def metric(link: RouterLink, name: str, **labels) -> float:
@@ -478,3 +485,48 @@ def test_config_rejects_bad_values():
         RouterLinkConfig(targets="a:1", router_timeout_s=0)
     with pytest.raises(ValueError):
         RouterLinkConfig(targets="a:1", overflow_policy="backpressure")
+
+
+def received_step(rows: np.ndarray, request_id: str, layers: int) -> list[Block]:
+    """One step's blocks as the engine service reads them: views of the frame a
+    worker's push brought (`capture.push`), one block per layer of `rows`."""
+    per_layer = len(rows) // layers
+    header, buffers = shipment_frames({"rank": 0, "parts": [
+        encode_part(Block("probe.residual_stream.0", pb.TENSOR_TYPE_RESIDUAL_STREAM, layer,
+                          rows[layer * per_layer : (layer + 1) * per_layer], [request_id] * per_layer,
+                          np.arange(per_layer), np.ones(per_layer, bool)), copy=False)
+        for layer in range(layers)]})
+    frames = [zmq.Frame(msgspec.msgpack.encode(header)), *(zmq.Frame(bytes(b)) for b in buffers)]
+    return decode_parts(shipment_from_frames(frames)["parts"])
+
+
+def kept_alive(piece: memoryview) -> int:
+    """Bytes of the buffer a queued batch's piece keeps alive."""
+    return memoryview(batching.buffer_kept_alive(np.frombuffer(piece, np.uint8))).nbytes
+
+
+def row_pieces(link: RouterLink, address: str) -> list[memoryview]:
+    batches = [i for i in link._replicas[address].queue.items if isinstance(i, QueuedBatch)]
+    return [p for b in batches for p in b.batch_bytes.pieces if isinstance(p, memoryview)]
+
+
+async def test_a_queued_batch_keeps_alive_no_more_than_twice_its_rows(routers, links):
+    """A step's rows arrive as one buffer that also holds rows for clients: a
+    router that does not read must not keep whole steps alive with each probe row
+    its queue counts, or the queue's byte bound would not bound memory."""
+    router = await routers()
+    link, _ = links(router.address)
+    await link.start()
+    await link.wait_ready(timeout=10)
+    start(link, "r", prompt_length=1)
+    rows = np.random.default_rng(0).normal(size=(10, HIDDEN)).astype(np.float32)
+    probe_block, *client_blocks = received_step(rows, "r", layers=10)
+    # No await in between: the writer cannot run, so the batches stay queued.
+    link.send_step([probe_block])  # the other nine layers went to a client
+    (piece,) = row_pieces(link, router.address)
+    assert bytes(piece) == rows[0].tobytes()
+    assert kept_alive(piece) == piece.nbytes  # its own copy (the frame: 10 times as much)
+    link.send_step([probe_block, *client_blocks])  # a router reading every layer: no copy
+    pieces = row_pieces(link, router.address)[1:]
+    assert [bytes(p) for p in pieces] == [r.tobytes() for r in rows]
+    assert [kept_alive(p) for p in pieces] == [rows.nbytes] * 10  # views of the one frame
