@@ -78,8 +78,8 @@ def bind_probes(
     catalog, its failure policy and action filled in; NotFound names a probe no
     reachable router loaded.
 
-    The bindings come back as one message's repeated field, which a request keeps
-    (its ledger, the router link) while it runs: one object for any number of
+    The bindings come back as one message's repeated field, which the request and
+    the router link keep while it runs: one object for any number of
     bindings, where a list of messages is one object per binding for the garbage
     collector to walk at each full collection, on the event loop."""
     resolved, infos = pb.RequestStart(), []

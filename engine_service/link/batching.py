@@ -40,9 +40,9 @@ def _owner_masks(request_ids: list[str], owner_of: Callable[[str], str | None]) 
 
 
 def holding_little_else(blocks: list[Block]) -> list[Block]:
-    """The blocks, those whose rows are views of a buffer the blocks use less than
-    half of given rows of their own: what the blocks keep alive is then at most
-    twice their rows' bytes.
+    """The blocks, where rows that view a buffer the blocks use less than half of
+    are replaced by copies of their own: what the blocks keep alive is then at
+    most twice their rows' bytes.
 
     For a queue bounded by its rows' bytes (a replica's send queue) to bound the
     memory it holds: a step's rows arrive from a worker as one buffer, read in
