@@ -12,23 +12,19 @@ replica that is marked up but never connected) and stays open; then every
 request ends. CPython's collector walks every object the service keeps at
 each full collection, on the service's event loop, which also runs the drain
 loop and the router link (BENCHMARKS.md section 28). Reports per round: CPU ms
-per request started, the objects the collector tracks with every request open
-(the start-up heap frozen, as the service does), a full collection's wall ms,
-and the full collections CPython ran by itself while the requests started.
+per request started and ended, the objects the collector tracks with every
+request open (the start-up heap frozen, as the service does), a full
+collection's wall ms, and the full collections CPython ran by itself while the
+requests started (`gc_watch.open_requests_round`).
 Writes bench/results/engine_request_gc.json (or `--out`).
 """
 
 from __future__ import annotations
 
-import argparse
-import gc
-import json
-import statistics
+import itertools
 import sys
-import time
 
-from bench import results_file
-from bench.gc_watch import Collections
+from bench.gc_watch import open_requests_main, open_requests_round
 from common.gc_heap import freeze_startup_heap
 from engine_service import requests as reqs
 from engine_service.active_request import ActiveRequest
@@ -75,51 +71,30 @@ def start(link: RouterLink, replica: ReplicaSession, catalog: dict, message: pb.
     return request
 
 
-def run(args) -> dict:
+def prepare(args):
+    """The link and the requests' messages; returns the function that measures one round."""
     link, replica, catalog = link_with_one_replica(args.probes)
     messages = [pb.GenerateRequest(request_id=f"req-{i}",
                                    probes=[pb.ProbeBinding(probe=name) for name in catalog])
                 for i in range(args.requests)]
     freeze_startup_heap()
-    rounds = []
-    for number in range(args.rounds):
-        active: dict[str, ActiveRequest] = {}
-        gc.collect()
-        with Collections(lambda active=active: {"open_requests": len(active)}) as seen:
-            started = time.process_time()
-            for i, message in enumerate(messages):
-                active[message.request_id] = start(link, replica, catalog, message, number * args.requests + i)
-            start_ms = (time.process_time() - started) / args.requests * 1000
-        tracked = len(gc.get_objects())
-        paused = time.perf_counter()
-        gc.collect()
-        pause_ms = (time.perf_counter() - paused) * 1000
+    active: dict[str, ActiveRequest] = {}
+    incarnations = itertools.count(1)
+
+    def start_all() -> None:
+        for message in messages:
+            active[message.request_id] = start(link, replica, catalog, message, next(incarnations))
+
+    def end_all() -> None:
         for request_id in list(active):
             link.end_request(request_id, pb.FINISH_REASON_STOP)
             del active[request_id]
         while replica.queue:
             replica.queue.pop()
-        rounds.append({"start_ms": round(start_ms, 3), "full_collection_ms": round(pause_ms, 1),
-                       "tracked_objects": tracked, "collections_while_starting": seen.full})
-        print(rounds[-1], flush=True)
-    medians = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]
-               if key != "collections_while_starting"}
-    return {"probes_per_request": args.probes, "requests": args.requests, "rounds": rounds, "medians": medians}
 
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--probes", type=int, default=1000, help="probes bound to every request")
-    parser.add_argument("--requests", type=int, default=256, help="requests open at once (the engine's default cap)")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", default="engine_request_gc.json", help="file name under bench/results/")
-    args = parser.parse_args()
-    started = time.time()
-    report = {**results_file.provenance(started), **run(args)}
-    results_file.write(args.out, report)
-    print(json.dumps(report["medians"]))
-    return 0
+    return lambda: open_requests_round(args.requests, start_all, end_all, lambda: len(active))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(open_requests_main(__doc__, prepare, 256, "requests open at once (the engine's default cap)",
+                                "engine_request_gc.json"))

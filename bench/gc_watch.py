@@ -1,11 +1,19 @@
-"""The garbage collector's runs while a benchmark measures, from `gc.callbacks`."""
+"""The garbage collector's runs while a benchmark measures, from `gc.callbacks`;
+and the round and command line of the benchmarks of what open requests cost
+the collector (`bench.session_gc` for a router, `bench.engine_request_gc` for
+the engine service)."""
 
 from __future__ import annotations
 
+import argparse
 import gc
+import json
+import statistics
 import time
 from collections.abc import Callable
 from typing import Self
+
+from bench import results_file
 
 
 class Collections:
@@ -36,3 +44,50 @@ class Collections:
         self.longest_ms[generation] = max(self.longest_ms[generation], ms)
         if generation == 2:
             self.full.append({**self.label(), "ms": round(ms, 1)})
+
+
+def open_requests_round(requests: int, start_all: Callable[[], None], end_all: Callable[[], None],
+                        open_requests: Callable[[], int]) -> dict:
+    """One round: `start_all()` opens `requests` requests, timed (CPU ms per request)
+    with the collections CPython runs meanwhile; then, every request open, the
+    objects the collector tracks and a full collection's wall ms; then
+    `end_all()` ends them, timed."""
+    gc.collect()
+    with Collections(lambda: {"open_requests": open_requests()}) as seen:
+        started = time.process_time()
+        start_all()
+        start_ms = (time.process_time() - started) / requests * 1000
+    tracked = len(gc.get_objects())
+    paused = time.perf_counter()
+    gc.collect()
+    pause_ms = (time.perf_counter() - paused) * 1000
+    started = time.process_time()
+    end_all()
+    end_ms = (time.process_time() - started) / requests * 1000
+    measured = {"start_ms": round(start_ms, 3), "end_ms": round(end_ms, 3), "full_collection_ms": round(pause_ms, 1),
+                "tracked_objects": tracked, "collections_while_starting": seen.full}
+    print(measured, flush=True)
+    return measured
+
+
+def open_requests_main(doc: str, run_round: Callable[[argparse.Namespace], Callable[[], dict]],
+                       requests: int, requests_help: str, out: str) -> int:
+    """The command line of such a benchmark: `run_round(args)` sets up, then returns
+    the function that measures one round (`open_requests_round`); writes every
+    round and the medians to bench/results/`out` (or `--out`)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--probes", type=int, default=1000, help="probes bound to every request")
+    parser.add_argument("--requests", type=int, default=requests, help=requests_help)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default=out, help="file name under bench/results/")
+    args = parser.parse_args()
+    started = time.time()
+    measure = run_round(args)
+    rounds = [measure() for _ in range(args.rounds)]
+    medians = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]
+               if key != "collections_while_starting"}
+    report = {**results_file.provenance(started), "probes_per_request": args.probes, "requests": args.requests,
+              "rounds": rounds, "medians": medians}
+    results_file.write(args.out, report)
+    print(json.dumps(medians))
+    return 0

@@ -21,19 +21,13 @@ bench/results/session_gc.json (or `--out`).
 
 from __future__ import annotations
 
-import argparse
-import gc
-import json
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
-from bench import results_file
-from bench.gc_watch import Collections
+from bench.gc_watch import open_requests_main, open_requests_round
 from common.gc_heap import freeze_startup_heap
 from router_service.metrics import RouterMetrics
 from router_service.probe_files import load_probe_path, write_probe
@@ -60,7 +54,8 @@ def session(probes: int, requests: int) -> tuple[SessionState, list[str]]:
     return SessionState(registry, model, RouterMetrics(), max_requests=requests + 1), names
 
 
-def run(args) -> dict:
+def prepare(args):
+    """The session, warmed; returns the function that measures one round."""
     state, names = session(args.probes, args.requests)
     starts = [pb.RequestStart(request_id=f"req-{i}", prompt_length=1,
                               probes=[pb.ProbeBinding(probe=n) for n in names]) for i in range(args.requests)]
@@ -68,44 +63,17 @@ def run(args) -> dict:
     freeze_startup_heap()
     state.start(starts[0])  # warm: every probe's grid column made once
     state.end(ends[0])
-    rounds = []
-    for _ in range(args.rounds):
-        gc.collect()
-        with Collections(lambda: {"open_requests": len(state.requests)}) as seen:
-            started = time.process_time()
-            for message in starts:
-                state.start(message)
-            start_ms = (time.process_time() - started) / args.requests * 1000
-        tracked = len(gc.get_objects())
-        paused = time.perf_counter()
-        gc.collect()
-        pause_ms = (time.perf_counter() - paused) * 1000
-        started = time.process_time()
+
+    def start_all() -> None:
+        for message in starts:
+            state.start(message)
+
+    def end_all() -> None:
         for message in ends:
             state.end(message)
-        end_ms = (time.process_time() - started) / args.requests * 1000
-        rounds.append({"start_ms": round(start_ms, 3), "end_ms": round(end_ms, 3),
-                       "full_collection_ms": round(pause_ms, 1), "tracked_objects": tracked,
-                       "collections_while_starting": seen.full})
-        print(rounds[-1], flush=True)
-    medians = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]
-               if key != "collections_while_starting"}
-    return {"probes_per_request": args.probes, "requests": args.requests, "rounds": rounds, "medians": medians}
 
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--probes", type=int, default=1000, help="probes bound to every request")
-    parser.add_argument("--requests", type=int, default=200, help="requests open at once")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", default="session_gc.json", help="file name under bench/results/")
-    args = parser.parse_args()
-    started = time.time()
-    report = {**results_file.provenance(started), **run(args)}
-    results_file.write(args.out, report)
-    print(json.dumps(report["medians"]))
-    return 0
+    return lambda: open_requests_round(args.requests, start_all, end_all, lambda: len(state.requests))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(open_requests_main(__doc__, prepare, 200, "requests open at once", "session_gc.json"))
