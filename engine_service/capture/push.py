@@ -138,7 +138,7 @@ def shipment_frames(shipment: dict) -> tuple[dict, list[memoryview]]:
     whatever the step, and the buffers are what the worker holds for the driver."""
     header_parts: list[dict] = []
     buffers: list[memoryview] = []
-    frame_of: dict[int, tuple[int, int]] = {}  # id(root array) -> (its frame, its address)
+    frame_of: dict[int, int] = {}  # id(root array) -> its frame
     for part in shipment["parts"]:
         rows = memoryview(part["rows"])
         root = _root_array(rows)
@@ -146,8 +146,8 @@ def shipment_frames(shipment: dict) -> tuple[dict, list[memoryview]]:
         if 0 <= start <= root.nbytes - rows.nbytes:
             if id(root) not in frame_of:
                 buffers.append(memoryview(root).cast("B"))
-                frame_of[id(root)] = (len(buffers), _address(root))
-            where = [frame_of[id(root)][0], start, start + rows.nbytes]
+                frame_of[id(root)] = len(buffers)
+            where = [frame_of[id(root)], start, start + rows.nbytes]
         else:  # not a stretch of an array (bytes, say): a frame of its own
             buffers.append(memoryview(rows.tobytes()))
             where = [len(buffers), 0, rows.nbytes]
