@@ -16,7 +16,6 @@ comparison.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import numpy as np
@@ -67,10 +66,7 @@ def main() -> None:
                        for name, (requests, every_layer) in SHAPES.items()})
         print(f"round {number}: " + "; ".join(f"{name}: {ms:.3f} ms" for name, ms in rounds[-1].items()),
               flush=True)
-    results_file.write(args.out, {
-        **results_file.provenance(started), "args": vars(args), "unit": "CPU ms per step", "rounds": rounds,
-        "medians": {name: statistics.median(r[name] for r in rounds) for name in SHAPES},
-    })
+    results_file.write_rounds(args.out, started, args, "CPU ms per step", rounds)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ another tree for a same-run comparison.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 from bench import results_file
@@ -60,10 +59,7 @@ def main() -> None:
         rounds.append({str(probes): step_ms(probes, args.steps) for probes in counts})
         print(f"round {number}: " + "; ".join(f"{p} probes: {ms:.3f} ms" for p, ms in rounds[-1].items()),
               flush=True)
-    results_file.write(args.out, {
-        **results_file.provenance(started), "args": vars(args), "unit": "CPU ms per request and step",
-        "rounds": rounds, "medians": {str(p): statistics.median(r[str(p)] for r in rounds) for p in counts},
-    })
+    results_file.write_rounds(args.out, started, args, "CPU ms per request and step", rounds)
 
 
 if __name__ == "__main__":

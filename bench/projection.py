@@ -18,7 +18,6 @@ import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy: the router's BLAS
 
 import argparse  # noqa: E402
-import statistics  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -80,12 +79,7 @@ def main() -> None:
         for shape, by_size in rounds[-1].items():
             print(f"round {number}, {shape}: " + ", ".join(f"{s} {ms:.3f}" for s, ms in by_size.items()) + " ms",
                   flush=True)
-    results_file.write(args.out, {
-        **results_file.provenance(started), "args": vars(args), "unit": "CPU ms per batch", "probes": PROBES,
-        "rounds": rounds,
-        "medians": {shape: {size: statistics.median(r[shape][size] for r in rounds) for size in SLICES}
-                    for shape in SHAPES},
-    })
+    results_file.write_rounds(args.out, started, args, "CPU ms per batch", rounds, probes=PROBES)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,3 +36,17 @@ def write(name: str | Path, report: dict) -> Path:
     path.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {path}", file=sys.stderr, flush=True)
     return path
+
+
+def medians(rounds: list[dict]) -> dict:
+    """The median over rounds of every float a round reports, keyed as a round is
+    (nested dicts alike); counts and lists stay in the rounds alone."""
+    return {key: medians([r[key] for r in rounds]) if isinstance(value, dict)
+            else statistics.median(r[key] for r in rounds)
+            for key, value in rounds[0].items() if isinstance(value, (dict, float))}
+
+
+def write_rounds(name: str | Path, started: float, args, unit: str, rounds: list[dict], **extra) -> Path:
+    """A benchmark's rounds with their medians, its arguments and its provenance."""
+    return write(name, {**provenance(started), "args": vars(args), "unit": unit, **extra,
+                        "rounds": rounds, "medians": medians(rounds)})

@@ -44,7 +44,6 @@ import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import gc  # noqa: E402
 import importlib  # noqa: E402
-import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
@@ -196,11 +195,7 @@ def main() -> None:
               f"{' / '.join(f'{ms:.0f}' for ms in collections.ms)} ms (longest "
               f"{' / '.join(f'{ms:.0f}' for ms in collections.longest_ms)}); "
               f"load average {os.getloadavg()[0]:.1f}", flush=True)
-    results_file.write(args.out, {
-        **results_file.provenance(started), "args": vars(args), "unit": "CPU ms per step", "rounds": rounds,
-        "medians": {key: statistics.median(r[key] for r in rounds)
-                    for key, value in rounds[0].items() if isinstance(value, float)},
-    })
+    results_file.write_rounds(args.out, started, args, "CPU ms per step", rounds)
 
 
 if __name__ == "__main__":

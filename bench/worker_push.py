@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing
-import statistics
 import time
 
 import numpy as np
@@ -111,11 +110,7 @@ def main() -> None:
             print(f"round {number}: {name}: worker {worker_ms:.3f} ms, service {service_ms:.3f} ms per step",
                   flush=True)
         rounds.append(measured)
-    results_file.write(args.out, {
-        **results_file.provenance(started), "args": vars(args), "unit": "CPU ms per step", "rounds": rounds,
-        "medians": {name: {side: statistics.median(r[name][side] for r in rounds)
-                           for side in ("worker_ms", "service_ms")} for name in SHAPES},
-    })
+    results_file.write_rounds(args.out, started, args, "CPU ms per step", rounds)
 
 
 if __name__ == "__main__":
