@@ -1,6 +1,10 @@
 """Once two vLLM workers are bound (bench.overhead starts vanilla vLLM's and Undercurrent's), keeps every
 task of the named processes off their cores, each second. Usage: python keep_off_worker_cores.py front,router"""
-import os, sys, time, subprocess
+import os
+import subprocess
+import sys
+import time
+
 what = sys.argv[1].split(",")
 PAT = {"core": "VLLM::EngineCore", "front": "python -m bench.overhead", "router": "router_service"}
 def pids(pat):
