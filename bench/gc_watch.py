@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import time
 from collections.abc import Callable
 from typing import Self
@@ -84,10 +83,8 @@ def open_requests_main(doc: str, run_round: Callable[[argparse.Namespace], Calla
     started = time.time()
     measure = run_round(args)
     rounds = [measure() for _ in range(args.rounds)]
-    medians = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]
-               if key != "collections_while_starting"}
-    report = {**results_file.provenance(started), "probes_per_request": args.probes, "requests": args.requests,
-              "rounds": rounds, "medians": medians}
-    results_file.write(args.out, report)
-    print(json.dumps(medians))
+    report = results_file.write_rounds(
+        args.out, started, args, "start_ms, end_ms: CPU ms per request; full_collection_ms: wall ms", rounds,
+        probes_per_request=args.probes, requests=args.requests)
+    print(json.dumps(report["medians"]))
     return 0

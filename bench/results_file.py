@@ -39,14 +39,17 @@ def write(name: str | Path, report: dict) -> Path:
 
 
 def medians(rounds: list[dict]) -> dict:
-    """The median over rounds of every float a round reports, keyed as a round is
-    (nested dicts alike); counts and lists stay in the rounds alone."""
+    """The median over rounds of every number a round reports, keyed as a round is
+    (nested dicts alike); lists and flags stay in the rounds alone."""
     return {key: medians([r[key] for r in rounds]) if isinstance(value, dict)
             else statistics.median(r[key] for r in rounds)
-            for key, value in rounds[0].items() if isinstance(value, (dict, float))}
+            for key, value in rounds[0].items()
+            if isinstance(value, (dict, int, float)) and not isinstance(value, bool)}
 
 
-def write_rounds(name: str | Path, started: float, args, unit: str, rounds: list[dict], **extra) -> Path:
-    """A benchmark's rounds with their medians, its arguments and its provenance."""
-    return write(name, {**provenance(started), "args": vars(args), "unit": unit, **extra,
-                        "rounds": rounds, "medians": medians(rounds)})
+def write_rounds(name: str | Path, started: float, args, unit: str, rounds: list[dict], **extra) -> dict:
+    """Writes a benchmark's rounds with their medians, its arguments and its provenance; returns that report."""
+    report = {**provenance(started), "args": vars(args), "unit": unit, **extra,
+              "rounds": rounds, "medians": medians(rounds)}
+    write(name, report)
+    return report
