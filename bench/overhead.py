@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import statistics
@@ -116,6 +117,13 @@ class Workload:
     def prompts(self, count: int) -> list[list[int]]:
         # Ids from 3 up: 0..2 are the embedded tokenizer's special tokens.
         return self.rng.integers(3, self.vocab, size=(count, self.prompt_tokens)).tolist()
+
+
+def request_ids(tag: str, count: int) -> list[str]:
+    """`count` request ids for a run, hex digests as clients' UUIDs are: their order
+    is not the batch's. (Numbered ids sort like the batch below ten requests, which
+    would hide any per-step cost of rows arriving in an order unlike their ids'.)"""
+    return [f"{tag}-" + hashlib.blake2b(f"{tag}-{i}".encode(), digest_size=8).hexdigest() for i in range(count)]
 
 
 def generate_request(mode: str, request_id: str, prompt: list[int], tokens: int, layers: int) -> pb.GenerateRequest:
@@ -240,11 +248,12 @@ class Engines:
                 await self.runtime.capture.use_push(push)
                 self._push = push
         if mode.startswith("vllm_"):
-            coros = [self._vanilla_one(self.vanilla[mode], f"{tag}-{i}", p, tokens) for i, p in enumerate(prompts)]
+            coros = [self._vanilla_one(self.vanilla[mode], request_id, p, tokens)
+                     for request_id, p in zip(request_ids(tag, len(prompts)), prompts)]
         else:
             layers = self.config["num_hidden_layers"]
-            coros = [self._uc_one(generate_request(mode, f"{tag}-{i}", p, tokens, layers), mode)
-                     for i, p in enumerate(prompts)]
+            coros = [self._uc_one(generate_request(mode, request_id, p, tokens, layers), mode)
+                     for request_id, p in zip(request_ids(tag, len(prompts)), prompts)]
         start = time.perf_counter()
         produced = await asyncio.gather(*coros)
         elapsed = time.perf_counter() - start
