@@ -23,7 +23,8 @@ from undercurrent.v1 import undercurrent_pb2 as pb
 
 @dataclass
 class Block:
-    """All rows of one (point, layer) in one step, ordered by (request, position)."""
+    """All rows of one (point, layer) in one step, ordered by request (each request's
+    rows together, requests in the order the engine computed them), then position."""
 
     point: str
     tensor_type: int  # pb.TensorType value

@@ -5,8 +5,9 @@ is its request's own, so two requests may name different tensors alike. The
 driver takes the union, drops duplicate keys (TP ranks hold identical values;
 only tp_rank 0 of each pipeline stage ships, and this dedup is the guard),
 drops keys an earlier drain already delivered (a preempted request recomputes
-its positions), and orders everything: blocks by (point, layer), rows by
-(request, position).
+its positions), and orders everything: blocks by (point, layer), rows by request
+(each request's rows together, requests in the order the workers computed them)
+then position.
 `common.activations.forward_order` then yields (token_position, layer) order
 even when one point's layers live on different pipeline stages, which drain
 at different times within a step. No vLLM import: tested without vLLM.
@@ -30,12 +31,17 @@ def merge_blocks(blocks: list[Block]) -> list[Block]:
     """Union of blocks from any workers and steps, one per (point, tensor type, layer).
 
     Duplicate (request, position) keys keep their first copy. Blocks come out
-    ordered by (point, layer), rows by (request, position).
+    ordered by (point, layer); rows by request, then position, where requests
+    keep the order they first appear in (a worker's batch order), not the order
+    of their ids: a worker's rows are already in that order and stay as shipped,
+    uncopied, whatever the ids. Blocks that shared key objects (decode_parts)
+    still share the merged ones, so per-step work over keys runs once per key set.
     """
     groups: dict[tuple[str, int, int], list[Block]] = defaultdict(list)
     for block in blocks:
         groups[(block.point, block.layer, block.tensor_type)].append(block)
-    in_order = ByIdentity(lambda ids, positions: _strictly_increasing(_request_codes(ids), positions))
+    in_order = ByIdentity(lambda ids, positions: _strictly_increasing(_first_seen_codes(ids), positions))
+    merged_keys = ByIdentity(lambda *keys: _merged_keys(keys[0::3], keys[1::3], keys[2::3]))
     merged = []
     for (point, layer, tensor_type), parts in sorted(groups.items()):
         widths = {p.rows.shape[1:] for p in parts}
@@ -45,34 +51,43 @@ def merge_blocks(blocks: list[Block]) -> list[Block]:
                 f"{sorted(list(w) for w in widths)}"
             )
         if len(parts) == 1 and in_order(parts[0].request_ids, parts[0].token_positions):
-            # One worker's rows, already in (request, position) order with no
-            # repeated key (the common case): keep them as they are, no copy.
+            # One worker's rows, each request's together in increasing positions with
+            # no repeated key (the common case): keep them as they are, no copy.
             merged.append(parts[0])
             continue
-        request_ids = [r for p in parts for r in p.request_ids]
-        positions = np.concatenate([p.token_positions for p in parts])
-        codes = _request_codes(request_ids)
-        is_generated = np.concatenate([p.is_generated for p in parts])
+        keep, request_ids, positions, is_generated = merged_keys(
+            *(key for p in parts for key in (p.request_ids, p.token_positions, p.is_generated)))
         rows = np.concatenate([p.rows for p in parts]) if len(parts) > 1 else parts[0].rows
-        # Stable sort by (request, position); the first copy of a key stays first.
-        order = np.lexsort((np.arange(len(positions)), positions, codes))
-        codes, positions_sorted = codes[order], positions[order]
-        first = np.ones(len(order), dtype=bool)
-        first[1:] = (codes[1:] != codes[:-1]) | (positions_sorted[1:] != positions_sorted[:-1])
-        keep = order[first]
         merged.append(
             Block(
                 point=point,
                 tensor_type=tensor_type,
                 layer=layer,
                 rows=rows[keep],
-                request_ids=[request_ids[i] for i in keep.tolist()],
-                token_positions=positions[keep],
-                is_generated=is_generated[keep],
+                request_ids=request_ids,
+                token_positions=positions,
+                is_generated=is_generated,
                 wire_dtype=parts[0].wire_dtype,
             )
         )
     return merged
+
+
+def _merged_keys(
+    request_ids: tuple[list[str], ...], positions: tuple[np.ndarray, ...], is_generated: tuple[np.ndarray, ...]
+) -> tuple[np.ndarray, list[str], np.ndarray, np.ndarray]:
+    """Of the parts' keys, concatenated: which rows to keep, in what order (a stable
+    sort by (request in first-seen order, position), the first copy of a key kept),
+    and the kept rows' keys."""
+    ids = [r for part in request_ids for r in part]
+    all_positions = np.concatenate(positions)
+    codes = _first_seen_codes(ids)
+    order = np.lexsort((np.arange(len(all_positions)), all_positions, codes))
+    codes, positions_sorted = codes[order], all_positions[order]
+    first = np.ones(len(order), dtype=bool)
+    first[1:] = (codes[1:] != codes[:-1]) | (positions_sorted[1:] != positions_sorted[:-1])
+    keep = order[first]
+    return keep, [ids[i] for i in keep.tolist()], all_positions[keep], np.concatenate(is_generated)[keep]
 
 
 def _strictly_increasing(codes: np.ndarray, positions: np.ndarray) -> bool:
@@ -83,10 +98,12 @@ def _strictly_increasing(codes: np.ndarray, positions: np.ndarray) -> bool:
     return bool(((step > 0) | ((step == 0) & (np.diff(positions) > 0))).all())
 
 
-def _request_codes(request_ids: list[str]) -> np.ndarray:
-    """Integer codes that sort like the request ids."""
-    unique, codes = np.unique(np.asarray(request_ids, dtype=object), return_inverse=True)
-    return codes.astype(np.int64, copy=False).reshape(-1)
+def _first_seen_codes(request_ids: list[str]) -> np.ndarray:
+    """Each row's request numbered in the order requests first appear: sorted
+    exactly when each request's rows are together."""
+    table: dict[str, int] = {}
+    return np.fromiter((table.setdefault(r, len(table)) for r in request_ids), dtype=np.int64,
+                       count=len(request_ids))
 
 
 class DeliveredPositions:

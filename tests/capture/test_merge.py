@@ -27,13 +27,39 @@ def keys_of(b: Block):
     return list(zip(b.request_ids, b.token_positions.tolist()))
 
 
-def test_tp_duplicates_are_dropped_and_rows_sorted_by_request_then_position():
+def test_tp_duplicates_are_dropped_and_rows_grouped_by_request_in_first_seen_order_then_position():
     rank0 = block("p", 1, [("b", 1), ("a", 4), ("a", 3)])
     rank1 = block("p", 1, [("a", 3), ("b", 1), ("a", 4)], offset=0.5)  # same keys, another rank
     (merged,) = merge_blocks([rank0, rank1])
-    assert keys_of(merged) == [("a", 3), ("a", 4), ("b", 1)]
-    assert merged.rows[:, 0].tolist() == [31.0, 41.0, 11.0]  # first copy kept
-    assert merged.is_generated.tolist() == [True, True, False]
+    assert keys_of(merged) == [("b", 1), ("a", 3), ("a", 4)]
+    assert merged.rows[:, 0].tolist() == [11.0, 31.0, 41.0]  # first copy kept
+    assert merged.is_generated.tolist() == [False, True, True]
+
+
+def test_one_workers_rows_in_batch_order_are_kept_as_shipped_whatever_the_ids():
+    """A worker ships a step's rows in its batch order, which is seldom the order of
+    the requests' ids (client ids, "req-10" before "req-9"): kept, not copied."""
+    part = block("p", 0, [("req-9", 20), ("req-10", 14), ("req-10", 15), ("0_req-2", 3)])
+    (merged,) = merge_blocks([part])
+    assert merged is part
+
+
+def test_a_request_whose_rows_are_apart_is_brought_together_in_first_seen_order():
+    (merged,) = merge_blocks([block("p", 0, [("b", 5), ("a", 2), ("b", 6), ("c", 1), ("a", 1)])])
+    assert keys_of(merged) == [("b", 5), ("b", 6), ("a", 1), ("a", 2), ("c", 1)]
+    assert merged.rows[:, 0].tolist() == [50.0, 60.0, 10.0, 20.0, 10.0]
+
+
+def test_blocks_that_shared_keys_share_the_merged_keys():
+    """Merging a step's blocks that share key objects (decode_parts) orders their
+    keys once: the merged blocks share them too, for the per-key-set work after."""
+    keys = [("b", 1), ("a", 1), ("b", 0)]  # "b" out of position order: not kept as shipped
+    decoded = decode_parts([encode_part(block("p", layer, keys)) for layer in (0, 1, 2)])
+    merged = merge_blocks(decoded)
+    assert [keys_of(b) for b in merged] == [[("b", 0), ("b", 1), ("a", 1)]] * 3
+    assert all(b.request_ids is merged[0].request_ids for b in merged)
+    assert all(b.token_positions is merged[0].token_positions for b in merged)
+    assert [b.rows[:, 0].tolist() for b in merged] == [[0.0, 10.0, 10.0], [1.0, 11.0, 11.0], [2.0, 12.0, 12.0]]
 
 
 def test_disjoint_layers_arriving_interleaved_come_out_in_forward_order():
@@ -78,7 +104,7 @@ def test_forget_frees_a_request_and_its_children():
     delivered.filter(merge_blocks([block("p", 0, [("a", 5), ("0_a", 5), ("b", 5)])]))
     delivered.forget({"a"})
     again = delivered.filter(merge_blocks([block("p", 0, [("a", 5), ("0_a", 5), ("b", 5)])]))
-    assert keys_of(again[0]) == [("0_a", 5), ("a", 5)]
+    assert keys_of(again[0]) == [("a", 5), ("0_a", 5)]
 
 
 def test_points_named_alike_by_two_requests_stay_apart_by_tensor_type():
@@ -157,7 +183,11 @@ def test_random_drains_deliver_each_key_once_with_the_first_copy_like_a_referenc
             for (request, position), value in zip(keys_of(b), b.rows[:, 0].tolist()):
                 reference.setdefault((request, b.layer, position), value)
         for b in delivered.filter(merge_blocks(arrivals)):
-            assert keys_of(b) == sorted(keys_of(b))
+            requests = [request for request, _ in keys_of(b)]
+            # Each request's rows together, requests in the order they first arrived.
+            arrived = list(dict.fromkeys(request for a in arrivals if a.layer == b.layer for request in a.request_ids))
+            assert list(dict.fromkeys(requests)) == [r for r in arrived if r in requests]
+            assert keys_of(b) == sorted(keys_of(b), key=lambda key: (requests.index(key[0]), key[1]))
             for (request, position), value in zip(keys_of(b), b.rows[:, 0].tolist()):
                 key = (request, b.layer, position)
                 assert key not in got, f"{key} delivered twice"
