@@ -57,7 +57,6 @@ def set_receiver(receiver: Receiver | None) -> None:
     _receiver = receiver
 
 
-@torch.library.custom_op(SITE_OP, mutates_args=("keep_alive",))
 def _capture_op(
     tensor: torch.Tensor,
     addend: torch.Tensor | None,
@@ -69,9 +68,17 @@ def _capture_op(
         _receiver(TENSOR_TYPES[tensor_type], layer, tensor, addend)
 
 
-@_capture_op.register_fake
-def _(tensor, addend, tensor_type, layer, keep_alive) -> None:
-    return None
+# Defined on a torch.library.Library with a kernel per device, as vLLM registers
+# its own ops, rather than with torch.library.custom_op: for an op that mutates an
+# argument, custom_op adds a Python kernel on the ADInplaceOrView key that rebuilds
+# the schema's argument list several times per call, which cost the worker about
+# 0.25 ms per site and step (BENCHMARKS.md, section 34); here that key falls through.
+_LIBRARY = torch.library.Library(SITE_OP.partition("::")[0], "FRAGMENT")
+_LIBRARY.define(
+    "capture(Tensor tensor, Tensor? addend, int tensor_type, int layer, Tensor(a!) keep_alive) -> ()")
+for _device in ("CPU", "CUDA"):  # the devices vLLM runs models on here
+    _LIBRARY.impl("capture", _capture_op, _device)
+torch.library.register_fake(SITE_OP, lambda tensor, addend, tensor_type, layer, keep_alive: None, lib=_LIBRARY)
 
 
 def _site(tensor_type: str, layer: int, tensor: torch.Tensor, addend: torch.Tensor | None) -> None:
