@@ -2,36 +2,35 @@
 merge -> exactly-once filter -> forward-order gate -> per-replica partition ->
 ActivationBatch messages, timed on one synthetic decode step.
 
-    python -m bench.postprocess [--requests 256] [--layers 32] [--hidden 4096] [--repeat 5]
+    python -m bench.postprocess [--requests 256] [--layers 32] [--hidden 4096] [--repeat 5] [--out F]
 
 Each worker part is what a capture worker ships for one (point, layer): one
-bf16 row per request. Prints the median milliseconds per stage and writes
-bench/results/postprocess.json.
+bf16 row per request, requests in batch order under ids like clients' (hex
+digests, `bench.overhead.request_ids`), decoded as the drain decodes a step
+(`decode_parts`: the step's parts share one key set). Prints the median
+milliseconds per stage and writes bench/results/postprocess.json (or --out).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-from common.activations import Block, decode_part, encode_part, to_batch
+from bench import results_file
+from bench.overhead import request_ids
+from common.activations import Block, decode_parts, encode_part, to_batch
 from engine_service.link import batching
 from engine_service.link.assignment import pick_replica
 from engine_service.capture.merge import DeliveredPositions, ForwardOrderGate, merge_blocks
 from undercurrent.v1 import undercurrent_pb2 as pb
 
-RESULTS = Path(__file__).resolve().parent / "results" / "postprocess.json"
-
-
-def worker_parts(requests: int, layers: int, hidden: int, step: int) -> list[dict]:
+def worker_parts(ids: list[str], layers: int, hidden: int, step: int) -> list[dict]:
     rng = np.random.default_rng(step)
-    ids = [f"req-{i:04d}" for i in range(requests)]
+    requests = len(ids)
     positions = np.full(requests, 100 + step, dtype=np.int64)
     return [
         encode_part(Block(f"probe.residual_stream.{layer}", pb.TENSOR_TYPE_RESIDUAL_STREAM, layer,
@@ -48,9 +47,12 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--out", default="postprocess.json", help="file name under bench/results/")
     args = parser.parse_args()
+    started = time.time()
     replicas = [f"router-{i}" for i in range(args.replicas)]
-    owner = {f"req-{i:04d}": pick_replica(f"req-{i:04d}", replicas) for i in range(args.requests)}
+    ids = request_ids("req", args.requests)
+    owner = {request_id: pick_replica(request_id, replicas) for request_id in ids}
     delivered, gate = DeliveredPositions(), ForwardOrderGate()
     times: dict[str, list[float]] = {}
 
@@ -61,8 +63,8 @@ def main() -> int:
         return out
 
     for step in range(args.repeat):
-        parts = worker_parts(args.requests, args.layers, args.hidden, step)
-        blocks = timed("decode_part", lambda: [decode_part(p) for p in parts])
+        parts = worker_parts(ids, args.layers, args.hidden, step)
+        blocks = timed("decode_parts", decode_parts, parts)
         blocks = timed("merge_blocks", merge_blocks, blocks)
         blocks = timed("DeliveredPositions.filter", delivered.filter, blocks)
         blocks = timed("ForwardOrderGate.release", gate.release, blocks, set())
@@ -74,12 +76,10 @@ def main() -> int:
     print(f"{args.requests} requests x {args.layers} layers x {args.hidden} bf16, {args.replicas} replicas; "
           f"median of {args.repeat} steps")
     for name, ms in medians.items():
-        print(f"  {name:<28} {ms:8.1f} ms")
-    print(f"  {'total':<28} {total:8.1f} ms")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"command": "python -m bench.postprocess" + "".join(f" {a}" for a in sys.argv[1:]),
-                                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                   "args": vars(args), "median_ms": medians, "total_ms": total}, indent=1))
+        print(f"  {name:<28} {ms:8.3f} ms")
+    print(f"  {'total':<28} {total:8.3f} ms")
+    results_file.write(args.out, {**results_file.provenance(started), "args": vars(args),
+                                  "median_ms": medians, "total_ms": total})
     return 0
 
 
