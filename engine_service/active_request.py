@@ -112,19 +112,25 @@ class HeldScores:
 def _split(
     message: pb.ProbeScores, ledger: RequestLedger, final: bool, below: int | None
 ) -> tuple[pb.ProbeScores | None, pb.ProbeScores | None]:
-    """(the scores to show now, the scores still waiting) of one message."""
-    ready: list[tuple[int, float]] = []
-    waiting: list[tuple[int, float]] = []
-    for position, score in zip(message.token_positions, message.scores):
-        outcome = ledger.outcome_at(position)
-        if outcome and (below is None or position < below):
-            ready.append((position, score))
-        elif outcome is None and not final:
-            waiting.append((position, score))
-    return _with_scores(message, ready), _with_scores(message, waiting)
+    """(the scores to show now, the scores still waiting) of one message.
+
+    A message mostly scores one token (one position, a score per layer read), so
+    each distinct position's outcome is read once, and a message whose positions
+    all settle alike is returned whole, not rebuilt score by score."""
+    outcomes = {position: ledger.outcome_at(position) for position in set(message.token_positions)}
+    shown = {position: bool(outcome) and (below is None or position < below)
+             for position, outcome in outcomes.items()}
+    if all(shown.values()):
+        return (message if shown else None), None
+    held = {position: outcome is None and not final for position, outcome in outcomes.items()}
+    if not any(shown.values()):
+        return None, (message if all(held.values()) else _with_scores(message, held))
+    return _with_scores(message, shown), _with_scores(message, held)
 
 
-def _with_scores(message: pb.ProbeScores, pairs: list[tuple[int, float]]) -> pb.ProbeScores | None:
+def _with_scores(message: pb.ProbeScores, taken: dict[int, bool]) -> pb.ProbeScores | None:
+    """The message with the scores at the positions `taken` marks True (itself if all)."""
+    pairs = [(p, s) for p, s in zip(message.token_positions, message.scores) if taken[p]]
     if not pairs:
         return None
     if len(pairs) == len(message.token_positions):

@@ -710,7 +710,9 @@ class EngineRuntime:
     @staticmethod
     def _show(request: ActiveRequest, shown: list[pb.ProbeScores]) -> None:
         for scores in shown:
-            request.events.put_nowait(pb.GenerateResponse(probe_event=pb.ProbeEvent(scores=scores)))
+            response = pb.GenerateResponse()
+            response.probe_event.scores.CopyFrom(scores)  # one copy; nested constructors make two
+            request.events.put_nowait(response)
 
     def _on_unscored(self, request: ActiveRequest, failure: Failure) -> None:
         if request.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
