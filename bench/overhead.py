@@ -323,8 +323,13 @@ def cpu_seconds(roles: dict[str, list[psutil.Process]]) -> dict[str, float]:
     return result
 
 
+def make_model(name: str) -> Path:
+    """The benchmark model called `name` (a key of MODELS), made in .cache/models if missing."""
+    return embedded_model.make(MODELS[name], REPO / ".cache" / "models" / MODELS[name])
+
+
 async def bench_model(name: str, args) -> dict:
-    model = embedded_model.make(MODELS[name], REPO / ".cache" / "models" / MODELS[name])
+    model = make_model(name)
     engines = Engines(model, args.parallel, args.max_model_len, args.uc_eager,
                       args.tokens_ahead if args.ahead_modes else 0)
     modes = list(args.modes) + [f"{m}/rpc" for m in args.rpc_modes] + [f"{m}/ahead" for m in args.ahead_modes]

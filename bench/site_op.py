@@ -20,13 +20,10 @@ import argparse
 import asyncio
 import os
 import time
-from pathlib import Path
 
 from bench import results_file
-from common import embedded_model
-
-REPO = Path(__file__).resolve().parent.parent
-MODELS = {"embedded": "tiny-llama", "bench": "bench-llama"}
+from bench.overhead import MODELS, make_model
+from bench.split_points import serve_batch
 
 
 def time_site_op(worker, calls: int, rounds: int) -> dict:
@@ -54,24 +51,14 @@ def time_site_op(worker, calls: int, rounds: int) -> dict:
 
 
 async def run(args) -> dict:
-    from vllm import SamplingParams
-
     from tests.capture.engines import capture_engine
 
-    name = MODELS[args.model]
-    model = embedded_model.make(name, REPO / ".cache" / "models" / name)
+    model = make_model(args.model)
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the timing function is sent to the workers
     async with capture_engine(str(model), max_model_len=512) as (engine, _):
-        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-
-        async def one(i: int) -> None:
-            async for _ in engine.generate({"prompt_token_ids": [3 + (i * 7 + j) % 200 for j in range(8)]},
-                                           params, f"warm-{i}"):
-                pass
-
-        await asyncio.gather(*(one(i) for i in range(8)))
+        await serve_batch(engine, 8, 16, "warm")
         [per_context] = await engine.collective_rpc(time_site_op, args=(args.calls, args.rounds))
-    return {"model": name, "us_per_call": per_context}
+    return {"model": MODELS[args.model], "us_per_call": per_context}
 
 
 def main() -> None:

@@ -34,15 +34,13 @@ from pathlib import Path
 from unittest import mock
 
 from bench import results_file
-from common import embedded_model
+from bench.overhead import MODELS, make_model
 from engine_service.capture import graphs
 
-REPO = Path(__file__).resolve().parent.parent
-MODELS = {"embedded": "tiny-llama", "bench": "bench-llama"}
 MODES = ("unsplit", "split")
 
 
-async def _batch(engine, batch: int, tokens: int, tag: str) -> float:
+async def serve_batch(engine, batch: int, tokens: int, tag: str) -> float:
     """Seconds for `batch` concurrent greedy requests of `tokens` tokens each."""
     from vllm import SamplingParams
 
@@ -73,11 +71,11 @@ async def measure(model: Path, first: str, args) -> dict:
                 engines[mode] = engine
                 [(_, points[mode])] = await engine.collective_rpc(split_points)
         for mode in MODES:  # warm-up
-            await _batch(engines[mode], args.batch, args.tokens, f"warm-{mode}")
+            await serve_batch(engines[mode], args.batch, args.tokens, f"warm-{mode}")
         steps: dict[str, list[float]] = {mode: [] for mode in MODES}
         for r in range(args.rounds):
             for mode in MODES[r % 2:] + MODES[: r % 2]:
-                seconds = await _batch(engines[mode], args.batch, args.tokens, f"{mode}-{r}")
+                seconds = await serve_batch(engines[mode], args.batch, args.tokens, f"{mode}-{r}")
                 steps[mode].append(seconds / args.tokens * 1000)
             print(f"{first} first, round {r}: "
                   + ", ".join(f"{m} {steps[m][-1]:.2f} ms/step" for m in MODES), flush=True)
@@ -91,8 +89,8 @@ async def measure(model: Path, first: str, args) -> dict:
 
 
 async def run(args) -> dict:
+    model = make_model(args.model)
     name = MODELS[args.model]
-    model = embedded_model.make(name, REPO / ".cache" / "models" / name)
     # The counters are read by a function sent to the workers.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     # The engine started second ran 4-8% faster here whichever it was, more than the
