@@ -31,6 +31,14 @@ Modes:
   MODE/rpc        (for the modes in --rpc-modes) the same with rows drained by one
                   collective_rpc per drain instead of pushed by the workers: the
                   drain before and after that change, measured in the same run
+  MODE/PLACEMENT  (for the modes in --placement-modes) the same with each placement
+                  other than --placement's: none (the engine service and router
+                  free to use every core, the default), service (the service off
+                  the Undercurrent worker's cores, as `python -m engine_service
+                  --keep-off-worker-cores` places itself), service+router (the
+                  router too, placed from outside as with `taskset`); each run
+                  moves the processes first, so placements alternate round by
+                  round. Vanilla vLLM's runs are left unplaced, as deployed
   MODE/ahead      (for the modes in --ahead-modes) the same with the engine's
                   --max-tokens-ahead set to --tokens-ahead: each request waits
                   for its router's acknowledgements that far behind. With ahead
@@ -69,6 +77,7 @@ import psutil  # noqa: E402
 from bench import results_file  # noqa: E402
 from common import embedded_model  # noqa: E402
 from common.gc_heap import freeze_startup_heap  # noqa: E402
+from engine_service.placement import core_list, cores_off_workers, move_process  # noqa: E402
 from router_service.probe_files import write_probe  # noqa: E402
 from tools import processes  # noqa: E402
 from undercurrent.v1 import undercurrent_pb2 as pb  # noqa: E402
@@ -84,6 +93,8 @@ TENSOR_TYPES = (
     ("mlp_out", pb.TENSOR_TYPE_MLP_OUT),
     ("final_norm", pb.TENSOR_TYPE_FINAL_NORM),
 )
+# Who keeps off the Undercurrent worker's cores in a uc_* run: (engine service, router).
+PLACEMENTS = {"none": (False, False), "service": (True, False), "service+router": (True, True)}
 PARALLEL = {
     "none": ({}, None),
     "tp2": ({"tensor_parallel_size": 2}, "0|1"),
@@ -151,9 +162,11 @@ def generate_request(mode: str, request_id: str, prompt: list[int], tokens: int,
 class Engines:
     """The three engines of one model, and one router for the probe modes."""
 
-    def __init__(self, model: Path, parallel: str, max_model_len: int, uc_eager: bool, tokens_ahead: int = 0):
+    def __init__(self, model: Path, parallel: str, max_model_len: int, uc_eager: bool, tokens_ahead: int = 0,
+                 placement: str = "service"):
         self.model, self.parallel, self.max_model_len = model, parallel, max_model_len
         self.uc_eager = uc_eager
+        self.placement = placement
         self.tokens_ahead = tokens_ahead
         self.allowances = None
         self.config = json.loads((model / "config.json").read_text())
@@ -228,6 +241,7 @@ class Engines:
             link_config=RouterLinkConfig(targets=self.router.address),
             settings=EngineSettings(default_failure_policy=pb.FAILURE_POLICY_FAIL_OPEN),
         )
+        await self._learn_cores()
         await self.runtime.start()
         await self.runtime.link.wait_ready(timeout=60)
         deadline = time.monotonic() + 30
@@ -238,9 +252,30 @@ class Engines:
         # This process is the engine service's front end: freeze its start-up heap as the service does.
         print(f"start-up heap frozen: {freeze_startup_heap()} objects", flush=True)
 
+    async def _learn_cores(self) -> None:
+        """The cores this process and the router started on, and the Undercurrent worker's."""
+        self.all_cores = frozenset(os.sched_getaffinity(0))
+        self.worker_cores = frozenset(await self.runtime.capture.local_worker_cores())
+        print(f"cores: {core_list(self.all_cores)}; the Undercurrent worker bound to {core_list(self.worker_cores)}",
+              flush=True)
+
+    def _place(self, placement: str) -> None:
+        """Puts this process (the engine service, and vanilla vLLM's front ends) and the router
+        on their cores for one run: PLACEMENTS[placement] says who keeps off the worker's cores."""
+        off = cores_off_workers(self.all_cores, self.worker_cores) or self.all_cores
+        service, router = PLACEMENTS[placement]
+        move_process(os.getpid(), off if service else self.all_cores)
+        if self.router is not None:
+            top = psutil.Process(self.router.process.pid)
+            for process in [top, *top.children(recursive=True)]:
+                move_process(process.pid, off if router else self.all_cores)
+
     async def run(self, mode: str, prompts: list[list[int]], tokens: int, tag: str) -> tuple[float, int]:
         """Runs len(prompts) concurrent requests; returns (seconds, tokens generated)."""
         mode, _, variant = mode.partition("/")
+        if self.runtime is not None:
+            # Vanilla vLLM as deployed: nothing placed.
+            self._place(variant if variant in PLACEMENTS else self.placement if mode.startswith("uc_") else "none")
         if self.runtime is not None and mode.startswith("uc_"):
             self.runtime.allowances = self.allowances if variant == "ahead" else None
             push = variant != "rpc"
@@ -331,8 +366,9 @@ def make_model(name: str) -> Path:
 async def bench_model(name: str, args) -> dict:
     model = make_model(name)
     engines = Engines(model, args.parallel, args.max_model_len, args.uc_eager,
-                      args.tokens_ahead if args.ahead_modes else 0)
-    modes = list(args.modes) + [f"{m}/rpc" for m in args.rpc_modes] + [f"{m}/ahead" for m in args.ahead_modes]
+                      args.tokens_ahead if args.ahead_modes else 0, args.placement)
+    modes = (list(args.modes) + [f"{m}/rpc" for m in args.rpc_modes] + [f"{m}/ahead" for m in args.ahead_modes]
+             + [f"{m}/{p}" for m in args.placement_modes for p in PLACEMENTS if p != args.placement])
     workload = Workload(engines.config["vocab_size"], args.prompt_tokens, args.tokens)
     seconds: dict[tuple[int, str], list[float]] = {}
     cpu_ms: dict[tuple[int, str], list[dict[str, float]]] = {}
@@ -410,13 +446,21 @@ def main() -> int:
     parser.add_argument("--ahead-modes", default="",
                         help="Undercurrent modes also run with --max-tokens-ahead (MODE/ahead)")
     parser.add_argument("--tokens-ahead", type=int, default=1, help="the bound of the MODE/ahead runs")
+    parser.add_argument("--placement", choices=sorted(PLACEMENTS), default="none",
+                        help="in the uc_* modes, keep neither the engine service nor the router off the "
+                             "Undercurrent worker's cores (as `python -m engine_service` runs by default), "
+                             "the service (as with its --keep-off-worker-cores), or both")
+    parser.add_argument("--placement-modes", default="",
+                        help="Undercurrent modes also run with each other placement (MODE/PLACEMENT)")
     parser.add_argument("--out", default="", help="result file name (default: overhead[-PARALLEL].json)")
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     args.modes = [m for m in args.modes.split(",") if m]
     args.rpc_modes = [m for m in args.rpc_modes.split(",") if m]
     args.ahead_modes = [m for m in args.ahead_modes.split(",") if m]
-    unknown = (set(args.modes) - set(MODES + OPTIONAL_MODES)) | (set(args.rpc_modes + args.ahead_modes) - set(args.modes))
+    args.placement_modes = [m for m in args.placement_modes.split(",") if m]
+    unknown = ((set(args.modes) - set(MODES + OPTIONAL_MODES))
+               | (set(args.rpc_modes + args.ahead_modes + args.placement_modes) - set(args.modes)))
     if unknown:
         parser.error(f"--modes: unknown {sorted(unknown)}; choose from {list(MODES + OPTIONAL_MODES)}")
     bind = PARALLEL[args.parallel][1]
@@ -431,7 +475,7 @@ def main() -> int:
         "wall_seconds": round(time.time() - started, 1),
         "vllm": vllm.__version__,
         "parallel": args.parallel, "uc_eager": args.uc_eager, "tokens": args.tokens, "prompt_tokens": args.prompt_tokens,
-        "rounds": args.rounds, **({"tokens_ahead": args.tokens_ahead} if args.ahead_modes else {}),
+        "rounds": args.rounds, "placement": args.placement, **({"tokens_ahead": args.tokens_ahead} if args.ahead_modes else {}),
         "results": results,
     }
     results_file.write(args.out or ("overhead.json" if args.parallel == "none" else f"overhead-{args.parallel}.json"),

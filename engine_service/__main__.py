@@ -123,6 +123,14 @@ def build_parser():
         "check (every 5 s); past it the engine reports NOT_SERVING and exits 1 so a supervisor "
         "restarts it and its worker nodes (0: no check)",
     )
+    ours.add_argument(
+        "--keep-off-worker-cores", action="store_true",
+        help="once vLLM's CPU backend has bound its workers to cores, move this process's threads "
+        "to the other cores it may use (those vLLM reserves for other processes), so they never take "
+        "a core from a forward pass; nothing moves where workers are not bound (GPU) or hold every "
+        "core. Off by default: on a 2-core host with one worker it made no difference (BENCHMARKS.md "
+        "section 36)",
+    )
     limits = parser.add_argument_group("Undercurrent limits (RESOURCE_EXHAUSTED past them)")
     limits.add_argument(
         "--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES,

@@ -76,6 +76,7 @@ async def run(args) -> int:
     from engine_service.capture.controller import CaptureController
     from engine_service.host_checks import autogroup_warning
     from engine_service.metrics import EngineMetrics
+    from engine_service.placement import place_engine_service
     from engine_service.requests import RequestLimits
     from engine_service.runtime import EngineRuntime, EngineSettings
     from engine_service.tokens_ahead import AllowancePublisher
@@ -130,6 +131,8 @@ async def run(args) -> int:
         metrics=metrics,
         allowances=allowances,
     )
+    if args.keep_off_worker_cores:
+        await place_engine_service(runtime.capture)
     await runtime.start()
     holder["runtime"] = runtime
     log.info("start-up heap frozen: %d objects", freeze_startup_heap())

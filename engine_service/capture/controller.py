@@ -37,7 +37,7 @@ from engine_service.capture.merge import (
     ForwardOrderGate,
     merge_blocks,
 )
-from engine_service.capture.push import DEFAULT_BACKLOG_BYTES, Sink
+from engine_service.capture.push import DEFAULT_BACKLOG_BYTES, Sink, node_identity
 from engine_service.capture.topology import RankTopology, Topology
 from undercurrent.v1 import undercurrent_pb2 as pb
 
@@ -336,6 +336,15 @@ class CaptureController:
         vLLM watches only the worker processes of its own node; one on another
         node that dies leaves every later step and call waiting for it."""
         await self.engine.collective_rpc("undercurrent_alive", timeout=timeout_s)
+
+    async def local_worker_cores(self) -> set[int]:
+        """The cores the workers on this node are bound to (every core they may
+        use where vLLM binds none); workers on other nodes do not count."""
+        cores: set[int] = set()
+        for report in await self.engine.collective_rpc("undercurrent_cores"):
+            if report["node"] == node_identity():
+                cores.update(report["cores"])
+        return cores
 
     @property
     def recomputed_rows_discarded(self) -> int:

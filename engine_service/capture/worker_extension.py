@@ -24,6 +24,7 @@ makes vLLM build the supported architectures with their sites.
 from __future__ import annotations
 
 import logging
+import os
 from collections import defaultdict
 
 import numpy as np
@@ -32,7 +33,7 @@ import torch
 from common.activations import Block, WirePart, encode_part
 from common.capture_spec import ExtractionPoint, tensor_type_to_proto
 from engine_service.capture.graphs import graphs_skip_sites
-from engine_service.capture.push import Pusher
+from engine_service.capture.push import Pusher, node_identity
 from engine_service.capture.row_mapping import PointRows, Registration, RowMapper
 from engine_service.capture.staging import StepStaging
 from engine_service.capture.sites import (
@@ -89,6 +90,11 @@ class CaptureWorkerExtension:
     def undercurrent_alive(self) -> bool:
         """Answers the engine's liveness check: vLLM watches no worker on another node."""
         return True
+
+    def undercurrent_cores(self) -> dict:
+        """The node this worker runs on and the cores its compute thread may use
+        (on CPU, the ones vLLM bound it to; this RPC runs on that thread)."""
+        return {"node": node_identity(), "cores": sorted(os.sched_getaffinity(0))}
 
 
 class _CaptureState:

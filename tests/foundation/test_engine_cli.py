@@ -133,3 +133,11 @@ def test_node_flags_on_the_command_lines():
 def test_node_timeout_must_not_be_negative():
     result = run_engine("--model", str(EMBEDDED_MODELS["tiny-llama"]), "--node-timeout", "-1")
     assert_one_line_error(result, "--node-timeout must be >= 0")
+
+
+def test_the_service_stays_where_it_started_unless_asked_to_keep_off_the_workers_cores():
+    from engine_service.__main__ import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["--model", "m"]).keep_off_worker_cores is False
+    assert parser.parse_args(["--model", "m", "--keep-off-worker-cores"]).keep_off_worker_cores is True
