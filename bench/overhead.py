@@ -163,7 +163,7 @@ class Engines:
     """The three engines of one model, and one router for the probe modes."""
 
     def __init__(self, model: Path, parallel: str, max_model_len: int, uc_eager: bool, tokens_ahead: int = 0,
-                 placement: str = "service"):
+                 placement: str = "none"):
         self.model, self.parallel, self.max_model_len = model, parallel, max_model_len
         self.uc_eager = uc_eager
         self.placement = placement
