@@ -167,6 +167,7 @@ class Engines:
         self.model, self.parallel, self.max_model_len = model, parallel, max_model_len
         self.uc_eager = uc_eager
         self.placement = placement
+        self.router_flags: list[str] = []
         self.tokens_ahead = tokens_ahead
         self.allowances = None
         self.config = json.loads((model / "config.json").read_text())
@@ -222,7 +223,7 @@ class Engines:
         probes_dir = REPO / ".cache" / "bench-probes" / self.model.name
         write_probes(probes_dir, self.config)
         # Plaintext: this measures capture and probing, not TLS.
-        self.router = processes.router(processes.free_port(), probes_dir, secure=False).start()
+        self.router = processes.router(processes.free_port(), probes_dir, *self.router_flags, secure=False).start()
         await self.router.wait_health(timeout=120)
         print(f"starting the Undercurrent engine ({'eager' if self.uc_eager else 'compiled'}) ...", flush=True)
         before = children()
@@ -367,6 +368,7 @@ async def bench_model(name: str, args) -> dict:
     model = make_model(name)
     engines = Engines(model, args.parallel, args.max_model_len, args.uc_eager,
                       args.tokens_ahead if args.ahead_modes else 0, args.placement)
+    engines.router_flags = ["--scores-interval", str(args.scores_interval)] if args.scores_interval else []
     modes = (list(args.modes) + [f"{m}/rpc" for m in args.rpc_modes] + [f"{m}/ahead" for m in args.ahead_modes]
              + [f"{m}/{p}" for m in args.placement_modes for p in PLACEMENTS if p != args.placement])
     workload = Workload(engines.config["vocab_size"], args.prompt_tokens, args.tokens)
@@ -452,6 +454,8 @@ def main() -> int:
                              "the service (as with its --keep-off-worker-cores), or both")
     parser.add_argument("--placement-modes", default="",
                         help="Undercurrent modes also run with each other placement (MODE/PLACEMENT)")
+    parser.add_argument("--scores-interval", type=float, default=0.0,
+                        help="the router's --scores-interval (default 0: a score message per binding and step)")
     parser.add_argument("--out", default="", help="result file name (default: overhead[-PARALLEL].json)")
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
@@ -475,7 +479,7 @@ def main() -> int:
         "wall_seconds": round(time.time() - started, 1),
         "vllm": vllm.__version__,
         "parallel": args.parallel, "uc_eager": args.uc_eager, "tokens": args.tokens, "prompt_tokens": args.prompt_tokens,
-        "rounds": args.rounds, "placement": args.placement, **({"tokens_ahead": args.tokens_ahead} if args.ahead_modes else {}),
+        "rounds": args.rounds, "placement": args.placement, "scores_interval": args.scores_interval, **({"tokens_ahead": args.tokens_ahead} if args.ahead_modes else {}),
         "results": results,
     }
     results_file.write(args.out or ("overhead.json" if args.parallel == "none" else f"overhead-{args.parallel}.json"),
