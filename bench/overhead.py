@@ -39,6 +39,11 @@ Modes:
                   router too, placed from outside as with `taskset`); each run
                   moves the processes first, so placements alternate round by
                   round. Vanilla vLLM's runs are left unplaced, as deployed
+  MODE/held       (for the modes in --held-modes) the same with the requests homed
+                  on a second router that sends each binding's scores at most
+                  every --held-interval seconds (its --scores-interval), all of
+                  them, in fewer messages; the link links to both routers and
+                  the run picks request ids that home on one or the other
   MODE/ahead      (for the modes in --ahead-modes) the same with the engine's
                   --max-tokens-ahead set to --tokens-ahead: each request waits
                   for its router's acknowledgements that far behind. With ahead
@@ -77,6 +82,7 @@ import psutil  # noqa: E402
 from bench import results_file  # noqa: E402
 from common import embedded_model  # noqa: E402
 from common.gc_heap import freeze_startup_heap  # noqa: E402
+from engine_service.link.assignment import pick_replica  # noqa: E402
 from engine_service.placement import core_list, cores_off_workers, move_process  # noqa: E402
 from router_service.probe_files import write_probe  # noqa: E402
 from tools import processes  # noqa: E402
@@ -175,6 +181,9 @@ class Engines:
         self.runtime = None
         self.uc_llm = None
         self.router = None
+        # With --held-modes: a second router sending scores every held_interval seconds.
+        self.held_interval = 0.0
+        self.held_router = None
         # Per engine ("vllm_default", "vllm_eager", "uc"): the processes it started,
         # as {"engine_core": its own children, "workers": theirs}.
         self.processes: dict[str, dict[str, list[psutil.Process]]] = {}
@@ -193,9 +202,14 @@ class Engines:
         engine = "uc" if mode.startswith("uc_") else mode.partition("/")[0]
         roles.update(self.processes.get(engine, {}))
         if engine == "uc" and self.router is not None:
-            router = psutil.Process(self.router.process.pid)
-            roles["router"] = [router, *router.children(recursive=True)]
+            for role, processes_ in zip(("router", "held_router"), self.routers()):
+                roles[role] = processes_
         return roles
+
+    def routers(self) -> list[list[psutil.Process]]:
+        """Each router's process and its children."""
+        tops = [psutil.Process(r.process.pid) for r in (self.router, self.held_router) if r is not None]
+        return [[top, *top.children(recursive=True)] for top in tops]
 
     def _kwargs(self, **extra) -> dict:
         return dict(model=str(self.model), dtype="float32", max_model_len=self.max_model_len,
@@ -225,6 +239,12 @@ class Engines:
         # Plaintext: this measures capture and probing, not TLS.
         self.router = processes.router(processes.free_port(), probes_dir, *self.router_flags, secure=False).start()
         await self.router.wait_health(timeout=120)
+        targets = [self.router.address]
+        if self.held_interval:
+            self.held_router = processes.router(processes.free_port(), probes_dir, *self.router_flags,
+                                                "--scores-interval", str(self.held_interval), secure=False).start()
+            await self.held_router.wait_health(timeout=120)
+            targets.append(self.held_router.address)
         print(f"starting the Undercurrent engine ({'eager' if self.uc_eager else 'compiled'}) ...", flush=True)
         before = children()
         extra = {}
@@ -236,17 +256,18 @@ class Engines:
             extra["scheduler_cls"] = SCHEDULER_CLS
         self.uc_llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**capture_engine_kwargs(
             **self._kwargs(enforce_eager=self.uc_eager, **extra))))
-        self._started("uc", before | {self.router.process.pid})
+        self._started("uc", before | {r.process.pid for r in (self.router, self.held_router) if r is not None})
         self.runtime = EngineRuntime(
             self.uc_llm, CaptureController(self.uc_llm),
-            link_config=RouterLinkConfig(targets=self.router.address),
+            link_config=RouterLinkConfig(targets=",".join(targets)),
             settings=EngineSettings(default_failure_policy=pb.FAILURE_POLICY_FAIL_OPEN),
         )
         await self._learn_cores()
         await self.runtime.start()
         await self.runtime.link.wait_ready(timeout=60)
         deadline = time.monotonic() + 30
-        while len(self.runtime.link.catalog()) < 1 + len(TENSOR_TYPES) + MANY_PROBES:
+        while (len(self.runtime.link.catalog()) < 1 + len(TENSOR_TYPES) + MANY_PROBES
+               or self.runtime.routers_up() < len(targets)):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"router catalog incomplete: {sorted(self.runtime.link.catalog())}")
             await asyncio.sleep(0.1)
@@ -266,10 +287,8 @@ class Engines:
         off = cores_off_workers(self.all_cores, self.worker_cores) or self.all_cores
         service, router = PLACEMENTS[placement]
         move_process(os.getpid(), off if service else self.all_cores)
-        if self.router is not None:
-            top = psutil.Process(self.router.process.pid)
-            for process in [top, *top.children(recursive=True)]:
-                move_process(process.pid, off if router else self.all_cores)
+        for process in [p for processes_ in self.routers() for p in processes_]:
+            move_process(process.pid, off if router else self.all_cores)
 
     async def run(self, mode: str, prompts: list[list[int]], tokens: int, tag: str) -> tuple[float, int]:
         """Runs len(prompts) concurrent requests; returns (seconds, tokens generated)."""
@@ -289,13 +308,25 @@ class Engines:
         else:
             layers = self.config["num_hidden_layers"]
             coros = [self._uc_one(generate_request(mode, request_id, p, tokens, layers), mode)
-                     for request_id, p in zip(request_ids(tag, len(prompts)), prompts)]
+                     for request_id, p in zip(self._homed_ids(tag, len(prompts), variant == "held"), prompts)]
         start = time.perf_counter()
         produced = await asyncio.gather(*coros)
         elapsed = time.perf_counter() - start
         if any(p != tokens for p in produced):
             raise RuntimeError(f"{mode}: requests produced {produced} tokens, expected {tokens} each")
         return elapsed, sum(produced)
+
+    def _homed_ids(self, tag: str, count: int, held: bool) -> list[str]:
+        """Request ids the router link homes on the held router (held) or the other: the
+        link picks a replica per request id by rendezvous hashing (pick_replica)."""
+        if self.held_router is None:
+            return request_ids(tag, count)
+        want = self.held_router.address if held else self.router.address
+        replicas = [self.router.address, self.held_router.address]
+        ids = [r for r in request_ids(tag, 8 * count) if pick_replica(r, replicas) == want]
+        if len(ids) < count:
+            raise RuntimeError(f"only {len(ids)} of {8 * count} ids homed on {want}")
+        return ids[:count]
 
     @staticmethod
     async def _vanilla_one(llm, request_id: str, prompt: list[int], tokens: int) -> int:
@@ -340,8 +371,9 @@ class Engines:
         for llm in [*self.vanilla.values(), self.uc_llm]:
             if llm is not None:
                 llm.shutdown()
-        if self.router is not None:
-            self.router.kill()
+        for router in (self.router, self.held_router):
+            if router is not None:
+                router.kill()
 
 
 def cpu_seconds(roles: dict[str, list[psutil.Process]]) -> dict[str, float]:
@@ -369,8 +401,10 @@ async def bench_model(name: str, args) -> dict:
     engines = Engines(model, args.parallel, args.max_model_len, args.uc_eager,
                       args.tokens_ahead if args.ahead_modes else 0, args.placement)
     engines.router_flags = ["--scores-interval", str(args.scores_interval)] if args.scores_interval else []
+    engines.held_interval = args.held_interval if args.held_modes else 0.0
     modes = (list(args.modes) + [f"{m}/rpc" for m in args.rpc_modes] + [f"{m}/ahead" for m in args.ahead_modes]
-             + [f"{m}/{p}" for m in args.placement_modes for p in PLACEMENTS if p != args.placement])
+             + [f"{m}/{p}" for m in args.placement_modes for p in PLACEMENTS if p != args.placement]
+             + [f"{m}/held" for m in args.held_modes])
     workload = Workload(engines.config["vocab_size"], args.prompt_tokens, args.tokens)
     seconds: dict[tuple[int, str], list[float]] = {}
     cpu_ms: dict[tuple[int, str], list[dict[str, float]]] = {}
@@ -456,6 +490,10 @@ def main() -> int:
                         help="Undercurrent modes also run with each other placement (MODE/PLACEMENT)")
     parser.add_argument("--scores-interval", type=float, default=0.0,
                         help="the router's --scores-interval (default 0: a score message per binding and step)")
+    parser.add_argument("--held-modes", default="",
+                        help="Undercurrent modes also run with their requests on a second router that sends "
+                             "scores every --held-interval seconds (MODE/held)")
+    parser.add_argument("--held-interval", type=float, default=0.1, help="the held router's --scores-interval")
     parser.add_argument("--out", default="", help="result file name (default: overhead[-PARALLEL].json)")
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
@@ -463,8 +501,9 @@ def main() -> int:
     args.rpc_modes = [m for m in args.rpc_modes.split(",") if m]
     args.ahead_modes = [m for m in args.ahead_modes.split(",") if m]
     args.placement_modes = [m for m in args.placement_modes.split(",") if m]
+    args.held_modes = [m for m in args.held_modes.split(",") if m]
     unknown = ((set(args.modes) - set(MODES + OPTIONAL_MODES))
-               | (set(args.rpc_modes + args.ahead_modes + args.placement_modes) - set(args.modes)))
+               | (set(args.rpc_modes + args.ahead_modes + args.placement_modes + args.held_modes) - set(args.modes)))
     if unknown:
         parser.error(f"--modes: unknown {sorted(unknown)}; choose from {list(MODES + OPTIONAL_MODES)}")
     bind = PARALLEL[args.parallel][1]
@@ -479,7 +518,9 @@ def main() -> int:
         "wall_seconds": round(time.time() - started, 1),
         "vllm": vllm.__version__,
         "parallel": args.parallel, "uc_eager": args.uc_eager, "tokens": args.tokens, "prompt_tokens": args.prompt_tokens,
-        "rounds": args.rounds, "placement": args.placement, "scores_interval": args.scores_interval, **({"tokens_ahead": args.tokens_ahead} if args.ahead_modes else {}),
+        "rounds": args.rounds, "placement": args.placement, "scores_interval": args.scores_interval,
+        **({"held_interval": args.held_interval} if args.held_modes else {}),
+        **({"tokens_ahead": args.tokens_ahead} if args.ahead_modes else {}),
         "results": results,
     }
     results_file.write(args.out or ("overhead.json" if args.parallel == "none" else f"overhead-{args.parallel}.json"),
