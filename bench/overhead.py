@@ -169,11 +169,12 @@ class Engines:
     """The three engines of one model, and one router for the probe modes."""
 
     def __init__(self, model: Path, parallel: str, max_model_len: int, uc_eager: bool, tokens_ahead: int = 0,
-                 placement: str = "none"):
+                 placement: str = "none", scores_interval: float = 0.0, held_interval: float = 0.0):
         self.model, self.parallel, self.max_model_len = model, parallel, max_model_len
         self.uc_eager = uc_eager
         self.placement = placement
-        self.router_flags: list[str] = []
+        # The router's --scores-interval, and with held_interval a second router's.
+        self.scores_interval, self.held_interval = scores_interval, held_interval
         self.tokens_ahead = tokens_ahead
         self.allowances = None
         self.config = json.loads((model / "config.json").read_text())
@@ -181,8 +182,6 @@ class Engines:
         self.runtime = None
         self.uc_llm = None
         self.router = None
-        # With --held-modes: a second router sending scores every held_interval seconds.
-        self.held_interval = 0.0
         self.held_router = None
         # Per engine ("vllm_default", "vllm_eager", "uc"): the processes it started,
         # as {"engine_core": its own children, "workers": theirs}.
@@ -237,12 +236,13 @@ class Engines:
         probes_dir = REPO / ".cache" / "bench-probes" / self.model.name
         write_probes(probes_dir, self.config)
         # Plaintext: this measures capture and probing, not TLS.
-        self.router = processes.router(processes.free_port(), probes_dir, *self.router_flags, secure=False).start()
+        self.router = processes.router(processes.free_port(), probes_dir, "--scores-interval",
+                                       str(self.scores_interval), secure=False).start()
         await self.router.wait_health(timeout=120)
         targets = [self.router.address]
         if self.held_interval:
-            self.held_router = processes.router(processes.free_port(), probes_dir, *self.router_flags,
-                                                "--scores-interval", str(self.held_interval), secure=False).start()
+            self.held_router = processes.router(processes.free_port(), probes_dir, "--scores-interval",
+                                                str(self.held_interval), secure=False).start()
             await self.held_router.wait_health(timeout=120)
             targets.append(self.held_router.address)
         print(f"starting the Undercurrent engine ({'eager' if self.uc_eager else 'compiled'}) ...", flush=True)
@@ -399,9 +399,8 @@ def make_model(name: str) -> Path:
 async def bench_model(name: str, args) -> dict:
     model = make_model(name)
     engines = Engines(model, args.parallel, args.max_model_len, args.uc_eager,
-                      args.tokens_ahead if args.ahead_modes else 0, args.placement)
-    engines.router_flags = ["--scores-interval", str(args.scores_interval)] if args.scores_interval else []
-    engines.held_interval = args.held_interval if args.held_modes else 0.0
+                      args.tokens_ahead if args.ahead_modes else 0, args.placement, args.scores_interval,
+                      args.held_interval if args.held_modes else 0.0)
     modes = (list(args.modes) + [f"{m}/rpc" for m in args.rpc_modes] + [f"{m}/ahead" for m in args.ahead_modes]
              + [f"{m}/{p}" for m in args.placement_modes for p in PLACEMENTS if p != args.placement]
              + [f"{m}/held" for m in args.held_modes])
