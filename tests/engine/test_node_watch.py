@@ -8,21 +8,26 @@ import time
 
 from engine_service.worker_node import NODE0_GONE_EXIT_CODE
 
-WATCH = ("from engine_service.worker_node import watch_node0; "
+WATCH = ("from engine_service.worker_node import watch_node0; print('watching', flush=True); "
          "watch_node0('127.0.0.1', {port}, interval_s=0.1, misses=3)")
 
 
 def watch(port: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", WATCH.format(port=port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    """A watch that has started checking (its import takes seconds on a busy host)."""
+    watcher = subprocess.Popen([sys.executable, "-c", WATCH.format(port=port)],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert watcher.stdout.readline() == "watching\n"
+    return watcher
 
 
 def test_the_watch_exits_once_a_master_it_saw_stops_answering():
     master = socket.create_server(("127.0.0.1", 0))
     port = master.getsockname()[1]
+    master.settimeout(10)
     watcher = watch(port)
     try:
-        time.sleep(2.0)  # answering: the watch keeps running
+        master.accept()[0].close()  # the watch has seen node 0 up
+        time.sleep(0.5)  # answering: the watch keeps running
         assert watcher.poll() is None, watcher.stdout.read()
         master.close()
         started = time.monotonic()
