@@ -131,6 +131,13 @@ def build_parser():
         "core. Off by default: on a 2-core host with one worker it made no difference (BENCHMARKS.md "
         "section 36)",
     )
+    ours.add_argument(
+        "--engine-core-wait", choices=("auto", "spin", "sleep"), default="auto",
+        help="how vLLM's engine core waits for its workers during a forward pass: spin (vLLM's "
+        "own way: it takes a core while it waits) or sleep (it sleeps until the workers reply, "
+        "leaving the core to the engine service and the router). auto sleeps on vLLM's CPU "
+        "backend and spins elsewhere (BENCHMARKS.md section 38)",
+    )
     limits = parser.add_argument_group("Undercurrent limits (RESOURCE_EXHAUSTED past them)")
     limits.add_argument(
         "--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES,

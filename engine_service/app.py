@@ -33,12 +33,17 @@ def create_llm(args, allowances=None):
     with `allowances` (an AllowancePublisher), with the scheduler that holds
     probed requests at their allowance."""
     from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.platforms import current_platform
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from engine_service import engine_core_wait
     from engine_service.capture.controller import enable_capture
     from engine_service.tokens_ahead import ADDRESS_ENV, SCHEDULER_CLS
 
     enable_capture(args)
+    wait = engine_core_wait.choose(args.engine_core_wait, current_platform.is_cpu())
+    log.info("vLLM's engine core %s while its workers compute (--engine-core-wait %s)",
+             "sleeps" if wait == "sleep" else "spins", args.engine_core_wait)
     if allowances is not None:
         os.environ[ADDRESS_ENV] = allowances.address  # vLLM's engine core inherits it
         args.scheduler_cls = SCHEDULER_CLS

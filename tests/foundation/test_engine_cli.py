@@ -141,3 +141,14 @@ def test_the_service_stays_where_it_started_unless_asked_to_keep_off_the_workers
     parser = build_parser()
     assert parser.parse_args(["--model", "m"]).keep_off_worker_cores is False
     assert parser.parse_args(["--model", "m", "--keep-off-worker-cores"]).keep_off_worker_cores is True
+
+
+def test_the_engine_core_wait_defaults_to_auto_and_refuses_others_by_name(capsys):
+    from engine_service.__main__ import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["--model", "m"]).engine_core_wait == "auto"
+    assert parser.parse_args(["--model", "m", "--engine-core-wait", "spin"]).engine_core_wait == "spin"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--engine-core-wait", "nap"])
+    assert "--engine-core-wait: invalid choice: 'nap'" in capsys.readouterr().err
