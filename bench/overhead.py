@@ -82,6 +82,7 @@ import psutil  # noqa: E402
 from bench import results_file  # noqa: E402
 from common import embedded_model  # noqa: E402
 from common.gc_heap import freeze_startup_heap  # noqa: E402
+from engine_service.engine_core_wait import MODES as ENGINE_CORE_WAITS  # noqa: E402
 from engine_service.link.assignment import pick_replica  # noqa: E402
 from engine_service.placement import core_list, cores_off_workers, move_process  # noqa: E402
 from router_service.probe_files import write_probe  # noqa: E402
@@ -500,7 +501,7 @@ def main() -> int:
                         help="Undercurrent modes also run with their requests on a second router that sends "
                              "scores every --held-interval seconds (MODE/held)")
     parser.add_argument("--held-interval", type=float, default=0.1, help="the held router's --scores-interval")
-    parser.add_argument("--engine-core-wait", choices=("auto", "spin", "sleep"), default="auto",
+    parser.add_argument("--engine-core-wait", choices=ENGINE_CORE_WAITS, default="auto",
                         help="the Undercurrent engine's --engine-core-wait (vanilla vLLM's engine cores spin)")
     parser.add_argument("--out", default="", help="result file name (default: overhead[-PARALLEL].json)")
     args = parser.parse_args()

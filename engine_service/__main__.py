@@ -17,6 +17,7 @@ from pathlib import Path
 from common.cli import fail, setup_logging
 from common.grpc_server import MAX_MESSAGE_BYTES
 from engine_service.capture.push import DEFAULT_BACKLOG_BYTES
+from engine_service.engine_core_wait import MODES as ENGINE_CORE_WAITS
 from engine_service.link.send_queue import DEFAULT_SEND_QUEUE_BYTES
 from engine_service.runtime import EngineSettings
 from engine_service.requests import (
@@ -132,7 +133,7 @@ def build_parser():
         "section 36)",
     )
     ours.add_argument(
-        "--engine-core-wait", choices=("auto", "spin", "sleep"), default="auto",
+        "--engine-core-wait", choices=ENGINE_CORE_WAITS, default="auto",
         help="how vLLM's engine core waits for its workers during a forward pass: spin (vLLM's "
         "own way: it takes a core while it waits) or sleep (it sleeps until the workers reply, "
         "leaving the core to the engine service and the router). auto sleeps on vLLM's CPU "
