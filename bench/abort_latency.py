@@ -199,10 +199,10 @@ def percentile(values: list[float], q: float) -> float:
 
 async def measure(name: str, model: str, count: int, max_tokens: int, idle: float, idle_count: int,
                   probes_dir: Path, stall_dump: float | None = None, router_nice: int = 0,
-                  tokens_ahead: int = 0) -> dict:
+                  tokens_ahead: int = 0, engine_core_nice: str = "auto") -> dict:
     """A topology of this host's processes: a router and an engine started here."""
     flags, bind = TOPOLOGIES[name]
-    flags = [*flags, "--max-tokens-ahead", str(tokens_ahead)]
+    flags = [*flags, "--max-tokens-ahead", str(tokens_ahead), f"--engine-core-nice={engine_core_nice}"]
     router = processes.router(processes.free_port(), probes_dir, "--heartbeat-interval", "1",
                               nice=router_nice).start()
     engine = processes.engine(model, router.address, *flags, workers_bind=bind).start()
@@ -221,7 +221,8 @@ async def measure(name: str, model: str, count: int, max_tokens: int, idle: floa
     finally:
         engine.kill()
         router.kill()
-    return {"topology": name, "router_nice": router_nice, "max_tokens_ahead": tokens_ahead, **sampled}
+    return {"topology": name, "router_nice": router_nice, "max_tokens_ahead": tokens_ahead,
+            "engine_core_nice": engine_core_nice, **sampled}
 
 
 async def measure_compose(count: int, max_tokens: int, idle: float, idle_count: int,
@@ -323,12 +324,13 @@ async def main_async(args) -> dict:
                     write(args.out, results)
             continue
         for tokens_ahead in (int(n) for n in args.max_tokens_ahead.split(",")):
-            with tempfile.TemporaryDirectory() as probes_dir:
-                result = await measure(name, args.model, args.requests, args.max_tokens, args.idle,
-                                       args.idle_requests, Path(probes_dir), args.stall_dump,
-                                       args.router_nice, tokens_ahead)
-            results.append(result)
-            write(args.out, results)  # after every engine: a long run keeps what it measured
+            for engine_core_nice in args.engine_core_nice.split(","):
+                with tempfile.TemporaryDirectory() as probes_dir:
+                    result = await measure(name, args.model, args.requests, args.max_tokens, args.idle,
+                                           args.idle_requests, Path(probes_dir), args.stall_dump,
+                                           args.router_nice, tokens_ahead, engine_core_nice)
+                results.append(result)
+                write(args.out, results)  # after every engine: a long run keeps what it measured
     return results
 
 
@@ -353,6 +355,8 @@ def main() -> int:
                         help="the router's niceness (negative: before the engine for a CPU; needs root)")
     parser.add_argument("--max-tokens-ahead", default="0",
                         help="the engine's --max-tokens-ahead; a comma list measures each in turn")
+    parser.add_argument("--engine-core-nice", default="auto",
+                        help="the engine's --engine-core-nice; a comma list measures each in turn")
     parser.add_argument("--router-cpu-shares", default="16384",
                         help="topology compose: the router containers' CPU weight; a comma list "
                              "measures each in turn (compose.yaml sets 16384, Docker's default is 1024)")

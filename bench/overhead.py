@@ -171,9 +171,9 @@ class Engines:
 
     def __init__(self, model: Path, parallel: str, max_model_len: int, uc_eager: bool, tokens_ahead: int = 0,
                  placement: str = "none", scores_interval: float = 0.0, held_interval: float = 0.0,
-                 engine_core_wait: str = "auto"):
+                 engine_core_wait: str = "auto", engine_core_nice: str = "auto"):
         self.model, self.parallel, self.max_model_len = model, parallel, max_model_len
-        self.engine_core_wait = engine_core_wait
+        self.engine_core_wait, self.engine_core_nice = engine_core_wait, engine_core_nice
         self.uc_eager = uc_eager
         self.placement = placement
         # The router's --scores-interval, and with held_interval a second router's.
@@ -222,7 +222,7 @@ class Engines:
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from engine_service import engine_core_wait
+        from engine_service import engine_core_priority, engine_core_wait
         from engine_service.capture.controller import CaptureController, capture_engine_kwargs
         from engine_service.link import RouterLinkConfig
         from engine_service.runtime import EngineRuntime, EngineSettings
@@ -265,6 +265,8 @@ class Engines:
         self.uc_llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**capture_engine_kwargs(
             **self._kwargs(enforce_eager=self.uc_eager, **extra))))
         self._started("uc", before | {r.process.pid for r in (self.router, self.held_router) if r is not None})
+        print(engine_core_priority.apply(self.engine_core_nice, current_platform.is_cpu(),
+                                         engine_core_priority.engine_core_pids(self.uc_llm)), flush=True)
         self.runtime = EngineRuntime(
             self.uc_llm, CaptureController(self.uc_llm),
             link_config=RouterLinkConfig(targets=",".join(targets)),
@@ -408,7 +410,8 @@ async def bench_model(name: str, args) -> dict:
     model = make_model(name)
     engines = Engines(model, args.parallel, args.max_model_len, args.uc_eager,
                       args.tokens_ahead if args.ahead_modes else 0, args.placement, args.scores_interval,
-                      args.held_interval if args.held_modes else 0.0, args.engine_core_wait)
+                      args.held_interval if args.held_modes else 0.0, args.engine_core_wait,
+                      args.engine_core_nice)
     modes = (list(args.modes) + [f"{m}/rpc" for m in args.rpc_modes] + [f"{m}/ahead" for m in args.ahead_modes]
              + [f"{m}/{p}" for m in args.placement_modes for p in PLACEMENTS if p != args.placement]
              + [f"{m}/held" for m in args.held_modes])
@@ -503,6 +506,8 @@ def main() -> int:
     parser.add_argument("--held-interval", type=float, default=0.1, help="the held router's --scores-interval")
     parser.add_argument("--engine-core-wait", choices=ENGINE_CORE_WAITS, default="auto",
                         help="the Undercurrent engine's --engine-core-wait (vanilla vLLM's engine cores spin)")
+    parser.add_argument("--engine-core-nice", default="auto",
+                        help="the Undercurrent engine's --engine-core-nice (vanilla vLLM's engine cores keep theirs)")
     parser.add_argument("--out", default="", help="result file name (default: overhead[-PARALLEL].json)")
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]

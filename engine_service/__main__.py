@@ -16,6 +16,7 @@ from pathlib import Path
 
 from common.cli import fail, setup_logging
 from common.grpc_server import MAX_MESSAGE_BYTES
+from engine_service import engine_core_priority
 from engine_service.capture.push import DEFAULT_BACKLOG_BYTES
 from engine_service.engine_core_wait import MODES as ENGINE_CORE_WAITS
 from engine_service.link.send_queue import DEFAULT_SEND_QUEUE_BYTES
@@ -139,6 +140,14 @@ def build_parser():
         "leaving the core to the engine service and the router). auto sleeps on vLLM's CPU "
         "backend and spins elsewhere (BENCHMARKS.md section 38)",
     )
+    ours.add_argument(
+        "--engine-core-nice", default="auto", metavar="auto|NICE",
+        help="the nice of vLLM's engine core's threads, set once vLLM has started, so that each "
+        "step's turnaround runs ahead of the engine service and the router (-10 ran every type "
+        "1.5-8.6%% faster on a 2-core CPU host, BENCHMARKS.md section 39). auto is -10 on vLLM's "
+        "CPU backend and leaves it alone elsewhere; raising it needs CAP_SYS_NICE, without which "
+        "the service says so and goes on",
+    )
     limits = parser.add_argument_group("Undercurrent limits (RESOURCE_EXHAUSTED past them)")
     limits.add_argument(
         "--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES,
@@ -193,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--node-timeout must be >= 0")
     if args.max_tokens_ahead < 0:
         parser.error("--max-tokens-ahead must be >= 0")
+    try:
+        engine_core_priority.resolve(args.engine_core_nice, on_cpu=True)
+    except ValueError as err:
+        parser.error(f"--engine-core-nice: {err}")
     if args.max_tokens_ahead and args.scheduler_cls:
         parser.error("--max-tokens-ahead needs vLLM's scheduler class of its own; drop --scheduler-cls")
     from engine_service.app import run

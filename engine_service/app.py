@@ -78,6 +78,7 @@ def link_config(args, client_tls):
 async def run(args) -> int:
     from vllm.platforms import current_platform
 
+    from engine_service import engine_core_priority
     from engine_service.capture.controller import CaptureController
     from engine_service.host_checks import autogroup_warning
     from engine_service.metrics import EngineMetrics
@@ -111,6 +112,8 @@ async def run(args) -> int:
         llm = create_llm(args, allowances)
     except Exception as err:  # vLLM's own start-up errors, shown as one line
         fail("engine_service", f"vLLM could not start: {type(err).__name__}: {err}")
+    log.info("%s", engine_core_priority.apply(
+        args.engine_core_nice, current_platform.is_cpu(), engine_core_priority.engine_core_pids(llm)))
     if warning := autogroup_warning(on_cpu=current_platform.is_cpu()):
         log.warning("%s", warning)
     if args.metrics_port:

@@ -12,23 +12,25 @@ Steps, each timed and reported:
   5. one Generate with the shipped probe bound, sent from this host through
      the published port over TLS with a client token (the CA and the token
      read from the `certs` volume): tokens stream, probe scores come back;
-  6. `--scale router=2`: the engine's replicas_up gauge follows 3 -> 2, and a
+  6. vLLM's engine core in the engine container runs at nice -10 (compose.yaml
+     grants the container SYS_NICE; --engine-core-nice auto on CPU);
+  7. `--scale router=2`: the engine's replicas_up gauge follows 3 -> 2, and a
      second Generate still gets scores; vLLM's own series (time to first token,
      end-to-end latency) on the engine's metrics endpoint count both requests;
-  7. an abort through the stack: a probe built to fire at a known token (from
+  8. an abort through the stack: a probe built to fire at a known token (from
      a first run's activations, streamed to this client) is deployed to every
      router replica with `probe_lifecycle deploy --routers dns:router:50061`,
      run in a one-off router container as docs/deployment.md shows; then
      `--abort-pairs` pairs of fail_closed requests: each pair's first request
      must end PROBE_ABORT at that token, the other run to its end untouched,
      and the median abort must land within ABORT_LATENCY_BOUND tokens;
-  8. routers that stop answering: a gated fail_closed request is running when
+  9. routers that stop answering: a gated fail_closed request is running when
      every router container is frozen (`docker compose pause router`, vLLM
      held meanwhile so the request cannot finish first); it must end
      ROUTER_UNAVAILABLE within the engine's router timeout plus slack, with no
      token released that a router did not score; after `unpause` a request is
      scored again;
-  9. `docker compose down -v`, and the daemon stopped if it was started here.
+  10. `docker compose down -v`, and the daemon stopped if it was started here.
 Exits 0 only if every check passed; prints a table of step times.
 """
 
@@ -592,6 +594,20 @@ async def scored_again(stack: Stack, credentials: grpc.ChannelCredentials, max_t
             await asyncio.sleep(1)
 
 
+def engine_core_nice(stack: Stack) -> str:
+    """The engine container may raise a priority (compose.yaml grants SYS_NICE), so the
+    engine service runs vLLM's engine core at nice -10 (--engine-core-nice auto on CPU)."""
+    lines = stack.wait_engine_log(r"vLLM's engine core (?:runs at|keeps its priority)[^\n]*", timeout=30)
+    core = engine_core_under(stack.host_pid(stack.containers("engine")[0]), "the engine container")
+    nices = {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{core.pid}/task")}
+    if not lines:
+        raise Failure("the engine logged nothing of its engine core's priority")
+    if nices != {-10}:
+        raise Failure(f"vLLM's engine core's threads run at nice {sorted(nices)}, expected -10; "
+                      f"the engine logged: {lines}")
+    return f"engine log: {lines[0]}"
+
+
 def check_abort_latencies(latencies: list[int]) -> str:
     """The median abort within aborts.ABORT_LATENCY_BOUND tokens after its trigger."""
     ordered = sorted(latencies)
@@ -645,6 +661,8 @@ def main(argv: list[str] | None = None) -> int:
             seen = asyncio.run(generate_with_probe(stack.engine_port, credentials, "The quick brown fox",
                                                    args.max_tokens))
             log("   " + check_generate(seen, args.max_tokens))
+        with steps.step("vLLM's engine core at nice -10"):
+            log("   " + engine_core_nice(stack))
         with steps.step("engine sees 3 router replicas"):
             stack.wait_metric(REPLICAS_UP, 3, timeout=60)
             log(f"   {REPLICAS_UP} = 3")

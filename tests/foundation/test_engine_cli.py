@@ -152,3 +152,18 @@ def test_the_engine_core_wait_defaults_to_auto_and_refuses_others_by_name(capsys
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", "m", "--engine-core-wait", "nap"])
     assert "--engine-core-wait: invalid choice: 'nap'" in capsys.readouterr().err
+
+
+def test_the_engine_core_nice_defaults_to_auto():
+    from engine_service.__main__ import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["--model", "m"]).engine_core_nice == "auto"
+    assert parser.parse_args(["--model", "m", "--engine-core-nice", "-5"]).engine_core_nice == "-5"
+
+
+@pytest.mark.parametrize("value, reason", [("high", "expected auto or an integer from -20 to 19"),
+                                           ("-21", "engine core nice -21: expected auto")])
+def test_a_bad_engine_core_nice_is_refused_by_name(value, reason):
+    result = run_engine("--model", str(EMBEDDED_MODELS["tiny-llama"]), f"--engine-core-nice={value}")
+    assert_one_line_error(result, "--engine-core-nice", reason)
