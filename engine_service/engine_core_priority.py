@@ -15,8 +15,9 @@ six runs alternating round by round (BENCHMARKS.md section 39).
 The engine service sets it from outside, once vLLM has started: every thread
 of each engine core process vLLM started (threads it starts later inherit a
 thread's nice), and not the workers, which vLLM had started by then. Raising a
-priority needs CAP_SYS_NICE (root on a bare host; a container must be granted
-it); without it the engine core keeps its priority and the service says so.
+priority needs CAP_SYS_NICE (root on a bare host) or a RLIMIT_NICE of at least
+20 - nice (`ulimit -e`); without either (the images' user has neither) the
+engine core keeps its priority and the service says so.
 """
 
 from __future__ import annotations
@@ -77,6 +78,6 @@ def apply(value: str, on_cpu: bool, pids: Iterable[int]) -> str:
     try:
         threads = sum(renice_threads(pid, nice) for pid in pids)
     except PermissionError:
-        return (f"vLLM's engine core keeps its priority: nice {nice} needs CAP_SYS_NICE "
-                f"(--engine-core-nice {value}; BENCHMARKS.md section 39)")
+        return (f"vLLM's engine core keeps its priority: nice {nice} needs CAP_SYS_NICE or "
+                f"RLIMIT_NICE >= {20 - nice} (--engine-core-nice {value}; BENCHMARKS.md section 40)")
     return f"vLLM's engine core runs at nice {nice}, {threads} threads (--engine-core-nice {value})"
