@@ -145,8 +145,8 @@ def build_parser():
         help="the nice of vLLM's engine core's threads, set once vLLM has started, so that each "
         "step's turnaround runs ahead of the engine service and the router (-10 ran every type "
         "1.5-8.6%% faster on a 2-core CPU host, BENCHMARKS.md section 39). auto is -10 on vLLM's "
-        "CPU backend and leaves it alone elsewhere; raising it needs CAP_SYS_NICE, without which "
-        "the service says so and goes on",
+        "CPU backend and leaves it alone elsewhere; raising it needs CAP_SYS_NICE or a nice limit "
+        "(ulimit -e) of 20 - NICE, without either the service says so and goes on",
     )
     limits = parser.add_argument_group("Undercurrent limits (RESOURCE_EXHAUSTED past them)")
     limits.add_argument(

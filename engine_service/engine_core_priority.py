@@ -25,6 +25,8 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
+from engine_service.placement import for_each_thread
+
 NICE_ON_CPU = -10
 EXPECTED = "expected auto or an integer from -20 to 19"
 
@@ -56,14 +58,7 @@ def renice_threads(pid: int, nice: int) -> int:
     """Sets the nice of every thread of process `pid` (Linux keeps one per
     thread); returns the threads set. PermissionError where raising a priority
     is not allowed."""
-    changed = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, int(tid), nice)
-        except ProcessLookupError:  # the thread ended meanwhile
-            continue
-        changed += 1
-    return changed
+    return for_each_thread(pid, lambda tid: os.setpriority(os.PRIO_PROCESS, tid, nice))
 
 
 def apply(value: str, on_cpu: bool, pids: Iterable[int]) -> str:

@@ -47,14 +47,20 @@ def move_process(pid: int, cores: Iterable[int]) -> int:
     inherit the set from the thread that starts them. Returns the threads moved
     (a thread that ended meanwhile is skipped)."""
     cores = set(cores)
-    moved = 0
+    return for_each_thread(pid, lambda tid: os.sched_setaffinity(tid, cores))
+
+
+def for_each_thread(pid: int, act) -> int:
+    """Calls act(tid) for every thread of process `pid` (Linux keeps affinity and nice per
+    thread); returns how many it acted on, skipping a thread that ended meanwhile."""
+    done = 0
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            os.sched_setaffinity(int(tid), cores)
+            act(int(tid))
         except ProcessLookupError:
             continue
-        moved += 1
-    return moved
+        done += 1
+    return done
 
 
 def keep_off_worker_cores(worker_cores: Iterable[int], pid: int | None = None) -> frozenset[int]:

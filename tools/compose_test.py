@@ -64,7 +64,7 @@ from tests.e2e import stack as e2e_stack
 from tests.faults import harness
 from tests.processes import aborts
 from tools.deploy_probes import PROBE_NAME
-from tools.processes import engine_core_under
+from tools.processes import engine_core_under, thread_nices
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 
@@ -603,7 +603,7 @@ def engine_core_nice(stack: Stack) -> str:
     if not lines:
         raise Failure("the engine logged nothing of its engine core's priority")
     core = engine_core_under(stack.host_pid(stack.containers("engine")[0]), "the engine container")
-    nices = {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{core.pid}/task")}
+    nices = set(thread_nices(core.pid))
     want = {-10} if lines[0].startswith("vLLM's engine core runs at nice -10") else {0}
     if nices != want:
         raise Failure(f"vLLM's engine core's threads run at nice {sorted(nices)}, but the engine "

@@ -133,6 +133,11 @@ def vllm_engine_core(service: Service) -> psutil.Process:
     return engine_core_under(service.process.pid, service.name)
 
 
+def thread_nices(pid: int) -> list[int]:
+    """The nice of each thread of process `pid` (Linux keeps one per thread)."""
+    return [os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")]
+
+
 def engine_core_under(pid: int, name: str) -> psutil.Process:
     """vLLM's engine core among the descendants of process `pid` (an engine
     service, or a container's main process seen from the host)."""

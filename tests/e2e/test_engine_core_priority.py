@@ -3,13 +3,12 @@ vLLM's engine core runs at nice -10, its workers and the service at their own.""
 
 from __future__ import annotations
 
-import os
-import resource
 import re
+import resource
 
 from tests.e2e import stack
 from tests.e2e.test_client_api import simple
-from tools.processes import vllm_engine_core
+from tools.processes import thread_nices, vllm_engine_core
 
 CAP_SYS_NICE = 23
 
@@ -22,7 +21,7 @@ def may_raise_priorities() -> bool:
 
 
 def nices(pid: int) -> set[int]:
-    return {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+    return set(thread_nices(pid))
 
 
 async def test_vllms_engine_core_runs_ahead_of_the_service(engine_service, engine):

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from engine_service import engine_core_priority
+from tools.processes import thread_nices
 
 # A process with three threads, all asleep until its stdin closes.
 THREADS = """
@@ -45,15 +46,11 @@ def process():
     child.wait(timeout=10)
 
 
-def nices(pid: int) -> list[int]:
-    return [os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")]
-
-
 def test_every_thread_of_the_process_gets_the_nice(process):
     """Linux keeps a nice per thread: setting the process's id alone would leave two of three."""
-    assert nices(process.pid) == [0, 0, 0]
+    assert thread_nices(process.pid) == [0, 0, 0]
     line = engine_core_priority.apply("7", on_cpu=True, pids=[process.pid])
-    assert nices(process.pid) == [7, 7, 7]
+    assert thread_nices(process.pid) == [7, 7, 7]
     assert line == "vLLM's engine core runs at nice 7, 3 threads (--engine-core-nice 7)"
 
 
@@ -66,7 +63,7 @@ def test_without_the_right_to_raise_it_the_engine_core_keeps_its_priority(proces
     assert line == ("vLLM's engine core keeps its priority: nice -10 needs CAP_SYS_NICE or "
                     "RLIMIT_NICE >= 30 (--engine-core-nice auto; BENCHMARKS.md section 40)")
     monkeypatch.undo()
-    assert nices(process.pid) == [0, 0, 0]
+    assert thread_nices(process.pid) == [0, 0, 0]
 
 
 def test_left_alone_off_the_cpu_backend_and_where_no_process_is_its_own(process):
@@ -74,7 +71,7 @@ def test_left_alone_off_the_cpu_backend_and_where_no_process_is_its_own(process)
         "vLLM's engine core keeps its priority (--engine-core-nice auto)")
     assert engine_core_priority.apply("auto", on_cpu=True, pids=[]) == (
         "vLLM's engine core keeps its priority: it runs in no process of its own here")
-    assert nices(process.pid) == [0, 0, 0]
+    assert thread_nices(process.pid) == [0, 0, 0]
 
 
 def test_the_engine_cores_of_an_async_llm_are_found_in_its_process_manager():
