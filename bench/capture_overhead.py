@@ -83,9 +83,9 @@ async def main_async(args) -> str:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from engine_service.capture.controller import CaptureController, capture_engine_kwargs
+    from engine_service.capture.driver.controller import CaptureController, capture_engine_kwargs
     from engine_service.link import RouterLinkConfig
-    from engine_service.runtime import EngineRuntime, EngineSettings
+    from engine_service.service.runtime import EngineRuntime, EngineSettings
 
     config = json.loads((Path(args.model) / "config.json").read_text())
     probes_dir = Path(".cache/bench-probes")

@@ -22,7 +22,7 @@ import numpy as np
 
 from bench import results_file
 from common.capture_spec import ExtractionPoint, Scope, TokenSelector
-from engine_service.capture.row_mapping import Registration, RowMapper
+from engine_service.capture.worker.row_mapping import Registration, RowMapper
 
 LAYERS = 8  # the bench model's
 PROMPT = 16

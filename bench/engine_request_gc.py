@@ -26,13 +26,13 @@ import sys
 
 from bench.gc_watch import open_requests_main, open_requests_round
 from common.gc_heap import freeze_startup_heap
-from engine_service import requests as reqs
-from engine_service.active_request import ActiveRequest
-from engine_service.client_stream import ClientStream
+from engine_service.request import validation as reqs
+from engine_service.request.active import ActiveRequest
+from engine_service.request.client_stream import ClientStream
 from engine_service.link import RouterLink, RouterLinkConfig
 from engine_service.link.session import ReplicaSession
-from engine_service.probe_points import ExpectedRows, probe_points
-from engine_service.request_ledger import RequestLedger
+from engine_service.request.probe_points import ExpectedRows, probe_points
+from engine_service.request.ledger import RequestLedger
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 HIDDEN = 64

@@ -19,8 +19,8 @@ import argparse
 import time
 
 from bench import results_file
-from engine_service.active_request import HeldScores
-from engine_service.request_ledger import RequestLedger
+from engine_service.request.active import HeldScores
+from engine_service.request.ledger import RequestLedger
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 PROMPT = 16

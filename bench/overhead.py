@@ -82,9 +82,9 @@ import psutil  # noqa: E402
 from bench import results_file  # noqa: E402
 from common import embedded_model  # noqa: E402
 from common.gc_heap import freeze_startup_heap  # noqa: E402
-from engine_service.engine_core_wait import MODES as ENGINE_CORE_WAITS  # noqa: E402
+from engine_service.engine_core.wait import MODES as ENGINE_CORE_WAITS  # noqa: E402
 from engine_service.link.assignment import pick_replica  # noqa: E402
-from engine_service.placement import core_list, cores_off_workers, move_process  # noqa: E402
+from engine_service.cpu_host.placement import core_list, cores_off_workers, move_process  # noqa: E402
 from router_service.probe_files import write_probe  # noqa: E402
 from tools import processes  # noqa: E402
 from undercurrent.v1 import undercurrent_pb2 as pb  # noqa: E402
@@ -222,10 +222,11 @@ class Engines:
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from engine_service import engine_core_priority, engine_core_wait
-        from engine_service.capture.controller import CaptureController, capture_engine_kwargs
+        from engine_service.cpu_host import engine_core_priority
+        from engine_service.engine_core import wait as engine_core_wait
+        from engine_service.capture.driver.controller import CaptureController, capture_engine_kwargs
         from engine_service.link import RouterLinkConfig
-        from engine_service.runtime import EngineRuntime, EngineSettings
+        from engine_service.service.runtime import EngineRuntime, EngineSettings
 
         def children() -> set[int]:
             return {p.pid for p in psutil.Process().children(recursive=True)}
@@ -254,7 +255,7 @@ class Engines:
         before = children()
         extra = {}
         if self.tokens_ahead:
-            from engine_service.tokens_ahead import ADDRESS_ENV, SCHEDULER_CLS, AllowancePublisher
+            from engine_service.engine_core.tokens_ahead import ADDRESS_ENV, SCHEDULER_CLS, AllowancePublisher
 
             self.allowances = AllowancePublisher(self.tokens_ahead)
             os.environ[ADDRESS_ENV] = self.allowances.address

@@ -25,7 +25,7 @@ from bench.overhead import request_ids
 from common.activations import Block, decode_parts, encode_part, to_batch
 from engine_service.link import batching
 from engine_service.link.assignment import pick_replica
-from engine_service.capture.merge import DeliveredPositions, ForwardOrderGate, merge_blocks
+from engine_service.capture.driver.merge import DeliveredPositions, ForwardOrderGate, merge_blocks
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 def worker_parts(ids: list[str], layers: int, hidden: int, step: int) -> list[dict]:

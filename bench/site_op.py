@@ -30,7 +30,7 @@ def time_site_op(worker, calls: int, rounds: int) -> dict:
     """Sent to each worker: microseconds per call of the op with no receiver, per context."""
     import torch
 
-    from engine_service.capture import sites
+    from engine_service.capture.worker import sites
 
     rows = torch.zeros(8, worker.vllm_config.model_config.get_hidden_size())
     keep_alive = torch.zeros(1)

@@ -76,11 +76,11 @@ def step_blocks(args, bits: np.ndarray, request_ids: list[str], step: int) -> li
 async def engine(args) -> tuple[float, float, Collections, int]:
     """CPU seconds per step (drain, link), the collections while measuring, and how
     many objects the setup froze (0 with --no-gc-freeze)."""
-    from engine_service.capture.merge import DeliveredPositions, merge_blocks
-    from engine_service.capture.push import shipment_frames, shipment_from_frames
+    from engine_service.capture.driver.merge import DeliveredPositions, merge_blocks
+    from engine_service.capture.channel import shipment_frames, shipment_from_frames
     from engine_service.link import RouterLink, RouterLinkConfig
     from engine_service.link.session import ReplicaSession
-    from engine_service.request_ledger import RequestLedger
+    from engine_service.request.ledger import RequestLedger
 
     model = pb.ModelInfo(model="bench", hidden_size=args.hidden, num_layers=max(32, args.blocks), dtype="bfloat16",
                          tensor_types=[pb.TENSOR_TYPE_RESIDUAL_STREAM])
@@ -179,7 +179,7 @@ def main() -> None:
     parser.add_argument("--out", default="stream_cpu.json", help="file name under bench/results/")
     args = parser.parse_args()
     if args.service_heap:
-        for module in ("transformers", "vllm.v1.engine.async_llm", "engine_service.app", "engine_service.runtime"):
+        for module in ("transformers", "vllm.v1.engine.async_llm", "engine_service.service.app", "engine_service.service.runtime"):
             importlib.import_module(module)
     started, rounds = time.time(), []
     for number in range(args.rounds):

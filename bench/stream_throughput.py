@@ -224,7 +224,7 @@ async def drive_link(name: str, ports: int | list[int], args, probe_names: list[
     send_step of merged blocks, window by acks."""
     ports = [ports] if isinstance(ports, int) else ports
     from engine_service.link import Processed, RouterLink, RouterLinkConfig
-    from engine_service.request_ledger import RequestLedger
+    from engine_service.request.ledger import RequestLedger
 
     model = pb.ModelInfo(model="bench", hidden_size=args.hidden, num_layers=32, dtype="bfloat16",
                          tensor_types=[pb.TENSOR_TYPE_RESIDUAL_STREAM])

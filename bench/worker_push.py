@@ -2,7 +2,7 @@
 
     python -m bench.worker_push [--steps 200] [--rounds 3] [--out worker_push.json]
 
-A worker process pushes steps over the real ZeroMQ socket (`capture.push.Pusher`,
+A worker process pushes steps over the real ZeroMQ socket (`capture.worker.pusher.Pusher`,
 the parts built from views of one step buffer, as the worker's drain builds
 them), and this process takes them as the engine service does (`Sink.receive`,
 then `decode_parts`). One step at a time: the worker pushes the next step once
@@ -33,7 +33,8 @@ import numpy as np
 
 from bench import results_file
 from common.activations import Block, decode_parts, encode_part
-from engine_service.capture.push import Pusher, Sink
+from engine_service.capture.worker.pusher import Pusher
+from engine_service.capture.driver.sink import Sink
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 SHAPES = {  # name -> (blocks, rows per block, hidden, numpy dtype of the rows, wire dtype)

@@ -16,12 +16,12 @@ from pathlib import Path
 
 from common.cli import fail, setup_logging
 from common.grpc_server import MAX_MESSAGE_BYTES
-from engine_service import engine_core_priority
-from engine_service.capture.push import DEFAULT_BACKLOG_BYTES
-from engine_service.engine_core_wait import MODES as ENGINE_CORE_WAITS
+from engine_service.cpu_host import engine_core_priority
+from engine_service.capture.channel import DEFAULT_BACKLOG_BYTES
+from engine_service.engine_core.wait import MODES as ENGINE_CORE_WAITS
 from engine_service.link.send_queue import DEFAULT_SEND_QUEUE_BYTES
-from engine_service.runtime import EngineSettings
-from engine_service.requests import (
+from engine_service.service.runtime import EngineSettings
+from engine_service.request.validation import (
     DEFAULT_CLIENT_QUEUE_BYTES,
     DEFAULT_MAX_EXTRACTION_POINTS,
     DEFAULT_MAX_STREAMS,
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--engine-core-nice: {err}")
     if args.max_tokens_ahead and args.scheduler_cls:
         parser.error("--max-tokens-ahead needs vLLM's scheduler class of its own; drop --scheduler-cls")
-    from engine_service.app import run
+    from engine_service.service.app import run
 
     try:
         return asyncio.run(run(args))

@@ -64,8 +64,8 @@ def watch_node0(address: str, port: int, interval_s: float = NODE0_CHECK_INTERVA
 def main(argv: list[str] | None = None) -> int:
     parser = engine_parser(PROG, __doc__.splitlines()[0])
     args = parse_engine_args(parser, argv, worker_node=True)
-    from engine_service.capture.controller import CaptureUnavailable, enable_capture
-    from engine_service.capture.push import NODE_IDENTITY_ENV
+    from engine_service.capture.driver.controller import CaptureUnavailable, enable_capture
+    from engine_service.capture.channel import NODE_IDENTITY_ENV
 
     try:
         enable_capture(args)

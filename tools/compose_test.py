@@ -59,7 +59,7 @@ import grpc
 
 from common.grpc_server import channel_options
 from common.security.client import tls_credentials
-from engine_service.runtime import EngineSettings
+from engine_service.service.runtime import EngineSettings
 from tests.e2e import stack as e2e_stack
 from tests.faults import harness
 from tests.processes import aborts

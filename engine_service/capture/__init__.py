@@ -1,12 +1,9 @@
-"""Activation capture inside vLLM workers, and its driver side.
-
-Pure modules (no vLLM import): `row_mapping` (which batch rows to copy each
-step), `merge` (combining every worker's shipment into ordered blocks, exactly
-once) and `topology` (which rank owns which layer; request validation).
-vLLM-facing modules: `worker_extension` (runs in each worker process),
-`controller` (runs next to AsyncLLM) and `graphs` (keeps the capture sites
-running where vLLM replays CUDA graphs).
-"""
+"""Activation capture: `worker/` runs in each vLLM worker process, `driver/`
+in the engine service process; `channel` (how rows travel from one to the
+other), `graphs` (the capture sites under vLLM's graph replay) and
+`request_ids` (vLLM's forms of a request id) are shared by both. The pure
+modules (row mapping, merge, topology, channel) import no vLLM and are tested
+without it."""
 
 from common.errors import FailedPrecondition
 

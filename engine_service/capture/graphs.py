@@ -22,7 +22,7 @@ import logging
 from typing import Any
 
 from engine_service.capture import CaptureUnavailable
-from engine_service.capture.sites import SITE_OP
+from engine_service.capture.worker.sites import SITE_OP
 
 log = logging.getLogger(__name__)
 

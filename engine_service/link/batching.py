@@ -46,7 +46,7 @@ def holding_little_else(blocks: list[Block]) -> list[Block]:
 
     For a queue bounded by its rows' bytes (a replica's send queue) to bound the
     memory it holds: a step's rows arrive from a worker as one buffer, read in
-    place (`capture.push`), which also holds rows for clients and for other
+    place (`capture.channel`), which also holds rows for clients and for other
     replicas; a router that stops reading must not keep those alive by the step.
     Where the blocks use most of the buffer (one router, probes on every row) they
     stay views, so the common case copies nothing."""

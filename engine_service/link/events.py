@@ -11,7 +11,7 @@ from typing import Union
 
 from undercurrent.v1 import undercurrent_pb2 as pb
 
-from engine_service.request_ledger import Failure
+from engine_service.request.ledger import Failure
 
 
 @dataclass(frozen=True)

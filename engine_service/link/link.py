@@ -5,7 +5,7 @@ them awaits the network. Each request lives on one replica, chosen by
 rendezvous hashing of its id over the replicas that are up; when that replica
 goes down or drains, the request is re-homed (request_start with
 state_reset=True). Every row the link is handed is entered in the request's
-RequestLedger (engine_service.request_ledger) as it is queued, sent,
+RequestLedger (engine_service.request.ledger) as it is queued, sent,
 acknowledged, dropped, lost, errored or timed out; the engine reads the ledger
 to gate tokens, apply failure policies and count losses. What the routers send
 back reaches the engine as LinkEvent values through one callback, in the order
@@ -49,7 +49,7 @@ from engine_service.link.metrics import metrics_for
 from engine_service.link.send_queue import QueuedBatch
 from engine_service.link.session import ReplicaSession
 from common.router_targets import Resolver, StaticTargets, parse_targets, resolve_dns
-from engine_service.request_ledger import Failure, RequestLedger
+from engine_service.request.ledger import Failure, RequestLedger
 
 log = logging.getLogger(__name__)
 

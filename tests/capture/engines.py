@@ -13,7 +13,7 @@ import numpy as np
 
 from common.activations import Block, forward_order
 from common.capture_spec import ExtractionPoint
-from engine_service.capture.controller import (
+from engine_service.capture.driver.controller import (
     CaptureController,
     capture_engine_kwargs,
     require_prompt_computation,
@@ -28,7 +28,7 @@ async def capture_engine(model: str, tp: int = 1, pp: int = 1, stat_loggers=None
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from engine_service.tokens_ahead import ADDRESS_ENV, SCHEDULER_CLS
+    from engine_service.engine_core.tokens_ahead import ADDRESS_ENV, SCHEDULER_CLS
 
     workers = tp * pp
     if workers > 1:

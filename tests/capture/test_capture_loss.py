@@ -17,8 +17,8 @@ import pytest
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 from engine_service.link import RouterLinkConfig
-from engine_service.runtime import EngineRuntime, EngineSettings
-from engine_service.tokens_ahead import AllowancePublisher
+from engine_service.service.runtime import EngineRuntime, EngineSettings
+from engine_service.engine_core.tokens_ahead import AllowancePublisher
 from tests.capture.conftest import SMALL_STEPS
 from tests.capture.engines import capture_engine
 from tests.capture.workloads import prompt

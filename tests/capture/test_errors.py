@@ -115,8 +115,8 @@ async def test_the_rpc_drain_still_delivers_every_row_when_workers_do_not_push(l
 def test_a_planned_step_whose_sites_never_ran_is_an_error_not_an_empty_capture():
     """What a model compiled without its sites (a foreign compile cache) would do;
     the state's step logic alone, as no real engine can be built that way here."""
-    from engine_service.capture.staging import StepStaging
-    from engine_service.capture.worker_extension import _CaptureState
+    from engine_service.capture.worker.staging import StepStaging
+    from engine_service.capture.worker.extension import _CaptureState
 
     def planned() -> StepStaging:
         return StepStaging({("residual_stream", 1): []}, "cpu")

@@ -4,12 +4,12 @@ without Python (GPU), and nothing to change where they do not (this CPU host).""
 import pytest
 
 from engine_service.capture import CaptureUnavailable, graphs
-from engine_service.capture.controller import capture_engine_kwargs
+from engine_service.capture.driver.controller import capture_engine_kwargs
 from engine_service.capture.graphs import (
     graphs_replay_without_python,
     graphs_skip_sites,
 )
-from engine_service.capture.sites import SITE_OP
+from engine_service.capture.worker.sites import SITE_OP
 from tests.capture.engines import (
     capture_engine,
     run_requests,
@@ -87,7 +87,7 @@ def test_the_engines_flags_take_the_same_road(replaying_platform, tiny_llama_pat
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     from engine_service.__main__ import build_parser
-    from engine_service.capture.controller import enable_capture
+    from engine_service.capture.driver.controller import enable_capture
 
     args = build_parser().parse_args(["--model", tiny_llama_path])
     enable_capture(args)

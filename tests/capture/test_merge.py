@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from common.activations import Block, decode_parts, encode_part, forward_order
-from engine_service.capture.merge import (
+from engine_service.capture.driver.merge import (
     DeliveredPositions,
     ForwardOrderGate,
     ShapeMismatch,

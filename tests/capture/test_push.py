@@ -10,7 +10,9 @@ import pytest
 import zmq
 
 from common.activations import Block, decode_part, encode_part
-from engine_service.capture.push import Pusher, ShipmentError, Sink, shipment_frames, shipment_from_frames
+from engine_service.capture.worker.pusher import Pusher
+from engine_service.capture.channel import ShipmentError, shipment_frames, shipment_from_frames
+from engine_service.capture.driver.sink import Sink
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 
@@ -93,7 +95,7 @@ def test_the_sink_is_private_to_this_user_and_this_host():
 def test_a_declared_node_identity_keeps_a_process_off_another_nodes_sink(monkeypatch):
     """Worker nodes declare an identity of their own: even on the engine's host,
     their workers do not push (a shared hostname need not mean a shared /tmp)."""
-    from engine_service.capture.push import NODE_IDENTITY_ENV
+    from engine_service.capture.channel import NODE_IDENTITY_ENV
 
     sink = Sink()
     try:
@@ -168,7 +170,7 @@ async def test_a_worker_whose_driver_does_not_read_keeps_its_backlog_bound_and_r
 
 
 async def test_the_driver_fails_each_request_whose_rows_a_worker_dropped():
-    from engine_service.capture.controller import CaptureController
+    from engine_service.capture.driver.controller import CaptureController
 
     controller = CaptureController(engine=None, backlog_bytes=16)
     controller._sink = sink = Sink(backlog_bytes=16)  # what start() makes, without an engine

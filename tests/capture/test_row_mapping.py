@@ -3,12 +3,12 @@
 import numpy as np
 
 from common.capture_spec import ExtractionPoint, Scope, TokenSelector
-from engine_service.capture.row_mapping import (
+from engine_service.capture.worker.row_mapping import (
     PromptGap,
     Registration,
     RowMapper,
-    record_request_id,
 )
+from engine_service.capture.request_ids import record_request_id
 
 
 def point(name, tensor_type="residual_stream", layers=(0,), selector=TokenSelector()):

@@ -3,8 +3,8 @@
 import numpy as np
 import torch
 
-from engine_service.capture.row_mapping import PointRows
-from engine_service.capture.staging import StepStaging
+from engine_service.capture.worker.row_mapping import PointRows
+from engine_service.capture.worker.staging import StepStaging
 
 
 def rows(point: str, tensor_type: str, layer: int, indices: list[int]) -> PointRows:

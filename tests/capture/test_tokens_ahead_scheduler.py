@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from engine_service.tokens_ahead import AllowancePublisher, request_key
+from engine_service.engine_core.tokens_ahead import AllowancePublisher, request_key
 from tests.capture.engines import capture_engine
 from tests.capture.workloads import prompt
 

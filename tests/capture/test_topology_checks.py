@@ -4,7 +4,7 @@ import pytest
 
 from common.capture_spec import ExtractionPoint
 from common.errors import InvalidArgument
-from engine_service.capture.controller import (
+from engine_service.capture.driver.controller import (
     ALLOW_UNTESTED_VLLM_ENV,
     CaptureUnavailable,
     SITES_CONFIG_KEY,
@@ -12,7 +12,7 @@ from engine_service.capture.controller import (
     capture_engine_kwargs,
     check_vllm_version,
 )
-from engine_service.capture.topology import RankTopology, Topology
+from engine_service.capture.driver.topology import RankTopology, Topology
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 ALL_TYPES = ("residual_stream", "attn_out", "mlp_out", "final_norm")
@@ -119,7 +119,7 @@ def test_version_check_names_supported_versions_and_honours_the_override(monkeyp
 def test_module_discovery_names_the_missing_module():
     from torch import nn
 
-    from engine_service.capture.worker_extension import UnsupportedModel, _find
+    from engine_service.capture.worker.extension import UnsupportedModel, _find
 
     gpt2_like = nn.Module()
     gpt2_like.transformer = nn.Module()

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine_service import engine_core_priority
+from engine_service.cpu_host import engine_core_priority
 from tools.processes import thread_nices
 
 # A process with three threads, all asleep until its stdin closes.

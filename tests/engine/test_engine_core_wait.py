@@ -13,7 +13,7 @@ from vllm.distributed.device_communicators import shm_broadcast
 from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 from vllm.utils.network_utils import get_open_zmq_ipc_path
 
-from engine_service import engine_core_wait
+from engine_service.engine_core import wait as engine_core_wait
 
 WAIT_S = 0.3
 

@@ -4,9 +4,9 @@ import pytest
 
 from common.capture_spec import Scope
 from common.errors import InvalidArgument, NotFound
-from engine_service import requests as reqs
-from engine_service.active_request import TokenGate
-from engine_service.probe_points import check_client_point_names, probe_points
+from engine_service.request import validation as reqs
+from engine_service.request.active import TokenGate
+from engine_service.request.probe_points import check_client_point_names, probe_points
 from common.capture_spec import ExtractionPoint
 from undercurrent.v1 import undercurrent_pb2 as pb
 
@@ -78,7 +78,7 @@ def test_open_requests_bindings_give_the_garbage_collector_nothing_to_walk():
     import gc
 
     from engine_service.link import RouterLink, RouterLinkConfig
-    from engine_service.request_ledger import RequestLedger
+    from engine_service.request.ledger import RequestLedger
 
     names = [f"probe_{i}" for i in range(200)]
     catalog = catalog_of(names)

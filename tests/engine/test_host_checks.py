@@ -1,6 +1,6 @@
 """The start-up warning about the kernel's scheduler autogroup on a CPU host."""
 
-from engine_service.host_checks import autogroup_warning
+from engine_service.cpu_host.host_checks import autogroup_warning
 
 
 def test_a_cpu_engine_on_a_host_with_autogroup_on_is_warned_with_the_remedies(tmp_path):

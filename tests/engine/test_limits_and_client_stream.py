@@ -9,8 +9,8 @@ import pytest
 
 from common.activations import Block, from_batch
 from common.errors import InvalidArgument, ResourceExhausted
-from engine_service import requests as reqs
-from engine_service.client_stream import ClientStream
+from engine_service.request import validation as reqs
+from engine_service.request.client_stream import ClientStream
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 MODEL = reqs.ModelLimits(vocab_size=512, max_model_len=64)
@@ -147,7 +147,7 @@ async def test_a_slow_client_loses_counted_activations_never_tokens_in_the_runti
     nothing while its request runs overflows a 4 KiB queue."""
     import vllm.sampling_params  # noqa: F401  (the runtime imports it per request)
 
-    from engine_service.runtime import EngineRuntime, EngineSettings
+    from engine_service.service.runtime import EngineRuntime, EngineSettings
     from tests.engine.fakes import FakeCapture, FakeEngine
     from tests.engine_link.helpers import until
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from engine_service.placement import (
+from engine_service.cpu_host.placement import (
     core_list,
     cores_off_workers,
     keep_off_worker_cores,
@@ -120,7 +120,7 @@ def test_the_service_logs_where_it_moved_and_nothing_when_it_stays(caplog):
         "import asyncio, logging, os, sys\n"
         "sys.path.insert(0, os.getcwd())\n"
         "from tests.engine.test_placement import WorkersOn\n"
-        "from engine_service.placement import place_engine_service\n"
+        "from engine_service.cpu_host.placement import place_engine_service\n"
         "logging.basicConfig(level=logging.INFO, format='%(message)s')\n"
         f"moved = asyncio.run(place_engine_service(WorkersOn({{{CORES[0]}}})))\n"
         "print(sorted(moved), sorted(os.sched_getaffinity(0)))\n"
@@ -133,7 +133,7 @@ def test_the_service_logs_where_it_moved_and_nothing_when_it_stays(caplog):
         f"vLLM's workers are bound to cores {CORES[0]}: the engine service's threads now run on "
         f"{core_list(rest)}"
     ], done.stderr
-    with caplog.at_level(logging.INFO, logger="engine_service.placement"):
+    with caplog.at_level(logging.INFO, logger="engine_service.cpu_host.placement"):
         assert asyncio.run(place_engine_service(WorkersOn(set(CORES)))) == frozenset()
     assert caplog.records == []
     assert os.sched_getaffinity(0) == set(CORES)
@@ -145,7 +145,7 @@ def test_a_host_that_refuses_the_move_leaves_the_service_running_where_it_was(mo
         raise PermissionError(1, "Operation not permitted")
 
     monkeypatch.setattr(os, "sched_setaffinity", refuse)
-    with caplog.at_level(logging.WARNING, logger="engine_service.placement"):
+    with caplog.at_level(logging.WARNING, logger="engine_service.cpu_host.placement"):
         assert asyncio.run(place_engine_service(WorkersOn({CORES[0]}))) == frozenset()
     assert [r.getMessage() for r in caplog.records] == [
         f"could not keep the engine service off its workers' cores {CORES[0]}: "

@@ -5,9 +5,9 @@ import gc
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 from common.capture_spec import ExtractionPoint, Scope, TokenSelector
-from engine_service.active_request import HeldScores
-from engine_service.probe_points import ExpectedRows
-from engine_service.request_ledger import MessageState, RequestLedger
+from engine_service.request.active import HeldScores
+from engine_service.request.probe_points import ExpectedRows
+from engine_service.request.ledger import MessageState, RequestLedger
 
 CLOSED, OPEN = pb.FAILURE_POLICY_FAIL_CLOSED, pb.FAILURE_POLICY_FAIL_OPEN
 

@@ -18,7 +18,7 @@ from undercurrent.v1 import undercurrent_pb2 as pb
 
 from common.errors import Unavailable
 from engine_service.link import RouterLinkConfig
-from engine_service.runtime import EngineRuntime, EngineSettings
+from engine_service.service.runtime import EngineRuntime, EngineSettings
 from tests.engine_link.helpers import FAST, until
 from tests.engine_link.router_double import PROBE, RouterDouble
 

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 import pytest
 import zmq
 
-from engine_service import tokens_ahead
-from engine_service.tokens_ahead import AllowancePublisher, AllowanceTable, allowance
-from engine_service.tokens_ahead_scheduler import _HoldsRequestsAhead
+from engine_service.engine_core import tokens_ahead
+from engine_service.engine_core.tokens_ahead import AllowancePublisher, AllowanceTable, allowance
+from engine_service.engine_core.tokens_ahead_scheduler import _HoldsRequestsAhead
 
 
 def test_allowance_counts_from_the_first_unsettled_position_or_the_prompt():

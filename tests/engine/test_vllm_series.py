@@ -2,7 +2,7 @@
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from engine_service.metrics import EngineMetrics, VllmSeries
+from engine_service.service.metrics import EngineMetrics, VllmSeries
 
 
 def test_vllm_series_are_served_with_the_engines_and_nothing_else_of_vllms_registry():

@@ -10,7 +10,7 @@ from undercurrent.v1 import undercurrent_pb2 as pb
 
 from common.activations import Block
 from engine_service.link import LinkEvent, RouterLink
-from engine_service.request_ledger import RequestLedger
+from engine_service.request.ledger import RequestLedger
 
 FAIL_OPEN = [pb.ProbeBinding(probe="first_element", failure_policy=pb.FAILURE_POLICY_FAIL_OPEN)]
 FAIL_CLOSED = [pb.ProbeBinding(probe="first_element", failure_policy=pb.FAILURE_POLICY_FAIL_CLOSED)]

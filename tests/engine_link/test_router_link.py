@@ -13,7 +13,7 @@ import zmq
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 from common.activations import Block, decode_parts, encode_part
-from engine_service.capture.push import shipment_frames, shipment_from_frames
+from engine_service.capture.channel import shipment_frames, shipment_from_frames
 from engine_service.link import (
     Abort,
     Processed,
@@ -489,7 +489,7 @@ def test_config_rejects_bad_values():
 
 def received_step(rows: np.ndarray, request_id: str, layers: int) -> list[Block]:
     """One step's blocks as the engine service reads them: views of the frame a
-    worker's push brought (`capture.push`), one block per layer of `rows`."""
+    worker's push brought (`capture.channel`), one block per layer of `rows`."""
     per_layer = len(rows) // layers
     header, buffers = shipment_frames({"rank": 0, "parts": [
         encode_part(Block("probe.residual_stream.0", pb.TENSOR_TYPE_RESIDUAL_STREAM, layer,

@@ -70,7 +70,7 @@ def test_limit_flags_and_their_defaults():
 
 def test_the_send_queue_bounds_reach_the_router_link():
     from engine_service.__main__ import build_parser
-    from engine_service.app import link_config
+    from engine_service.service.app import link_config
 
     args = build_parser().parse_args(["--model", "m", "--router", "127.0.0.1:1", "--send-queue", "5",
                                       "--send-queue-bytes", "4096"])

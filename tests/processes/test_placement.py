@@ -8,7 +8,7 @@ import os
 import psutil
 import pytest
 
-from engine_service.placement import core_list
+from engine_service.cpu_host.placement import core_list
 from tests.e2e import stack
 from tools.processes import vllm_engine_core
 from undercurrent.v1 import undercurrent_pb2 as pb

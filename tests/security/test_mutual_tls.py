@@ -21,7 +21,7 @@ from common import devcerts
 from common.grpc_server import MAX_MESSAGE_BYTES, channel_options
 from common.security import client as client_env
 from common.security.tls import ChannelFactory, ClientTLS, PemFiles, ServerTLS, TLSConfigError
-from engine_service.app import link_config
+from engine_service.service.app import link_config
 from engine_service.link import RouterLink
 from probe_lifecycle.deploy import DeployError, deploy
 from tests.router.helpers import HIDDEN, SessionClient, block, kinds, linear_probe

@@ -3,7 +3,7 @@
 import pytest
 
 from common.errors import NotFound
-from engine_service.ownership import RequestOwners
+from engine_service.request.ownership import RequestOwners
 
 
 def test_a_running_request_is_invisible_to_other_callers_and_freed_when_it_ends():

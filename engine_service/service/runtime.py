@@ -32,15 +32,15 @@ from common.errors import (
     Unavailable,
 )
 from engine_service import link as links
-from engine_service import requests as reqs
-from engine_service.active_request import ActiveRequest, TokenGate
-from engine_service.capture.controller import CaptureController, require_prompt_computation
-from engine_service.client_stream import ClientStream
-from engine_service.metrics import EngineMetrics
+from engine_service.request import validation as reqs
+from engine_service.request.active import ActiveRequest, TokenGate
+from engine_service.capture.driver.controller import CaptureController, require_prompt_computation
+from engine_service.request.client_stream import ClientStream
+from engine_service.service.metrics import EngineMetrics
 from engine_service.link.batching import partition_by_owner
-from engine_service.probe_points import PROBE_POINT_PREFIX, ExpectedRows, check_client_point_names, probe_points
-from engine_service.request_ledger import Failure, RequestLedger
-from engine_service.tokens_ahead import AllowancePublisher, request_key
+from engine_service.request.probe_points import PROBE_POINT_PREFIX, ExpectedRows, check_client_point_names, probe_points
+from engine_service.request.ledger import Failure, RequestLedger
+from engine_service.engine_core.tokens_ahead import AllowancePublisher, request_key
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 log = logging.getLogger(__name__)

@@ -14,8 +14,8 @@ from common.gc_heap import freeze_startup_heap
 from common.grpc_server import PortInUse, SERVICE_FULL_NAMES, start_server
 from common.security.config import CLIENT_TOKENS, SecurityConfigError, security_from_args
 from common.security.tls import ChannelFactory
-from engine_service.ownership import RequestOwners
-from engine_service.servicer import EngineServicer
+from engine_service.request.ownership import RequestOwners
+from engine_service.service.servicer import EngineServicer
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 
@@ -36,9 +36,9 @@ def create_llm(args, allowances=None):
     from vllm.platforms import current_platform
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from engine_service import engine_core_wait
-    from engine_service.capture.controller import enable_capture
-    from engine_service.tokens_ahead import ADDRESS_ENV, SCHEDULER_CLS
+    from engine_service.engine_core import wait as engine_core_wait
+    from engine_service.capture.driver.controller import enable_capture
+    from engine_service.engine_core.tokens_ahead import ADDRESS_ENV, SCHEDULER_CLS
 
     enable_capture(args)
     wait = engine_core_wait.choose(args.engine_core_wait, current_platform.is_cpu())
@@ -78,14 +78,14 @@ def link_config(args, client_tls):
 async def run(args) -> int:
     from vllm.platforms import current_platform
 
-    from engine_service import engine_core_priority
-    from engine_service.capture.controller import CaptureController
-    from engine_service.host_checks import autogroup_warning
-    from engine_service.metrics import EngineMetrics
-    from engine_service.placement import place_engine_service
-    from engine_service.requests import RequestLimits
-    from engine_service.runtime import EngineRuntime, EngineSettings
-    from engine_service.tokens_ahead import AllowancePublisher
+    from engine_service.cpu_host import engine_core_priority
+    from engine_service.capture.driver.controller import CaptureController
+    from engine_service.cpu_host.host_checks import autogroup_warning
+    from engine_service.service.metrics import EngineMetrics
+    from engine_service.cpu_host.placement import place_engine_service
+    from engine_service.request.validation import RequestLimits
+    from engine_service.service.runtime import EngineRuntime, EngineSettings
+    from engine_service.engine_core.tokens_ahead import AllowancePublisher
 
     try:  # TLS files and tokens: read now, so a bad one fails before anything starts
         security, client_tls = security_from_args(args, CLIENT_TOKENS, require_client_cert=False)

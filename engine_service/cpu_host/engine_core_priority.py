@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
-from engine_service.placement import for_each_thread
+from engine_service.cpu_host.placement import for_each_thread
 
 NICE_ON_CPU = -10
 EXPECTED = "expected auto or an integer from -20 to 19"

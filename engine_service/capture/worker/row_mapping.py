@@ -4,25 +4,21 @@ vLLM flattens every scheduled token of a step into one batch: the rows of the
 request in slot s are [query_start_loc[s], query_start_loc[s + 1]), and each
 row's absolute token position is given to the model as `positions`. Rows past
 query_start_loc[num_reqs] are padding and never mapped. Workers never see the
-caller's request id: vLLM appends "-<random hex>", and the children of an n>1
-request are "<index>_<id>-<random hex>". This module resolves those ids back
-to registrations and decides which rows each (tensor type, layer) copies.
+caller's request id as it is (`capture.request_ids` resolves vLLM's forms back
+to registrations). This module decides which rows each (tensor type, layer)
+copies.
 It needs numpy only, so it is tested without vLLM.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from itertools import chain
 
 import numpy as np
 
 from common.capture_spec import ExtractionPoint
-
-_RANDOM_SUFFIX = re.compile(r"-[0-9a-fA-F]{8,}$")
-_CHILD_PREFIX = re.compile(r"^(\d+)_(.+)$")
-
+from engine_service.capture.request_ids import parent_request_id, record_request_id
 
 @dataclass(frozen=True)
 class Registration:
@@ -92,32 +88,6 @@ def _select(point: ExtractionPoint, slots: list[_Slot], positions: np.ndarray
     owner = np.repeat(np.arange(len(starts)), counts)[local]
     return (rows[local], [record_ids[i] for i in owner.tolist()], row_positions[local],
             row_positions[local] >= prompt_lens[local])
-
-
-def record_request_id(internal_id: str, registered: set[str] | dict) -> str | None:
-    """The id records of this vLLM-internal request carry, or None if unregistered.
-
-    A plain request maps to the id it was registered under. A child of an n>1
-    request maps to "<index>_<id>" (vLLM's own child naming), since each child
-    samples different tokens at the same positions.
-    """
-    suffix = _RANDOM_SUFFIX.search(internal_id)
-    candidates = [internal_id[: suffix.start()], internal_id] if suffix else [internal_id]
-    for candidate in candidates:
-        if candidate in registered:
-            return candidate
-        child = _CHILD_PREFIX.match(candidate)
-        if child and child.group(2) in registered:
-            return candidate
-    return None
-
-
-def parent_request_id(record_id: str, registered: set[str] | dict) -> str:
-    """The registered id behind a record id (itself, or the parent of an n>1 child)."""
-    if record_id in registered:
-        return record_id
-    child = _CHILD_PREFIX.match(record_id)
-    return child.group(2) if child else record_id
 
 
 class RowMapper:

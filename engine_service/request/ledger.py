@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from undercurrent.v1 import undercurrent_pb2 as pb
 
-from engine_service.probe_points import ExpectedRows
+from engine_service.request.probe_points import ExpectedRows
 
 
 class MessageState(enum.Enum):
@@ -302,7 +302,7 @@ class RequestLedger:
         releasable_through); when none does, the first position whose
         expectation is not yet known (`computed_below`), or one past the last
         captured one. How far decoding may run ahead is counted from here
-        (`engine_service.tokens_ahead`)."""
+        (`engine_service.engine_core.tokens_ahead`)."""
         self._advance_clean()
         for position in self._order[self._clean :]:
             if self._holds_release(position):

@@ -20,7 +20,7 @@ from collections import defaultdict
 import numpy as np
 
 from common.activations import Block, ByIdentity
-from engine_service.capture.row_mapping import parent_request_id
+from engine_service.capture.request_ids import parent_request_id
 
 
 class ShapeMismatch(ValueError):

@@ -1,7 +1,7 @@
 """vLLM's scheduler, holding back probed requests that ran too far ahead of scoring.
 
 Runs inside vLLM's engine core process (`--max-tokens-ahead`; the rule and the
-wire are in `engine_service.tokens_ahead`). Before each schedule it reads the
+wire are in `engine_service.engine_core.tokens_ahead`). Before each schedule it reads the
 allowances the engine service sent and takes the requests at their allowance
 out of the running list for that one call, so vLLM schedules the others as if
 the held ones had no token budget left; they keep their KV cache blocks and
@@ -19,7 +19,7 @@ import os
 
 import zmq
 
-from engine_service.tokens_ahead import ADDRESS_ENV, EXTRA_ARGS_KEY, AllowanceTable, decode
+from engine_service.engine_core.tokens_ahead import ADDRESS_ENV, EXTRA_ARGS_KEY, AllowanceTable, decode
 
 # While every running request is held and none waits, the engine core would
 # otherwise run empty steps back to back: wait this long for an allowance first

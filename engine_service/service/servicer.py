@@ -2,15 +2,15 @@
 
 Errors raised by the runtime are domain errors; the interceptor in
 common.errors maps them to status codes in one place. Each request belongs to
-the authenticated caller that started it (engine_service.ownership).
+the authenticated caller that started it (engine_service.request.ownership).
 """
 
 from __future__ import annotations
 
 from common.security.auth import current_caller
-from engine_service.ownership import RequestOwners
-from engine_service.requests import request_id_of
-from engine_service.runtime import EngineRuntime
+from engine_service.request.ownership import RequestOwners
+from engine_service.request.validation import request_id_of
+from engine_service.service.runtime import EngineRuntime
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 

@@ -12,7 +12,7 @@ N tokens past what it scored, whatever the load.
 
 Two processes share the rule. The engine service knows the ledger and sends
 each bounded request's allowance (the positions it may have computed) over a
-ZeroMQ PUSH socket; `engine_service.tokens_ahead_scheduler` runs inside vLLM's
+ZeroMQ PUSH socket; `engine_service.engine_core.tokens_ahead_scheduler` runs inside vLLM's
 engine core, reads them before every schedule and holds back the requests at
 their allowance. A request carries its key and bound in its sampling params, so
 its first allowance (its prompt plus N) holds before any message arrives.
@@ -33,7 +33,7 @@ import zmq
 ADDRESS_ENV = "UNDERCURRENT_TOKENS_AHEAD_ADDRESS"
 # SamplingParams.extra_args key: [request key, bound] of a bounded request.
 EXTRA_ARGS_KEY = "undercurrent_tokens_ahead"
-SCHEDULER_CLS = "engine_service.tokens_ahead_scheduler.TokensAheadScheduler"
+SCHEDULER_CLS = "engine_service.engine_core.tokens_ahead_scheduler.TokensAheadScheduler"
 # Allowance messages ZeroMQ queues for an engine core that does not read (a hung
 # or dead core); past it sends are retried, never waited for.
 SEND_HIGH_WATER_MARK = 1024

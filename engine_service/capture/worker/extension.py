@@ -1,6 +1,6 @@
 """The capture extension vLLM mixes into every worker process.
 
-Pass `engine_service.capture.worker_extension.CaptureWorkerExtension` as
+Pass `engine_service.capture.worker.extension.CaptureWorkerExtension` as
 `worker_extension_cls`; vLLM appends it to the worker class's bases in each
 worker process, and the driver calls its `undercurrent_*` methods through
 `collective_rpc`. All mutable state lives in one `_CaptureState` instance per
@@ -33,10 +33,11 @@ import torch
 from common.activations import Block, WirePart, encode_part
 from common.capture_spec import ExtractionPoint, tensor_type_to_proto
 from engine_service.capture.graphs import graphs_skip_sites
-from engine_service.capture.push import Pusher, node_identity
-from engine_service.capture.row_mapping import PointRows, Registration, RowMapper
-from engine_service.capture.staging import StepStaging
-from engine_service.capture.sites import (
+from engine_service.capture.worker.pusher import Pusher
+from engine_service.capture.channel import node_identity
+from engine_service.capture.worker.row_mapping import PointRows, Registration, RowMapper
+from engine_service.capture.worker.staging import StepStaging
+from engine_service.capture.worker.sites import (
     VERIFIED_ARCHITECTURES,
     has_sites,
     is_stage_placeholder,

@@ -14,7 +14,7 @@
 Control calls (start, register, unregister) fan out to every worker with one
 collective_rpc, which vLLM runs between engine steps. Rows do not take that
 road: each shipping worker pushes them when its forward pass ends
-(`capture.push`), and drain() waits on that socket, so capturing costs the
+(`capture.channel`), and drain() waits on that socket, so capturing costs the
 engine core no round trip per step. Workers on another host are drained by
 collective_rpc instead.
 """
@@ -32,18 +32,19 @@ from common.capture_spec import ExtractionPoint, needs_prompt_positions
 from common.errors import FailedPrecondition
 from engine_service.capture import CaptureUnavailable
 from engine_service.capture.graphs import keep_sites_in_graphs
-from engine_service.capture.merge import (
+from engine_service.capture.driver.merge import (
     DeliveredPositions,
     ForwardOrderGate,
     merge_blocks,
 )
-from engine_service.capture.push import DEFAULT_BACKLOG_BYTES, Sink, node_identity
-from engine_service.capture.topology import RankTopology, Topology
+from engine_service.capture.channel import DEFAULT_BACKLOG_BYTES, node_identity
+from engine_service.capture.driver.sink import Sink
+from engine_service.capture.driver.topology import RankTopology, Topology
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-WORKER_EXTENSION = "engine_service.capture.worker_extension.CaptureWorkerExtension"
+WORKER_EXTENSION = "engine_service.capture.worker.extension.CaptureWorkerExtension"
 # vLLM minor versions whose internals (request-id suffixes, V1 runner batch
 # layout, worker extension mixing) this capture was verified against.
 SUPPORTED_VLLM_VERSIONS = ("0.32",)

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 from undercurrent.v1 import undercurrent_pb2 as pb
 
-from engine_service.request_ledger import RequestLedger
+from engine_service.request.ledger import RequestLedger
 
 if TYPE_CHECKING:
-    from engine_service.client_stream import ClientStream
+    from engine_service.request.client_stream import ClientStream
 
 
 @dataclass

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine_service.capture.row_mapping import PointRows
+from engine_service.capture.worker.row_mapping import PointRows
 
 SiteKey = tuple[str, int]  # (tensor type, layer)
 _BufferKey = tuple[torch.dtype, tuple[int, ...]]  # (dtype, shape of one row)
