@@ -6,7 +6,7 @@ request's `finished`, over many requests, at TP=1, TP=2 and PP=2.
 
 For each topology: a real router process and an engine process on loopback.
 A first run captures layer-3 residual rows of a few prompts; a linear probe is
-built to fire first at a known token of prompt 0 (tests/e2e/probes.py), loaded
+built to fire first at a known token of prompt 0 (tools/firing_probes.py), loaded
 into the router, and then `--requests` greedy requests of prompt 0 run one
 after another, then `--idle-requests` more, each after `--idle` seconds with
 no request (the engine waking from idle).
@@ -46,8 +46,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench import results_file  # noqa: E402
 from common.grpc_server import channel_options  # noqa: E402
-from tests.e2e import probes, stack  # noqa: E402
-from tools import processes  # noqa: E402
+from tools import firing_probes, processes, stack  # noqa: E402
 from undercurrent.v1 import undercurrent_pb2 as pb  # noqa: E402
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -210,7 +209,7 @@ async def measure(name: str, model: str, count: int, max_tokens: int, idle: floa
         await router.wait_health(want_serving=None, timeout=60)
         await engine.wait_health(want_serving=True, timeout=900)  # a loaded 2-core host is slow
 
-        async def load(probe: probes.FiringProbe) -> None:
+        async def load(probe: firing_probes.FiringProbe) -> None:
             async with stack.channel(router.address) as admin:
                 await pb_grpc.ProbeAdminServiceStub(admin).LoadProbe(probe.load_request())
 
@@ -238,7 +237,7 @@ async def measure_compose(count: int, max_tokens: int, idle: float, idle_count: 
     for container in routers:
         compose_test.run(["docker", "update", "--cpu-shares", str(router_cpu_shares), container], quiet=True)
 
-    async def load(probe: probes.FiringProbe) -> None:
+    async def load(probe: firing_probes.FiringProbe) -> None:
         with tempfile.TemporaryDirectory() as directory:
             running.deploy_probe(probe.write(Path(directory) / "probe"))
 
@@ -260,10 +259,10 @@ async def sample(name: str, stub: pb_grpc.EngineServiceStub, load, count: int, m
     `idle` seconds each."""
     baseline = await asyncio.gather(*[
         stack.generate(stub, request(p, f"{name}-base-{i}-{time.time_ns()}", max_tokens,
-                                     extraction_points=[probes.trace_point()]))
+                                     extraction_points=[firing_probes.trace_point()]))
         for i, p in enumerate(PROMPTS)])
-    rows = [probes.rows_by_position(o.batches) for o in baseline]
-    probe = probes.probe_firing_at(f"bench_{name}", rows[0], rows[1:], min_index=4)
+    rows = [firing_probes.rows_by_position(o.batches) for o in baseline]
+    probe = firing_probes.probe_firing_at(f"bench_{name}", rows[0], rows[1:], min_index=4)
     await load(probe)
     await stack.wait_for_probe(stub, probe.name)
     trigger = probe.position - baseline[0].finished.prompt_tokens

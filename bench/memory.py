@@ -63,10 +63,10 @@ import grpc  # noqa: E402
 from bench import results_file  # noqa: E402
 from bench.overhead import MODELS, TENSOR_TYPES, Workload, generate_request, write_probes  # noqa: E402
 from common import embedded_model  # noqa: E402
-from tests.e2e.stack import scrape, wait_for_probe  # noqa: E402
-from tests.engine_link.router_double import RouterDouble  # noqa: E402
 from tools import processes  # noqa: E402
 from tools.process_memory import MemorySampler, Phase, process_name, tree_memory  # noqa: E402
+from tools.router_double import RouterDouble  # noqa: E402
+from tools.stack import scrape, wait_for_probe  # noqa: E402
 from undercurrent.v1 import undercurrent_pb2 as pb  # noqa: E402
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc  # noqa: E402
 

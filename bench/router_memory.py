@@ -25,9 +25,10 @@ import psutil
 
 from bench import results_file
 from router_service.probe_files import write_probe
-from tests.router.helpers import SessionClient, model_info
 from tools import processes
 from tools.process_memory import tree_memory
+from tools.session_client import SessionClient
+from undercurrent.v1 import undercurrent_pb2 as pb
 
 HIDDEN = 1024
 
@@ -57,7 +58,8 @@ async def run(args) -> dict:
         try:
             await router.wait_health(timeout=120)
             client = SessionClient(router.port)
-            await client.open(model_info(hidden=HIDDEN, layers=4))
+            await client.open(pb.ModelInfo(model="bench-model", hidden_size=HIDDEN, num_layers=4, dtype="bfloat16",
+                                           tensor_types=[pb.TENSOR_TYPE_RESIDUAL_STREAM]))
             await client.sync()
             rows = [{"open_requests": 0, "rss_kib": rss_kib(router.process.pid)}]
             opened = 0

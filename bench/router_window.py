@@ -21,7 +21,7 @@ from pathlib import Path
 
 from grpc import aio
 
-from tests.engine_link.router_double import RouterDouble
+from tools.router_double import RouterDouble
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 

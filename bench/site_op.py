@@ -51,7 +51,7 @@ def time_site_op(worker, calls: int, rounds: int) -> dict:
 
 
 async def run(args) -> dict:
-    from tests.capture.engines import capture_engine
+    from tools.capture_engines import capture_engine
 
     model = make_model(args.model)
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the timing function is sent to the workers

@@ -6,7 +6,7 @@ so every capture site runs between graph pieces. Each split point adds work per
 step on the host: one more piece for the backend to dispatch (on a GPU, one more
 graph replay) and the op's call between pieces. There is no GPU here, so both
 engines run vLLM's piecewise backend on CPU without graphs
-(`tests.capture.engines.vllm_piecewise_on_cpu`): the same sites, capture
+(`tools.capture_engines.vllm_piecewise_on_cpu`): the same sites, capture
 started, no request capturing; they differ only in the split points:
   unsplit   vLLM's own split points (attention), the sites run inside the pieces
   split     the same plus the capture op, as capture configures a GPU engine
@@ -58,7 +58,7 @@ async def serve_batch(engine, batch: int, tokens: int, tag: str) -> float:
 
 async def measure(model: Path, first: str, args) -> dict:
     """Both engines, `first` started first; alternating rounds; their step times."""
-    from tests.capture.engines import capture_engine, split_points, vllm_piecewise_on_cpu
+    from tools.capture_engines import capture_engine, split_points, vllm_piecewise_on_cpu
 
     engines, points = {}, {}
     async with AsyncExitStack() as stack:

@@ -60,9 +60,8 @@ import grpc
 from common.grpc_server import channel_options
 from common.security.client import tls_credentials
 from engine_service.service.runtime import EngineSettings
-from tests.e2e import stack as e2e_stack
-from tests.faults import harness
-from tests.processes import aborts
+from tools import aborts
+from tools import stack as e2e_stack
 from tools.deploy_probes import PROBE_NAME
 from tools.processes import engine_core_under, thread_nices
 from undercurrent.v1 import undercurrent_pb2 as pb
@@ -565,11 +564,11 @@ async def frozen_routers_fail_closed(stack: Stack, credentials: grpc.ChannelCred
     finished = outcome.finished
     if outcome.reason != "ROUTER_UNAVAILABLE" or "fail_closed" not in finished.verdict.reason:
         raise Failure(f"with the routers frozen the request ended {outcome.reason}: {finished}")
-    if ended_after > ROUTER_TIMEOUT_S + harness.END_SLACK_S:
+    if ended_after > ROUTER_TIMEOUT_S + e2e_stack.END_SLACK_S:
         raise Failure(f"the request ended {ended_after:.1f} s after the routers froze, over "
-                      f"{ROUTER_TIMEOUT_S} s + {harness.END_SLACK_S} s")
+                      f"{ROUTER_TIMEOUT_S} s + {e2e_stack.END_SLACK_S} s")
     try:
-        harness.assert_released_tokens_were_scored(outcome)
+        e2e_stack.assert_released_tokens_were_scored(outcome)
     except AssertionError as err:
         raise Failure(str(err)) from None
     if finished.generated_tokens <= len(outcome.tokens):

@@ -4,8 +4,8 @@ costs about 35 s per engine on CPU, so each configuration starts once."""
 
 import pytest
 
-from tests.capture.engines import capture_engine
 from tests.capture.oracle import TransformersOracle
+from tools.capture_engines import capture_engine
 
 # The smallest block the CPU kernels take (a multiple of 32), so prompts of a few
 # dozen tokens fill whole blocks (prefix-cache hits), and a small token budget per

@@ -20,10 +20,10 @@ from engine_service.link import RouterLinkConfig
 from engine_service.service.runtime import EngineRuntime, EngineSettings
 from engine_service.engine_core.tokens_ahead import AllowancePublisher
 from tests.capture.conftest import SMALL_STEPS
-from tests.capture.engines import capture_engine
 from tests.capture.workloads import prompt
 from tests.engine_link.helpers import FAST, until
-from tests.engine_link.router_double import PROBE, RouterDouble
+from tools.capture_engines import capture_engine
+from tools.router_double import PROBE, RouterDouble
 
 pytestmark = pytest.mark.vllm
 

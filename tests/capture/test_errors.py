@@ -7,8 +7,8 @@ import pytest
 
 from common.capture_spec import ExtractionPoint, Scope, TokenSelector, parse_points
 from common.errors import InvalidArgument
-from tests.capture.engines import Request, run_requests
 from tests.capture.workloads import prompt
+from tools.capture_engines import Request, run_requests
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 pytestmark = pytest.mark.vllm

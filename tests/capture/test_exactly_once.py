@@ -4,9 +4,9 @@ KV cache so small that vLLM preempts requests and recomputes their positions."""
 import pytest
 
 from common.capture_spec import ExtractionPoint
-from tests.capture.engines import Request, capture_engine, run_requests
 from tests.capture.oracle import compare_with_oracle
 from tests.capture.workloads import prompt
+from tools.capture_engines import Request, capture_engine, run_requests
 
 pytestmark = pytest.mark.vllm
 

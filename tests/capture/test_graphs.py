@@ -10,7 +10,7 @@ from engine_service.capture.graphs import (
     graphs_skip_sites,
 )
 from engine_service.capture.worker.sites import SITE_OP
-from tests.capture.engines import (
+from tools.capture_engines import (
     capture_engine,
     run_requests,
     split_points,

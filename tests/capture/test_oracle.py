@@ -3,9 +3,9 @@
 import pytest
 
 from common.capture_spec import ExtractionPoint, Scope, TokenSelector
-from tests.capture.engines import Request, run_requests
 from tests.capture.oracle import RELATIVE_TOLERANCE, check_every_position, compare_with_oracle
 from tests.capture.workloads import every_position, prompt
+from tools.capture_engines import Request, run_requests
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 pytestmark = pytest.mark.vllm

@@ -12,8 +12,8 @@ import asyncio
 import pytest
 
 from engine_service.engine_core.tokens_ahead import AllowancePublisher, request_key
-from tests.capture.engines import capture_engine
 from tests.capture.workloads import prompt
+from tools.capture_engines import capture_engine
 
 pytestmark = pytest.mark.vllm
 

@@ -10,9 +10,9 @@ the parity also holds between the two modes."""
 import pytest
 
 from tests.capture.conftest import SMALL_STEPS
-from tests.capture.engines import capture_engine, run_requests
 from tests.capture.oracle import RELATIVE_TOLERANCE, compare_with_oracle, relative_error
 from tests.capture.workloads import mixed_selectors
+from tools.capture_engines import capture_engine, run_requests
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiworker]
 

@@ -1,7 +1,7 @@
 """Requests the vLLM tests run: mixed prompt lengths and selectors."""
 
 from common.capture_spec import ExtractionPoint, Scope, TokenSelector
-from tests.capture.engines import Request
+from tools.capture_engines import Request
 
 LAYERS = (0, 1, 2, 3)
 

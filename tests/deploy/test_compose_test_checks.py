@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from tests.processes.aborts import ABORT_LATENCY_BOUND
+from tools.aborts import ABORT_LATENCY_BOUND
 from tools.compose_test import DEPLOY_IN_STACK, REPO, Failure, check_abort_latencies, check_generate
 from undercurrent.v1 import undercurrent_pb2 as pb
 

@@ -12,8 +12,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from common.activations import from_batch
-from tests.e2e import stack
 from tests.e2e.conftest import MAX_MODEL_LEN
+from tools import stack
 from tools.dev_security import DevSecurity
 from undercurrent.v1 import undercurrent_pb2 as pb
 

@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from common.activations import from_batch
-from tests.e2e import stack
 from tests.e2e.conftest import MAX_MODEL_LEN
+from tools import stack
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 pytestmark = pytest.mark.vllm

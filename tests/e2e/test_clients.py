@@ -18,8 +18,7 @@ from google.protobuf.json_format import MessageToDict
 
 from common.activations import Block, from_batch, to_batch
 from router_service.probe_files import write_probe
-from tests.e2e import probes, stack
-from tools import node_client
+from tools import firing_probes, node_client, stack
 from tools.dev_security import DevSecurity
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
@@ -84,7 +83,7 @@ async def baseline(engine_service) -> list[Generation]:
     async with AsyncEngineClient(engine_connection(engine_service.address), timeout=120) as engine:
         runs = await asyncio.gather(*[
             Generation.of_async(engine.generate(greedy(p, f"client-base-{i}",
-                                                       points=[probes.trace_point()])))
+                                                       points=[firing_probes.trace_point()])))
             for i, p in enumerate(PROMPTS)
         ])
     for run in runs:
@@ -94,14 +93,14 @@ async def baseline(engine_service) -> list[Generation]:
 
 def trace_rows(run: Generation) -> dict[int, np.ndarray]:
     return {k.token_position: v for k, v in run.activations.arrays.items()
-            if k.point == probes.TRACE_POINT}
+            if k.point == firing_probes.TRACE_POINT}
 
 
 @pytest.fixture(scope="module")
-async def firing_probe(baseline, router, engine_service, tmp_path_factory) -> probes.FiringProbe:
+async def firing_probe(baseline, router, engine_service, tmp_path_factory) -> firing_probes.FiringProbe:
     """Uploaded with the async admin client; the engine's catalog offers it before use."""
     rows = [trace_rows(run) for run in baseline]
-    probe = probes.probe_firing_at("client_fires", rows[0], rows[1:], min_index=4)
+    probe = firing_probes.probe_firing_at("client_fires", rows[0], rows[1:], min_index=4)
     local = tmp_path_factory.mktemp("local-probe") / probe.name
     write_probe(local, probe.manifest("abort"),
                 {"weight": probe.weight, "bias": np.array([probe.bias], np.float32)})
@@ -145,7 +144,7 @@ async def test_blocking_client_scores_and_activations_match_the_first_capture(en
 
     def observe() -> tuple[pb.ModelInfo, Generation]:
         with EngineClient(engine_connection(engine_service.address), timeout=120) as engine:
-            request = greedy(PROMPTS[0], "client-observed", points=[probes.trace_point()],
+            request = greedy(PROMPTS[0], "client-observed", points=[firing_probes.trace_point()],
                              probes=[Probe(firing_probe.name, action="observe")])
             return engine.model_info(), Generation.of(engine.generate(request))
 
@@ -157,7 +156,7 @@ async def test_blocking_client_scores_and_activations_match_the_first_capture(en
         range(run.prompt_tokens, run.prompt_tokens + MAX_TOKENS - 1))
     for position, row in rows.items():
         np.testing.assert_allclose(row, base_rows[position], rtol=1e-5, atol=1e-5)
-    assert ActivationKey("client-observed", probes.TRACE_POINT, probes.LAYER, run.prompt_tokens) in (
+    assert ActivationKey("client-observed", firing_probes.TRACE_POINT, firing_probes.LAYER, run.prompt_tokens) in (
         run.activations.arrays)
     scores = run.probe_scores(firing_probe.name)
     assert sorted(scores) == sorted(rows)
@@ -260,7 +259,7 @@ async def test_cli_capture_writes_the_documented_safetensors(engine_service, bas
     out_file = tmp_path / "capture.safetensors"
     code, out, err = await cli(
         "capture", PROMPTS[0], PROMPTS[1], "--engine", engine_service.address,
-        "--point", f"residual_stream:{probes.LAYER}", "--point", "mlp_out:0,2", "--tokens", "generated",
+        "--point", f"residual_stream:{firing_probes.LAYER}", "--point", "mlp_out:0,2", "--tokens", "generated",
         "--max-tokens", "6", "--temperature", "0", "--ignore-eos", "--out", str(out_file))
     assert code == 0, err
     progress = [line.rsplit("\r", 1)[-1] for line in err.split("\n") if line]
@@ -268,7 +267,7 @@ async def test_cli_capture_writes_the_documented_safetensors(engine_service, bas
     assert all(line.endswith(": 6 tokens, 15 rows, LENGTH") for line in progress), progress
     assert out.splitlines()[0] == f"wrote {out_file}: 2 requests, 30 rows in 3 (point, layer) groups"
     tensors, metadata = capture_file.read(out_file)
-    residual = f"residual_stream:{probes.LAYER}/{probes.LAYER}"
+    residual = f"residual_stream:{firing_probes.LAYER}/{firing_probes.LAYER}"
     assert sorted(tensors) == sorted(f"{group}/{part}" for group in
                                      (residual, "mlp_out:0,2/0", "mlp_out:0,2/2")
                                      for part in ("rows", "positions", "request_index", "is_generated"))
@@ -318,7 +317,7 @@ async def test_node_client_against_the_live_services(engine_service, router, bas
     prompt_point = pb.ExtractionPoint(
         name="last_prompt", tensor_type=pb.TENSOR_TYPE_MLP_OUT, layers=[0, 2],
         tokens=pb.TokenSelector(scope=pb.TokenSelector.SCOPE_PROMPT, indexes=[-1]), stream_to_client=True)
-    request = greedy(PROMPTS[1], "py-capture", max_tokens=6, points=[probes.trace_point(), prompt_point])
+    request = greedy(PROMPTS[1], "py-capture", max_tokens=6, points=[firing_probes.trace_point(), prompt_point])
     async with AsyncEngineClient(engine_connection(engine_service.address), timeout=120) as engine:
         events = [e async for e in engine.generate(request)]
     run = Generation.of(events)

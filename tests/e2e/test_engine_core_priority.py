@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 import resource
 
-from tests.e2e import stack
 from tests.e2e.test_client_api import simple
+from tools import stack
 from tools.processes import thread_nices, vllm_engine_core
 
 CAP_SYS_NICE = 23

@@ -7,8 +7,8 @@ import asyncio
 
 import psutil
 
-from tests.e2e import stack
 from tests.e2e.test_client_api import simple
+from tools import stack
 from tools.processes import vllm_engine_core
 
 TOKENS = 1000

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from common.activations import from_batch
-from tests.e2e import stack
+from tools import stack
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 pytestmark = pytest.mark.vllm

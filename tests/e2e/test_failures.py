@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from router_service.probe_files import write_probe
-from tests.e2e import stack
+from tools import stack
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 pytestmark = pytest.mark.vllm

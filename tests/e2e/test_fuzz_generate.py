@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common.grpc_server import MAX_MESSAGE_BYTES, channel_options
-from tests.e2e import stack
 from tests.message_strategies import messages, wire_bytes
+from tools import stack
 from tools.dev_security import DevSecurity
 from undercurrent.v1 import undercurrent_pb2 as pb
 

@@ -29,8 +29,8 @@ from probe_lifecycle.live import generate_with_probe
 from probe_lifecycle.train import TrainOptions, train_probe
 from probe_lifecycle.training import example_scores
 from router_service.probe_files import load_probe_path
-from tests.e2e import stack
 from tests.lifecycle import synthetic
+from tools import stack
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 

@@ -9,8 +9,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from tests.e2e import probes, stack
-from tests.processes.aborts import until_within
+from tools import firing_probes, stack
+from tools.aborts import until_within
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 
@@ -40,12 +40,12 @@ async def baseline(engine_service):
     async with stack.channel(engine_service.address) as ch:
         stub = pb_grpc.EngineServiceStub(ch)
         outcomes = await asyncio.gather(*[
-            stack.generate(stub, request(p, f"base-{i}", extraction_points=[probes.trace_point()]))
+            stack.generate(stub, request(p, f"base-{i}", extraction_points=[firing_probes.trace_point()]))
             for i, p in enumerate(PROMPTS)
         ])
     for outcome in outcomes:
         assert outcome.reason == "LENGTH" and len(outcome.tokens) == MAX_TOKENS
-        rows = probes.rows_by_position(outcome.batches)
+        rows = firing_probes.rows_by_position(outcome.batches)
         prompt_len = outcome.finished.prompt_tokens
         # Every generated token but the last is fed back, so it has activations.
         assert sorted(rows) == list(range(prompt_len, prompt_len + MAX_TOKENS - 1))
@@ -54,8 +54,8 @@ async def baseline(engine_service):
 
 @pytest.fixture
 async def firing_probe(baseline, start_router, engine):
-    rows = [probes.rows_by_position(o.batches) for o in baseline]
-    probe = probes.probe_firing_at("fires_on_a", rows[0], rows[1:], min_index=TRIGGER_MIN_INDEX)
+    rows = [firing_probes.rows_by_position(o.batches) for o in baseline]
+    probe = firing_probes.probe_firing_at("fires_on_a", rows[0], rows[1:], min_index=TRIGGER_MIN_INDEX)
     router = await start_router(0)
     async with stack.channel(router.address) as ch:
         info = (await pb_grpc.ProbeAdminServiceStub(ch).LoadProbe(probe.load_request())).probe
@@ -115,7 +115,7 @@ async def test_observe_binding_reports_scores_and_never_aborts(engine, baseline,
     outcome = await stack.generate(engine, request(PROMPTS[0], "observed-0", probes=[binding]))
     assert outcome.reason == "LENGTH" and outcome.tokens == baseline[0].tokens
     scored = {p: s for event in outcome.scores for p, s in zip(event.token_positions, event.scores)}
-    rows = probes.rows_by_position(baseline[0].batches)
+    rows = firing_probes.rows_by_position(baseline[0].batches)
     assert sorted(scored) == sorted(rows)
     for position, score in scored.items():
         assert score == pytest.approx(firing_probe.score(rows[position]), rel=1e-4, abs=1e-4)
@@ -126,8 +126,8 @@ async def test_a_gated_request_probed_on_its_prompt_alone_streams_once_the_promp
         engine_service, engine, baseline, start_router):
     """Generated positions owe such a probe no rows: the gate shows each token
     once its position is computed and the prompt scored, not all at the end."""
-    hidden_size = next(iter(probes.rows_by_position(baseline[1].batches).values())).size
-    probe = probes.LinearProbe("prompt_watch", np.zeros(hidden_size, np.float32), bias=0.0, threshold=1.0)
+    hidden_size = next(iter(firing_probes.rows_by_position(baseline[1].batches).values())).size
+    probe = firing_probes.LinearProbe("prompt_watch", np.zeros(hidden_size, np.float32), bias=0.0, threshold=1.0)
     router = await start_router(0)
     async with stack.channel(router.address) as ch:
         await pb_grpc.ProbeAdminServiceStub(ch).LoadProbe(probe.load_request("observe", scope="prompt"))

@@ -20,7 +20,7 @@ from common.errors import Unavailable
 from engine_service.link import RouterLinkConfig
 from engine_service.service.runtime import EngineRuntime, EngineSettings
 from tests.engine_link.helpers import FAST, until
-from tests.engine_link.router_double import PROBE, RouterDouble
+from tools.router_double import PROBE, RouterDouble
 
 from .fakes import FakeCapture, FakeEngine
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 import pytest
 
 from engine_service.link import RouterLink, RouterLinkConfig
+from tools.router_double import RouterDouble
 
 from .helpers import FAST, MODEL, EventLog
-from .router_double import RouterDouble
 
 
 @pytest.fixture

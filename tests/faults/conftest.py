@@ -11,8 +11,8 @@ import signal
 
 import pytest
 
-from tests.e2e import stack
 from tests.faults import harness
+from tools import stack
 from tools.tcp_proxy import TcpProxy
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 

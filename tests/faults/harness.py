@@ -8,21 +8,19 @@ import time
 from pathlib import Path
 
 from router_service.probe_files import write_probe
-from tests.e2e import stack
+from tools import stack
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 WATCH = "fault_watch"
 WATCH_LAYER = 1
 
-# The engine's --router-timeout for this package, and the slack a failure may
-# take on top of it to end a request: the watchdog's tick (timeout / 5), one
-# scheduler step to abort, and the finished message on a loaded 2-core machine.
-# A healthy router can wait seconds for a CPU there: before any fault was
-# injected, 1.5 s ended a request at a load average of 14, 3 s once in CI (the
-# engine generated 260 tokens while the router scored 97), and 5 s once in CI
-# (a router just started scored 2 rows while the engine generated 525).
+# The engine's --router-timeout for this package (a failure ends a request
+# within it plus stack.END_SLACK_S). A healthy router can wait seconds for a CPU
+# on a loaded 2-core machine: before any fault was injected, 1.5 s ended a
+# request at a load average of 14, 3 s once in CI (the engine generated 260
+# tokens while the router scored 97), and 5 s once in CI (a router just started
+# scored 2 rows while the engine generated 525).
 ROUTER_TIMEOUT_S = 10.0
-END_SLACK_S = 3.0
 # Router state (live requests, sessions) is back to its resting value this
 # soon after the fault ends (the engine's session loss or RequestEnd reaches
 # the router in one round trip; 5 s covers a loaded machine).
@@ -49,25 +47,10 @@ def request(rid: str, policy: int, max_tokens: int, probe: str = WATCH, gate: bo
     return message
 
 
-def scored_positions(outcome: stack.Outcome) -> list[int]:
-    return [p for event in outcome.scores for p in event.token_positions]
-
-
 def fed_positions(outcome: stack.Outcome) -> int:
     """Generated tokens fed back through the model (all but the last): the rows
     a generated-scope probe is owed."""
     return max(0, outcome.finished.generated_tokens - 1)
-
-
-def assert_released_tokens_were_scored(outcome: stack.Outcome) -> None:
-    """gate_tokens under fail_closed: token g reached the client only if its row
-    (position prompt_len + g) was scored."""
-    prompt = outcome.finished.prompt_tokens
-    scored = set(scored_positions(outcome))
-    unscored = [g for g in range(len(outcome.tokens)) if prompt + g not in scored]
-    assert not unscored, (
-        f"{len(unscored)} of {len(outcome.tokens)} released tokens were never scored "
-        f"(first {unscored[:5]}); last scored position {max(scored, default=None)}")
 
 
 def assert_true_counts(outcome: stack.Outcome) -> None:
@@ -76,7 +59,7 @@ def assert_true_counts(outcome: stack.Outcome) -> None:
     A request that ran to its end fed all tokens but the last. One the engine
     stopped may also have fed its last token: the abort can land after the step
     that fed it, so either count is true there."""
-    scored = scored_positions(outcome)
+    scored = stack.scored_positions(outcome)
     assert len(scored) == len(set(scored)), "a position was scored twice"
     accounted = len(scored) + outcome.finished.unprobed_tokens
     fed = fed_positions(outcome)

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections import defaultdict
 
 from common.activations import from_batch
-from tests.engine_link.router_double import RouterDouble
 from tools.dev_security import DevSecurity
+from tools.router_double import RouterDouble
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 LAYERS = [0, 1, 2, 3]

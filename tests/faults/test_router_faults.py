@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from tests.e2e import stack
 from tests.faults import harness
-from tests.faults.harness import END_SLACK_S, ROUTER_TIMEOUT_S
+from tests.faults.harness import ROUTER_TIMEOUT_S
 from tests.faults.routers import ErroringRouter, KeyRecordingRouter, probe_info
+from tools import stack
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 pytestmark = pytest.mark.vllm
@@ -45,8 +45,8 @@ async def test_router_sigkill_releases_no_unscored_gated_token(engine, start_rou
 
     assert outcome.reason == "ROUTER_UNAVAILABLE", outcome.finished
     assert "fail_closed" in outcome.finished.verdict.reason
-    assert ended_after < ROUTER_TIMEOUT_S + END_SLACK_S, f"ended {ended_after:.2f} s after the kill"
-    harness.assert_released_tokens_were_scored(outcome)
+    assert ended_after < ROUTER_TIMEOUT_S + stack.END_SLACK_S, f"ended {ended_after:.2f} s after the kill"
+    stack.assert_released_tokens_were_scored(outcome)
     # The verdict's position is the first unscored row: nothing at or after it was released.
     prompt = outcome.finished.prompt_tokens
     assert prompt + len(outcome.tokens) <= outcome.finished.verdict.token_position, outcome.finished
@@ -60,7 +60,7 @@ async def test_router_sigkill_releases_no_unscored_gated_token(engine, start_rou
     print(f"router SIGKILL: ended {ended_after:.2f} s after; probed again "
           f"{time.monotonic() - restarted_at:.2f} s after the restart began")
     assert again.reason == "LENGTH" and again.finished.unprobed_tokens == 0
-    assert len(harness.scored_positions(again)) == 11
+    assert len(stack.scored_positions(again)) == 11
     await harness.wait_router_state(fresh.metrics_port, sessions=1, live_requests=0)
 
 
@@ -113,8 +113,8 @@ async def test_silent_router(engine_service, engine, start_router, proxy, fault_
 
     # fail_closed: silence is detected within --router-timeout, and gating released nothing unscored.
     assert closed_outcome.reason == "ROUTER_UNAVAILABLE", closed_outcome.finished
-    assert ended_after < ROUTER_TIMEOUT_S + END_SLACK_S, f"ended {ended_after:.2f} s after the fault"
-    harness.assert_released_tokens_were_scored(closed_outcome)
+    assert ended_after < ROUTER_TIMEOUT_S + stack.END_SLACK_S, f"ended {ended_after:.2f} s after the fault"
+    stack.assert_released_tokens_were_scored(closed_outcome)
     harness.assert_true_counts(closed_outcome)
 
     # fail_open: finishes, and counts exactly the rows no router answered.
@@ -128,7 +128,7 @@ async def test_silent_router(engine_service, engine, start_router, proxy, fault_
     # while the router had already scored 272 positions, so the client's view
     # bounds nothing.
     assert unprobed > 0
-    scored = harness.scored_positions(open_outcome)
+    scored = stack.scored_positions(open_outcome)
     prompt = open_outcome.finished.prompt_tokens
     assert scored == list(range(prompt, prompt + len(scored))), scored
 
@@ -238,7 +238,7 @@ async def test_router_restart_under_load(engine, start_router):
     fresh = await start_router(port=router.service.port, wait_probe=False)
     outcomes = await asyncio.gather(*[task for task, _ in running])
     for policy, outcome in zip(policies, outcomes):
-        scored = harness.scored_positions(outcome)
+        scored = stack.scored_positions(outcome)
         assert len(scored) == len(set(scored)) and scored == sorted(scored)
         if policy == CLOSED and outcome.reason != "LENGTH":
             assert outcome.reason == "ROUTER_UNAVAILABLE", outcome.finished
@@ -255,7 +255,7 @@ async def test_router_restart_under_load(engine, start_router):
     print(f"restart under load: new requests probed {time.monotonic() - killed_at:.2f} s after the kill")
     for outcome in again:
         assert outcome.reason == "LENGTH" and outcome.finished.unprobed_tokens == 0
-        assert len(harness.scored_positions(outcome)) == 15
+        assert len(stack.scored_positions(outcome)) == 15
     await harness.wait_router_state(fresh.metrics_port, sessions=1, live_requests=0)
 
 

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from tests.e2e import stack
 from tests.faults import harness
+from tools import stack
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 
@@ -57,7 +57,7 @@ async def test_engine_sigkill_frees_router_state(engine_service, engine, start_r
             outcome = await stack.generate(
                 stub, harness.request("new-engine", pb.FAILURE_POLICY_FAIL_CLOSED, 12))
         assert outcome.reason == "LENGTH" and outcome.finished.unprobed_tokens == 0
-        assert len(harness.scored_positions(outcome)) == 11
+        assert len(stack.scored_positions(outcome)) == 11
         await harness.wait_router_state(router.metrics_port, sessions=1, live_requests=0)
     finally:
         fresh.kill()

@@ -7,8 +7,8 @@ import pytest
 from probe_lifecycle import connect
 from probe_lifecycle.deploy import DeployError, deploy
 from probe_lifecycle.train import TrainOptions, train_probe
-from tests.e2e import stack
 from tests.lifecycle import synthetic
+from tools import stack
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 

@@ -14,8 +14,7 @@ import urllib.request
 import grpc
 import pytest
 
-from tests.e2e import stack
-from tools import processes
+from tools import processes, stack
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 

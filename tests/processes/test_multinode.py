@@ -14,12 +14,11 @@ import grpc
 import pytest
 
 from common.activations import from_batch
-from tests.capture.engines import CaptureRun, Request
 from tests.capture.oracle import RELATIVE_TOLERANCE, TransformersOracle, compare_with_oracle
 from tests.capture.workloads import every_tensor_type, prompt
-from tests.e2e import stack
-from tests.processes.aborts import ABORT_LATENCY_BOUND, ROUTER_TIMEOUT_S, arm
-from tools import processes
+from tools import processes, stack
+from tools.aborts import ABORT_LATENCY_BOUND, ROUTER_TIMEOUT_S, arm
+from tools.capture_engines import CaptureRun, Request
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 

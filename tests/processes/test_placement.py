@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from engine_service.cpu_host.placement import core_list
-from tests.e2e import stack
+from tools import stack
 from tools.processes import vllm_engine_core
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc

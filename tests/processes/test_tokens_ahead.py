@@ -17,8 +17,8 @@ from contextlib import asynccontextmanager
 import pytest
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 
-from tests.e2e import stack
-from tests.processes.aborts import PROMPTS, ROUTER_TIMEOUT_S, arm, request
+from tools import stack
+from tools.aborts import PROMPTS, ROUTER_TIMEOUT_S, arm, request
 
 pytestmark = pytest.mark.vllm
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from tests.e2e import stack
-from tests.processes.aborts import (
+from tools import stack
+from tools.aborts import (
     ABORT_LATENCY_BOUND, PROMPTS, ROUTER_TIMEOUT_S, arm, request, until_within,
 )
 from undercurrent.v1 import undercurrent_pb2 as pb

@@ -1,5 +1,5 @@
 """Probes built from a first run's captured activations, so their firing point
-is known in advance: the oracle for end-to-end abort tests."""
+is known in advance: the oracle for end-to-end abort tests and benchmarks."""
 
 from __future__ import annotations
 

@@ -33,6 +33,12 @@ def engine(model: str, router_addresses: str, *extra: str, workers_bind: str | N
                             workers_bind=workers_bind, max_model_len=max_model_len)
 
 
+# The slack a failure may take on top of the engine's --router-timeout to end a
+# request: the watchdog's tick (timeout / 5), one scheduler step to abort, and
+# the finished message on a loaded 2-core machine.
+END_SLACK_S = 3.0
+
+
 @dataclass
 class Outcome:
     """Everything one Generate stream returned."""
@@ -47,6 +53,22 @@ class Outcome:
     @property
     def reason(self) -> str:
         return short_name(pb.FinishReason, self.finished.finish_reason)
+
+
+def scored_positions(outcome: Outcome) -> list[int]:
+    """The positions of every score the client was shown, in arrival order."""
+    return [p for event in outcome.scores for p in event.token_positions]
+
+
+def assert_released_tokens_were_scored(outcome: Outcome) -> None:
+    """gate_tokens under fail_closed: token g reached the client only if its row
+    (position prompt_len + g) was scored."""
+    prompt = outcome.finished.prompt_tokens
+    scored = set(scored_positions(outcome))
+    unscored = [g for g in range(len(outcome.tokens)) if prompt + g not in scored]
+    assert not unscored, (
+        f"{len(unscored)} of {len(outcome.tokens)} released tokens were never scored "
+        f"(first {unscored[:5]}); last scored position {max(scored, default=None)}")
 
 
 async def generate(stub: pb_grpc.EngineServiceStub, request: pb.GenerateRequest, timeout=120,

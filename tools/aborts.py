@@ -1,5 +1,5 @@
 """An engine armed with a probe that fires at a known token, for the abort tests
-of every engine topology (real worker processes, real router)."""
+of every engine topology (real worker processes, real router) and the compose test."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from tests.e2e import probes, stack
+from tools import firing_probes, stack
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 
@@ -58,7 +58,7 @@ class Armed:
     name: str
     engine: pb_grpc.EngineServiceStub
     baseline: list[stack.Outcome]
-    probe: probes.FiringProbe
+    probe: firing_probes.FiringProbe
 
     @property
     def binding(self) -> pb.ProbeBinding:
@@ -118,11 +118,11 @@ async def armed_with_probe_to_load(name: str, engine: pb_grpc.EngineServiceStub)
     """Runs PROMPTS once with the trace point and builds a probe that fires at a
     token of the first; the caller loads it into the routers."""
     baseline = await asyncio.gather(*[
-        stack.generate(engine, request(p, f"{name}-base-{i}", extraction_points=[probes.trace_point()]))
+        stack.generate(engine, request(p, f"{name}-base-{i}", extraction_points=[firing_probes.trace_point()]))
         for i, p in enumerate(PROMPTS)])
-    rows = [probes.rows_by_position(o.batches) for o in baseline]
+    rows = [firing_probes.rows_by_position(o.batches) for o in baseline]
     for outcome, captured in zip(baseline, rows):
         first = outcome.finished.prompt_tokens
         assert sorted(captured) == list(range(first, first + MAX_TOKENS - 1))
-    probe = probes.probe_firing_at(f"fires_{name}", rows[0], rows[1:], min_index=TRIGGER_MIN_INDEX)
+    probe = firing_probes.probe_firing_at(f"fires_{name}", rows[0], rows[1:], min_index=TRIGGER_MIN_INDEX)
     return Armed(name, engine, list(baseline), probe)

@@ -1,4 +1,4 @@
-"""A small but honest ProbeRouter for the router-link tests.
+"""A small but honest ProbeRouter for the router-link tests and the memory benchmarks.
 
 It speaks the Session protocol the real router speaks: hello answered with its
 probes, catalog pushes, scores and aborts for step N before the ack of step N
