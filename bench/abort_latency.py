@@ -230,12 +230,13 @@ async def measure_compose(count: int, max_tokens: int, idle: float, idle_count: 
     (TP=1) and router containers, each router container's CPU weight set to
     `router_cpu_shares` first (`docker update`), the probe deployed as
     docs/deployment.md does."""
-    from tools import compose_test
+    from tools.compose_stack import Stack
+    from tools.docker_host import run
 
-    running = compose_test.Stack.running()
+    running = Stack.running()
     routers = running.containers("router")
     for container in routers:
-        compose_test.run(["docker", "update", "--cpu-shares", str(router_cpu_shares), container], quiet=True)
+        run(["docker", "update", "--cpu-shares", str(router_cpu_shares), container], quiet=True)
 
     async def load(probe: firing_probes.FiringProbe) -> None:
         with tempfile.TemporaryDirectory() as directory:

