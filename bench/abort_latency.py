@@ -19,7 +19,8 @@ stretches the tail. `--stall-dump S` records, for a request still running
 after S seconds, how each engine thread spent the next second and a `py-spy
 dump` of every engine process. `--router-nice -10` runs the router at a higher
 CPU priority than the engine, an attempt to stand in on two shared cores for a
-router with CPU of its own (BENCHMARKS.md: it made the tail worse).
+router with CPU of its own (on a 2-core host it made the tail worse: median 6
+tokens, p99 115, against 1 and 54 at equal priority).
 `--max-tokens-ahead 0,1` measures an engine without the bound and one with it,
 in turn, per topology. Topology `compose` measures the stack `python -m
 tools.compose_test --keep-up` left running instead (TLS, the probe deployed as

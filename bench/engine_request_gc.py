@@ -11,7 +11,7 @@ probe bindings (`requests.bind_probes` against a catalog of `--probes` probes,
 replica that is marked up but never connected) and stays open; then every
 request ends. CPython's collector walks every object the service keeps at
 each full collection, on the service's event loop, which also runs the drain
-loop and the router link (BENCHMARKS.md section 28). Reports per round: CPU ms
+loop and the router link. Reports per round: CPU ms
 per request started and ended, the objects the collector tracks with every
 request open (the start-up heap frozen, as the service does), a full
 collection's wall ms, and the full collections CPython ran by itself while the

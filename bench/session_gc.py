@@ -8,8 +8,7 @@ Every Python object a router keeps while a request lives is walked by
 CPython's cyclic collector at each full collection, which it runs on the event
 loop whenever the long-lived objects grew by a quarter: a pause of the router's
 every session, verdicts included. A binding is a cell of the session's arrays,
-so the objects walked should not grow with the probes bound (BENCHMARKS.md
-section 26).
+so the objects walked should not grow with the probes bound.
 Runs `router_service.session.SessionState` in this process (no gRPC; the
 start-up heap frozen as the router's is) and reports, per round: CPU ms per
 request_start and per request_end, a full collection's wall ms with every

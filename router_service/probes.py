@@ -246,7 +246,8 @@ def _scalar(tensors: dict[str, np.ndarray], key: str, used: set[str]) -> float:
 
 # Rows widened, checked and projected per slice of this many float32 bytes: a slice
 # then stays in a core's cache between the three passes. 256 KiB measured best on a
-# 2 MiB-L2 core for hidden sizes 1024-8192 (BENCHMARKS.md section 22).
+# 2 MiB-L2 core for hidden sizes 1024-8192, 20-50% less CPU than one slice
+# (`python -m bench.projection`).
 SLICE_BYTES = 256 * 1024
 
 

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 OUTBOX_SIZE = 1024  # replies waiting for the engine to read them; beyond it the reader waits
 # A batch with at most this many bytes of rows is scored on the event loop: handing
 # it to a scoring thread and back costs two thread wake-ups and the GIL changing
-# hands twice (0.3-0.5 ms per batch measured, BENCHMARKS.md section 22), as much as
+# hands twice (0.3-0.5 ms per batch measured on a 2-core CPU host), as much as
 # a quarter of scoring a 2 MiB batch, and on a busy host each hop waits for the
 # scheduler (tens of ms were measured), which delays the verdict. A batch this size
 # holds the loop for 3-4 ms on one core here. Larger batches go to the scoring

@@ -14,11 +14,11 @@ from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 PROMPTS = ["The quick brown fox", "Hello, world! How are"]
 MAX_TOKENS = 200
 TRIGGER_MIN_INDEX = 3
-# Tokens generated after the triggering one before the abort lands: 0 or 1 in
-# 198 requests at TP=1, TP=2 and PP=2 (bench/abort_latency.py, BENCHMARKS.md
-# section 19), with the engine, the router and the client in one session
-# (tools/processes.py; in separate sessions the router waited seconds for a
-# CPU and aborts ran up to 190 tokens late). An abort that never lands runs to
+# Tokens generated after the triggering one before the abort lands: 0 to 2 in
+# every request of bench/abort_latency.py at TP=1, TP=2 and PP=2, with the
+# engine, the router and the client in one session (tools/processes.py; in
+# separate sessions the router waited seconds for a CPU and aborts ran up to
+# 190 tokens late). An abort that never lands runs to
 # MAX_TOKENS, over 190 tokens past the trigger.
 ABORT_LATENCY_BOUND = 8
 # A load spike that keeps the router from a CPU delays one abort (TP=2 once

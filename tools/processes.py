@@ -62,7 +62,7 @@ class Service:
         # autogroup on (kernel.sched_autogroup_enabled=1), each session is
         # scheduled as one group, and a session holding vLLM's pinned workers
         # kept other sessions' processes (a router, a client) off both cores of
-        # this host for seconds (BENCHMARKS.md section 19).
+        # a 2-core host for seconds.
         self.process = subprocess.Popen(
             [sys.executable, "-m", *self.args],
             stdout=output, stderr=subprocess.STDOUT if output else None,

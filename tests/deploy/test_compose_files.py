@@ -64,7 +64,8 @@ def test_compose_wires_the_engine_to_router_replicas_with_probes_and_shared_memo
     # Readiness gates the engine: the router's check needs SERVING (probes loaded).
     assert services["router"]["healthcheck"]["test"][-2:] == ["common.health_probe", "127.0.0.1:50061"]
     assert services["router"]["restart"] == "unless-stopped"
-    # Routers outweigh the engine's vLLM workers for a CPU (BENCHMARKS.md section 19).
+    # Routers outweigh the engine's vLLM workers for a CPU: at equal weights the
+    # workers kept routers off a 2-core host's cores past the router timeout.
     assert services["router"]["cpu_shares"] == 16 * services["engine"].get("cpu_shares", 1024)
     for name in ("engine", "router", "certs"):
         assert services[name]["build"]["args"] == {"BASE_IMAGE": "python:3.11-slim"}

@@ -22,7 +22,7 @@ TRIGGER_MIN_INDEX = 4
 # Tokens vLLM may generate after the triggering one before the abort lands:
 # the verdict needs a drain, a router round trip and a scheduler step, a few ms
 # and 0-1 tokens of this tiny model with the engine, the router and this client
-# in one session (BENCHMARKS.md section 19). An abort that never lands runs to
+# in one session (bench/abort_latency.py). An abort that never lands runs to
 # MAX_TOKENS, over 150 tokens past the trigger.
 ABORT_LATENCY_BOUND = 8
 

@@ -74,7 +74,7 @@ def test_bindings_resolve_policy_and_action_and_name_a_probe_no_router_loaded():
 def test_open_requests_bindings_give_the_garbage_collector_nothing_to_walk():
     """A request's bindings live while it runs, on the service's event loop: one
     object each would make every full collection walk requests x probes of them
-    (517,170 objects and a 57-59 ms full collection at 256 requests of 1000 probes, BENCHMARKS.md section 28)."""
+    (517,170 objects and a 57-59 ms full collection at 256 requests of 1000 probes)."""
     import gc
 
     from engine_service.link import RouterLink, RouterLinkConfig

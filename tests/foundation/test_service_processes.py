@@ -9,7 +9,7 @@ from tools.processes import Service
 def test_a_service_shares_the_launchers_session_in_a_process_group_of_its_own():
     """One session: with the kernel's scheduler autogroup on, a service in a
     session of its own is scheduled as its own group, and vLLM's workers kept
-    the router from both cores for seconds (BENCHMARKS.md section 19). Its own
+    the router from both cores of a 2-core host for seconds. Its own
     process group: kill() reaches vLLM's engine core and workers."""
     service = Service("sleeper", ["timeit", "-n", "1", "import time; time.sleep(60)"], port=0,
                       log_to_file=False).start()

@@ -62,12 +62,12 @@ async def test_probe_abort_under_topology(armed):
 IDLE_S = 6.0
 # No worse than a warm abort: after-idle PP=2 aborts measured 0-4 tokens at a
 # load average of 5-8, with single ones of 12, 14, 24, 47 and 51 under load, as
-# for warm aborts (BENCHMARKS.md).
+# for warm aborts.
 IDLE_ABORT_BOUND = ABORT_LATENCY_BOUND
 # The whole aborted request (about 10 tokens): 0.1-1.5 s measured over 31
 # requests after 7-8 s idle at a load average of 5-13. A missed wake-up costs
 # vLLM's 5 s re-check: this fails then. At load averages of 25-35 a worker
-# starved of CPU stretched PP=2 requests to 2-5.9 s (BENCHMARKS.md), so a host
+# starved of CPU stretched PP=2 requests to 2-5.9 s, so a host
 # that loaded can fail it too.
 IDLE_REQUEST_BOUND_S = 5.0
 
