@@ -11,8 +11,8 @@ compose service name (the name) and the Kubernetes service names
 extended key usage, so the engine can present its certificate to routers.
 
 For development and tests only: the CA key sits next to the certificates.
-Production certificates come from the cluster's issuer (cert-manager; see the
-README's security section).
+Production certificates come from the cluster's issuer (cert-manager; see
+docs/security.md).
 """
 
 from __future__ import annotations
