@@ -19,6 +19,7 @@ from tools.dev_security import DevSecurity
 from tools.processes import Service, free_port  # noqa: F401  (re-exported for the tests)
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent_client import Connection
 
 
 def router(port: int, probes_dir: Path, *extra: str) -> Service:
@@ -147,6 +148,13 @@ async def until_started(outcome: Outcome, stream: asyncio.Task) -> None:
     while not outcome.request_id:
         assert not stream.done(), stream
         await asyncio.sleep(0.005)
+
+
+def engine_connection(address: str) -> Connection:
+    """For the client library: TLS trusting the development CA, with the `demo`
+    client token (engines here run with TLS)."""
+    dev = DevSecurity.ensure()
+    return Connection(address, root_certificates=dev.ca, token=dev.client_token)
 
 
 def channel(address: str, token: str | None = None) -> grpc.aio.Channel:

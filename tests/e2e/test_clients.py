@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -18,7 +17,8 @@ from google.protobuf.json_format import MessageToDict
 
 from common.activations import Block, from_batch, to_batch
 from router_service.probe_files import write_probe
-from tools import firing_probes, node_client, stack
+from tests.e2e import node_live
+from tools import firing_probes, stack
 from tools.dev_security import DevSecurity
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
@@ -34,7 +34,6 @@ from undercurrent_client import (
     Started,
     Connection,
     Tokens,
-    batch_arrays,
     capture_file,
     generate_request,
 )
@@ -45,12 +44,6 @@ PROMPTS = ["The quick brown fox", "Hello, world! How are", "A probe is a small"]
 MAX_TOKENS = 48
 LONG_RUN = 1000  # tokens: the longest request the engine's 1024-token context takes
 CLI = [sys.executable, "-m", "undercurrent_client"]
-
-
-def engine_connection(address: str) -> Connection:
-    """TLS trusting the development CA, with the `demo` client token (the engine runs with TLS)."""
-    dev = DevSecurity.ensure()
-    return Connection(address, root_certificates=dev.ca, token=dev.client_token)
 
 
 def admin_connection(address: str) -> Connection:
@@ -80,7 +73,7 @@ async def router(engine_service, router_ports, tmp_path_factory):
 @pytest.fixture(scope="module")
 async def baseline(engine_service) -> list[Generation]:
     """Greedy runs of each prompt with layer-3 residual rows, through the async client."""
-    async with AsyncEngineClient(engine_connection(engine_service.address), timeout=120) as engine:
+    async with AsyncEngineClient(stack.engine_connection(engine_service.address), timeout=120) as engine:
         runs = await asyncio.gather(*[
             Generation.of_async(engine.generate(greedy(p, f"client-base-{i}",
                                                        points=[firing_probes.trace_point()])))
@@ -118,7 +111,7 @@ async def firing_probe(baseline, router, engine_service, tmp_path_factory) -> fi
 
 async def test_async_client_streams_typed_events_and_stops_at_the_probe(engine_service, baseline,
                                                                        firing_probe, router):
-    async with AsyncEngineClient(engine_connection(engine_service.address), timeout=120) as engine:
+    async with AsyncEngineClient(stack.engine_connection(engine_service.address), timeout=120) as engine:
         events = [e async for e in engine.generate(greedy(
             PROMPTS[0], "client-gated", gate_tokens=True,
             probes=[Probe(firing_probe.name, failure_policy="fail_closed")]))]
@@ -143,7 +136,7 @@ async def test_blocking_client_scores_and_activations_match_the_first_capture(en
     thread keeps the test's loop free anyway)."""
 
     def observe() -> tuple[pb.ModelInfo, Generation]:
-        with EngineClient(engine_connection(engine_service.address), timeout=120) as engine:
+        with EngineClient(stack.engine_connection(engine_service.address), timeout=120) as engine:
             request = greedy(PROMPTS[0], "client-observed", points=[firing_probes.trace_point()],
                              probes=[Probe(firing_probe.name, action="observe")])
             return engine.model_info(), Generation.of(engine.generate(request))
@@ -166,7 +159,7 @@ async def test_blocking_client_scores_and_activations_match_the_first_capture(en
 
 
 async def test_abort_by_id_and_errors_name_status_and_field(engine_service):
-    async with AsyncEngineClient(engine_connection(engine_service.address), timeout=120) as engine:
+    async with AsyncEngineClient(stack.engine_connection(engine_service.address), timeout=120) as engine:
 
         async def long_run(request_id: str) -> Generation:
             run = Generation()
@@ -191,7 +184,7 @@ async def test_abort_by_id_and_errors_name_status_and_field(engine_service):
 
     # Leaving a blocking stream early cancels it, which aborts the request in vLLM.
     def leave_early() -> bool:
-        with EngineClient(engine_connection(engine_service.address), timeout=120) as engine:
+        with EngineClient(stack.engine_connection(engine_service.address), timeout=120) as engine:
             stream = engine.generate(greedy("d e f", "client-leave", max_tokens=LONG_RUN))
             for event in stream:
                 if isinstance(event, Tokens):
@@ -300,30 +293,18 @@ async def test_cli_model_info(engine_service):
 # -- the Node.js client ------------------------------------------------------------
 
 
-def row_dicts(batch: pb.ActivationBatch) -> list[dict]:
-    """Rows as the Python decoder sees them, float32 values written exactly as JSON."""
-    generated = {(b.point, b.layer, int(p)): bool(g) for b in from_batch(batch)
-                 for p, g in zip(b.token_positions, b.is_generated)}
-    return [
-        {"requestId": k.request_id, "point": k.point, "layer": k.layer, "tokenPosition": k.token_position,
-         "isGenerated": generated[(k.point, k.layer, k.token_position)],
-         "values": [float(v) for v in row]}
-        for k, row in batch_arrays(batch).items()
-    ]
-
-
 async def test_node_client_against_the_live_services(engine_service, router, baseline, firing_probe,
                                                      tmp_path):
     prompt_point = pb.ExtractionPoint(
         name="last_prompt", tensor_type=pb.TENSOR_TYPE_MLP_OUT, layers=[0, 2],
         tokens=pb.TokenSelector(scope=pb.TokenSelector.SCOPE_PROMPT, indexes=[-1]), stream_to_client=True)
     request = greedy(PROMPTS[1], "py-capture", max_tokens=6, points=[firing_probes.trace_point(), prompt_point])
-    async with AsyncEngineClient(engine_connection(engine_service.address), timeout=120) as engine:
+    async with AsyncEngineClient(stack.engine_connection(engine_service.address), timeout=120) as engine:
         events = [e async for e in engine.generate(request)]
     run = Generation.of(events)
     assert run.reason == "LENGTH"
     batches = [e.batch for e in events if hasattr(e, "batch")]
-    rows = [row for batch in batches for row in row_dicts(batch)]
+    rows = [row for batch in batches for row in node_live.row_dicts(batch)]
     assert len(rows) == 5 + 2  # 5 fed-back generated tokens at layer 3, the last prompt token at 0 and 2
     blocks = [b for batch in batches for b in from_batch(batch)]
     encoded = []
@@ -332,7 +313,7 @@ async def test_node_client_against_the_live_services(engine_service, router, bas
                                 b.is_generated, dtype) for b in blocks])
         response = pb.GenerateResponse(activations=batch).SerializeToString()
         encoded.append({"dtype": dtype, "response": base64.b64encode(response).decode(),
-                        "rows": row_dicts(batch)})
+                        "rows": node_live.row_dicts(batch)})
     capture_request = MessageToDict(request)
     del capture_request["requestId"]
     fixture = {
@@ -345,16 +326,5 @@ async def test_node_client_against_the_live_services(engine_service, router, bas
             "name": "node_norm", "version": "1", "kind": "norm", "tensor_type": "residual_stream",
             "layers": [3], "hidden_size": 128, "dtype": "float32", "threshold": 1e9, "action": "observe"})},
     }
-    fixture_path = tmp_path / "node-fixture.json"
-    fixture_path.write_text(json.dumps(fixture))
-    await asyncio.to_thread(node_client.install)
-    process = await asyncio.create_subprocess_exec(
-        "node", "--test", "test/", cwd=node_client.NODE_CLIENT,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        env=dict(os.environ, **DevSecurity.ensure().client_env(), UNDERCURRENT_ENGINE=engine_service.address,
-                 UNDERCURRENT_ROUTER=router.address, UNDERCURRENT_NODE_FIXTURE=str(fixture_path)))
-    output = (await asyncio.wait_for(process.communicate(), 300))[0].decode()
-    assert process.returncode == 0, output
-    summary = dict(line[2:].split(" ", 1) for line in output.splitlines()
-                   if line.startswith("# ") and line[2:].split(" ")[0] in ("pass", "fail", "skipped"))
+    summary, output = await node_live.run(fixture, tmp_path, engine_service.address, router.address)
     assert summary == {"pass": "10", "fail": "0", "skipped": "0"}, output

@@ -1,8 +1,11 @@
 'use strict';
 // Against a real engine and router. tests/e2e/test_clients.py starts them, loads a
 // probe that fires at a known token, captures the same request's activations with
-// the Python client, writes the fixture, and runs this file with:
-//   UNDERCURRENT_ENGINE, UNDERCURRENT_ROUTER  host:port of the services
+// the Python client, writes the fixture, and runs this file with the variables
+// below. tests/processes/test_half_precision.py runs the capture test alone
+// against bfloat16 and float16 engines without a router.
+//   UNDERCURRENT_ENGINE, UNDERCURRENT_ROUTER  host:port of the services (the router
+//                                             only for the tests that use it)
 //   UNDERCURRENT_NODE_FIXTURE                 the fixture JSON
 //   UNDERCURRENT_TLS_CA                       CA of the services' certificates (TLS when set)
 //   UNDERCURRENT_TLS_CERT, UNDERCURRENT_TLS_KEY  client certificate (the router requires one)
@@ -13,7 +16,8 @@ const fs = require('node:fs');
 const { EngineClient, ProbeAdminClient, RpcError, decodeBatch, packageDefinition, rowKey } = require('../src');
 
 const { UNDERCURRENT_ENGINE: ENGINE, UNDERCURRENT_ROUTER: ROUTER, UNDERCURRENT_NODE_FIXTURE: FIXTURE } = process.env;
-const skip = ENGINE && ROUTER && FIXTURE ? false : 'set UNDERCURRENT_ENGINE, UNDERCURRENT_ROUTER and UNDERCURRENT_NODE_FIXTURE';
+const skip = ENGINE && FIXTURE ? false : 'set UNDERCURRENT_ENGINE and UNDERCURRENT_NODE_FIXTURE';
+const skipRouted = skip || (ROUTER ? false : 'set UNDERCURRENT_ROUTER');
 const fixture = skip ? null : JSON.parse(fs.readFileSync(FIXTURE, 'utf8'));
 const { UNDERCURRENT_TLS_CA: CA, UNDERCURRENT_TLS_CERT: CERT, UNDERCURRENT_TLS_KEY: KEY } = process.env;
 const tls = CA ? { rootCert: CA } : {};
@@ -50,7 +54,7 @@ test('model info describes the embedded model', { skip }, async () => {
   assert.deepEqual(info.ranks.map((r) => [r.startLayer, r.endLayer]), [[0, 4]]);
 });
 
-test('a gated Generate with the probe aborts at its known token', { skip }, async () => {
+test('a gated Generate with the probe aborts at its known token', { skip: skipRouted }, async () => {
   const engine = new EngineClient(ENGINE, engineOptions);
   const { probe, prompt, maxTokens, baselineTokens } = fixture.abort;
   const out = await run(engine, {
@@ -84,6 +88,7 @@ test('live activations decode to the values the Python client decoded', { skip }
     assert.ok(got, `missing row ${want.point}@${want.layer} position ${want.tokenPosition}`);
     assert.equal(got.requestId, 'node-capture');
     assert.equal(got.isGenerated, want.isGenerated);
+    assert.equal(got.dtype, want.dtype); // as served: the model's dtype
     assert.deepEqual(Array.from(got.values), want.values);
   }
 });
@@ -105,7 +110,7 @@ test('float32, float16 and bfloat16 batches decode exactly as in Python', { skip
   assert.deepEqual([...seen].sort(), ['bfloat16', 'float16', 'float32']);
 });
 
-test('ProbeAdmin loads, lists and unloads a probe', { skip }, async () => {
+test('ProbeAdmin loads, lists and unloads a probe', { skip: skipRouted }, async () => {
   const admin = new ProbeAdminClient(ROUTER, adminOptions);
   const { manifestJson, name } = fixture.admin;
   const loaded = await admin.load({ manifestJson });
