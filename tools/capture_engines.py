@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from common import tensor_codec
 from common.activations import Block, forward_order
 from common.capture_spec import ExtractionPoint
 from engine_service.capture.driver.controller import (
@@ -18,6 +19,7 @@ from engine_service.capture.driver.controller import (
     capture_engine_kwargs,
     require_prompt_computation,
 )
+from undercurrent.v1 import undercurrent_pb2 as pb
 
 
 @asynccontextmanager
@@ -113,6 +115,16 @@ class Request:
     n: int = 1  # n > 1 samples (temperature 1, seeded); records carry "<index>_<id>"
     compute_prompt: bool = True  # False: leave prefix caching on (a misconfigured engine)
 
+    def generate_request(self) -> pb.GenerateRequest:
+        """The same greedy request for an engine service, every point streamed to the client."""
+        points = [p.to_proto() for p in self.points]
+        for point in points:
+            point.stream_to_client = True
+        return pb.GenerateRequest(
+            request_id=self.request_id, token_ids=pb.TokenIds(ids=self.prompt_token_ids),
+            sampling=pb.SamplingParams(max_tokens=self.max_tokens, temperature=0, ignore_eos=True),
+            extraction_points=points)
+
 
 @dataclass
 class CaptureRun:
@@ -123,13 +135,16 @@ class CaptureRun:
     drains: list[list[Block]] = field(default_factory=list)  # non-empty drains, in order
 
     def records(self) -> dict[tuple, np.ndarray]:
-        """Key (request, point, layer, position) -> row; asserts each key arrives once."""
+        """Key (request, point, layer, position) -> row as float32 (a bfloat16 block
+        keeps its rows as bits); asserts each key arrives once."""
         out: dict[tuple, np.ndarray] = {}
         for block in self.blocks:
+            dtype = tensor_codec.wire_dtype_of(block.rows, block.wire_dtype)
+            rows = tensor_codec.to_float32(block.rows, dtype)
             for i in range(block.num_rows):
                 key = (block.request_ids[i], block.point, block.layer, int(block.token_positions[i]))
                 assert key not in out, f"key {key} delivered twice"
-                out[key] = block.rows[i]
+                out[key] = rows[i]
         return out
 
     def arrival_order(self, request_id: str, point: str) -> list[tuple[int, int]]:

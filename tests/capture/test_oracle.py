@@ -3,7 +3,12 @@
 import pytest
 
 from common.capture_spec import ExtractionPoint, Scope, TokenSelector
-from tests.capture.oracle import RELATIVE_TOLERANCE, check_every_position, compare_with_oracle
+from tests.capture.oracle import (
+    RELATIVE_TOLERANCE,
+    check_every_position,
+    compare_with_oracle,
+    relative_tolerance,
+)
 from tests.capture.workloads import every_position, prompt
 from tools.capture_engines import Request, run_requests
 from undercurrent.v1 import undercurrent_pb2 as pb
@@ -78,4 +83,6 @@ async def test_prompt_capture_computes_prompts_the_prefix_cache_holds(engine_and
 
 
 def test_tolerance_is_the_stated_one():
-    assert RELATIVE_TOLERANCE == 1e-5
+    assert RELATIVE_TOLERANCE == relative_tolerance("float32") == 1e-5
+    # 16 unit roundoffs (tests/capture/oracle.py says why)
+    assert (relative_tolerance("bfloat16"), relative_tolerance("float16")) == (2**-4, 2**-7)

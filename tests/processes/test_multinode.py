@@ -67,16 +67,7 @@ async def test_capture_across_nodes_matches_transformers(two_nodes, tiny_llama_p
     requests = [Request(f"nodes-{i}", prompt(length, seed=i), every_tensor_type(), max_tokens=PARITY_TOKENS)
                 for i, length in enumerate((5, 11))]
 
-    def message(req: Request) -> pb.GenerateRequest:
-        points = [p.to_proto() for p in req.points]
-        for point in points:
-            point.stream_to_client = True
-        return pb.GenerateRequest(
-            request_id=req.request_id, token_ids=pb.TokenIds(ids=req.prompt_token_ids),
-            sampling=pb.SamplingParams(max_tokens=req.max_tokens, temperature=0, ignore_eos=True),
-            extraction_points=points)
-
-    outcomes = await asyncio.gather(*[stack.generate(engine, message(r)) for r in requests])
+    outcomes = await asyncio.gather(*[stack.generate(engine, r.generate_request()) for r in requests])
     run = CaptureRun(tokens={r.request_id: o.tokens for r, o in zip(requests, outcomes)},
                      blocks=[b for o in outcomes for batch in o.batches for b in from_batch(batch)])
     records = run.records()  # asserts every key arrived once
