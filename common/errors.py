@@ -7,6 +7,7 @@ Messages name the field and the reason.
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import grpc
@@ -14,7 +15,12 @@ from google.protobuf import descriptor_pool
 from google.protobuf.message import DecodeError
 from grpc import aio
 
+from common.log_limits import RateLimitedLog
+
 log = logging.getLogger(__name__)
+# A caller can make a handler fail at will; each kind of failure is logged with
+# its traceback at most once per interval.
+_internal_log = RateLimitedLog(log)
 
 
 class UndercurrentError(Exception):
@@ -75,11 +81,13 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 
 
-async def abort_with(context: aio.ServicerContext, exc: BaseException) -> None:
-    """Ends the call with exc's status; logs unexpected errors with a traceback."""
+async def abort_with(context: aio.ServicerContext, exc: BaseException, method: str = "") -> None:
+    """Ends the call with exc's status; logs unexpected errors with a traceback
+    (rate-limited per method and exception type)."""
     code, message = status_of(exc)
     if code == grpc.StatusCode.INTERNAL:
-        log.exception("unexpected error in handler", exc_info=exc)
+        _internal_log.log((method, type(exc).__qualname__), logging.ERROR, "unexpected error in handler",
+                          exc_info=exc)
     await context.abort(code, message)
 
 
@@ -90,7 +98,10 @@ class ErrorMappingInterceptor(aio.ServerInterceptor):
     (which turns a failing request deserializer into UNKNOWN): bytes that are
     not the method's request message come back INVALID_ARGUMENT, for unary and
     streaming requests alike. Domain errors map to their status; anything else
-    a handler raises is INTERNAL, logged with its traceback.
+    a handler raises is INTERNAL, logged with its traceback (rate-limited per
+    method and exception type).
+    A streaming handler may yield its responses or write them with
+    `context.write` (grpc_health's Watch does); the wrapper keeps its style.
     """
 
     async def intercept_service(self, continuation, handler_call_details):
@@ -158,7 +169,7 @@ def _request_type(method: str) -> str:
 async def _fail(context: aio.ServicerContext, parse: _Parser, exc: BaseException) -> None:
     # A handler that met an unparsable message may fail in its own way (or end
     # quietly, below); the caller still learns the cause.
-    await abort_with(context, parse.failure or exc)
+    await abort_with(context, parse.failure or exc, parse.method)
 
 
 def _wrap_unary(behavior, parse: _Parser, streaming: bool = False):
@@ -179,6 +190,9 @@ def _wrap_unary(behavior, parse: _Parser, streaming: bool = False):
 
 
 def _wrap_stream(behavior, parse: _Parser, streaming: bool = False):
+    if not inspect.isasyncgenfunction(behavior):  # it writes with context.write
+        return _wrap_unary(behavior, parse, streaming)
+
     async def wrapper(request, context):
         try:
             request = parse.stream(request) if streaming else parse(request)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 from common import tensor_codec
 from common.enum_checks import check_enums
 from common.errors import InvalidArgument, ResourceExhausted
+from common.log_limits import RateLimitedLog
 from router_service.probe_files import ProbeFileError, check_inline_size, load_probe_bytes, load_probe_path
 from router_service.manifest import ManifestError
 from router_service.session import SessionState, error
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from router_service.server import Router
 
 log = logging.getLogger(__name__)
+_error_log = RateLimitedLog(log)  # at most one traceback per kind of failure per interval
 
 OUTBOX_SIZE = 1024  # replies waiting for the engine to read them; beyond it the reader waits
 # A batch with at most this many bytes of rows is scored on the event loop: handing
@@ -112,7 +114,8 @@ class LiveSession:
                 return [error("", "FAILED_PRECONDITION", "hello: the session already said hello; ignored")]
             return [error("", "INVALID_ARGUMENT", "SessionRequest: no message set")]
         except Exception as err:  # a bug must not take the other requests down
-            log.exception("error handling engine message", extra={"session": self.id, "kind": kind})
+            _error_log.log((kind, type(err).__qualname__), logging.ERROR, "error handling engine message",
+                           exc_info=err, extra={"session": self.id, "kind": kind})
             if kind == "batch":  # an error per request of the batch, then its ack
                 return self.state.batch_failed(message.batch, err)
             about = getattr(message, kind) if kind in ("request_start", "request_end") else None
