@@ -1,10 +1,11 @@
 """Development credentials for `make run`, the test stacks and the benchmarks.
 
 `DevSecurity.ensure()` makes (once, under a lock, in `.cache/devcerts`) a
-development CA, certificates for `engine`, `router` and `client`, and token
-files: two client callers (`demo` and `other`, so tests can act as two
-callers) and one admin (`operator`). It hands out the matching service flags
-and client channels, so every process started through `tools.processes`
+development CA, certificates for `engine`, `router` (both also naming
+localhost and 127.0.0.1, as these services listen on loopback) and `client`,
+and token files: two client callers (`demo` and `other`, so tests can act as
+two callers) and one admin (`operator`). It hands out the matching service
+flags and client channels, so every process started through `tools.processes`
 speaks TLS with tokens unless asked for plaintext.
 """
 
@@ -25,7 +26,8 @@ from common.security.tls import PemFiles, ServerTLS
 from common.grpc_server import channel_options
 
 DEV_DIR = Path(__file__).resolve().parent.parent / ".cache" / "devcerts"
-NAMES = ("engine", "router", "client")
+ROLES = {"engine": devcerts.ENGINE, "router": devcerts.ROUTER, "client": devcerts.CLIENT}
+NAMES = tuple(ROLES)
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ class DevSecurity:
         with open(directory / ".lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent test processes make them once
             if not _usable(directory):
-                devcerts.generate(directory, list(NAMES))
+                devcerts.generate(directory, ROLES, loopback=("engine", "router"))
                 _write_tokens(directory)
         tokens = {name: token for name, token in (
             line.split(":", 1) for path in ("client-tokens", "admin-tokens")

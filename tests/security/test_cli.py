@@ -92,20 +92,71 @@ def test_a_mismatched_key_fails_start_up_naming_the_files(tmp_path, pki, rogue):
         f"router_service: error: {rogue.directory / 'router.key'} is not the private key of {files.cert}")
 
 
-def test_devcerts_makes_a_ca_and_certificates_for_every_name(tmp_path):
-    result = run("common.devcerts", "--out", str(tmp_path), "--names", "engine,router",
-                 "--namespaces", "default,probes")
+def test_devcerts_gives_each_certificate_the_usages_and_names_of_its_role_only(tmp_path):
+    result = run("common.devcerts", "--out", str(tmp_path), "--engine", "engine", "--router", "router",
+                 "--client", "operator", "--namespaces", "default,probes")
     assert result.returncode == 0, result.stderr
+    assert not list(tmp_path.glob("ca.key")) and "its key was not kept" in result.stdout
     ca = x509.load_pem_x509_certificate((tmp_path / "ca.pem").read_bytes())
-    router = x509.load_pem_x509_certificate((tmp_path / "router.pem").read_bytes())
-    router.verify_directly_issued_by(ca)
-    san = router.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    names = set(san.get_values_for_type(x509.DNSName))
-    assert {"router", "localhost", "router.default.svc", "router.probes.svc.cluster.local",
-            "*.router.default.svc.cluster.local"} <= names
-    assert ipaddress.ip_address("127.0.0.1") in san.get_values_for_type(x509.IPAddress)
-    usages = router.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
-    assert {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH} <= set(usages)
+
+    def certificate(name):
+        cert = x509.load_pem_x509_certificate((tmp_path / f"{name}.pem").read_bytes())
+        cert.verify_directly_issued_by(ca)
+        usages = set(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value)
+        try:
+            san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+            names = set(san.get_values_for_type(x509.DNSName)) | set(san.get_values_for_type(x509.IPAddress))
+        except x509.ExtensionNotFound:
+            names = set()
+        return usages, names
+
+    server, client = ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH
+    router_usages, router_names = certificate("router")
+    assert router_usages == {server}
+    assert router_names == {"router", "router.default.svc", "router.default.svc.cluster.local",
+                            "*.router.default.svc", "*.router.default.svc.cluster.local", "router.probes.svc",
+                            "router.probes.svc.cluster.local", "*.router.probes.svc",
+                            "*.router.probes.svc.cluster.local"}
+    engine_usages, engine_names = certificate("engine")
+    assert engine_usages == {server, client} and "engine.probes.svc" in engine_names
+    assert certificate("operator") == ({client}, set())
     assert (tmp_path / "router.key").stat().st_mode & 0o077 == 0
-    bad = run("common.devcerts", "--out", str(tmp_path), "--names", "a b")
-    assert bad.returncode == 2 and "--names: 'a b' is not a DNS name" in bad.stderr
+    # Loopback names only when asked for.
+    assert run("common.devcerts", "--out", str(tmp_path / "local"), "--router", "router",
+               "--loopback", "router").returncode == 0
+    local = x509.load_pem_x509_certificate((tmp_path / "local" / "router.pem").read_bytes())
+    san = local.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "localhost" in san.get_values_for_type(x509.DNSName)
+    assert ipaddress.ip_address("127.0.0.1") in san.get_values_for_type(x509.IPAddress)
+    bad = run("common.devcerts", "--out", str(tmp_path), "--router", "a b")
+    assert bad.returncode == 2 and "'a b' is not a DNS name" in bad.stderr
+
+
+def test_devcerts_per_service_gives_each_party_only_its_own_files(tmp_path):
+    flags = ["--out", str(tmp_path), "--engine", "engine", "--router", "router", "--client", "operator",
+             "--client-tokens", "demo,operator", "--admin-tokens", "operator", "--per-service"]
+    assert run("common.devcerts", *flags).returncode == 0
+    files = {p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()}
+    assert files == {
+        "engine/engine.pem", "engine/engine.key", "engine/ca.pem", "engine/client-tokens",
+        "router/router.pem", "router/router.key", "router/ca.pem", "router/admin-tokens",
+        "operator/operator.pem", "operator/operator.key", "operator/ca.pem", "operator/client-token",
+        "operator/admin-token",
+    }
+    client_tokens = dict(line.split(":", 1) for line in (tmp_path / "engine/client-tokens").read_text().split())
+    admin_tokens = dict(line.split(":", 1) for line in (tmp_path / "router/admin-tokens").read_text().split())
+    assert set(client_tokens) == {"demo", "operator"} and set(admin_tokens) == {"operator"}
+    assert (tmp_path / "operator/client-token").read_text() == client_tokens["operator"]
+    assert (tmp_path / "operator/admin-token").read_text() == admin_tokens["operator"]
+    first_ca = (tmp_path / "engine/ca.pem").read_bytes()
+    # A second run keeps valid certificates (clients keep trusting the CA) ...
+    kept = run("common.devcerts", *flags)
+    assert kept.stdout.startswith(f"kept the certificates in {tmp_path}")
+    assert (tmp_path / "engine/ca.pem").read_bytes() == first_ca
+    # ... and --renew issues a new CA and certificates, with the same tokens.
+    assert run("common.devcerts", *flags, "--renew").returncode == 0
+    assert (tmp_path / "engine/ca.pem").read_bytes() != first_ca
+    assert (tmp_path / "router/ca.pem").read_bytes() == (tmp_path / "engine/ca.pem").read_bytes()
+    assert (tmp_path / "engine/client-tokens").read_text().split() == [
+        f"{name}:{token}" for name, token in client_tokens.items()]
+    assert not list(tmp_path.rglob("ca.key"))
