@@ -26,8 +26,9 @@ from engine_service.request.validation import (
     DEFAULT_MAX_EXTRACTION_POINTS,
     DEFAULT_MAX_STREAMS,
     PROMPT_BYTES_PER_TOKEN,
+    REQUEST_BYTES_BEYOND_PROMPT,
 )
-from common.security.config import CLIENT_TOKENS, add_security_flags
+from common.security.config import CLIENT_TOKENS, LOOPBACK, add_security_flags
 
 PROG = "engine_service"
 log = logging.getLogger(PROG)
@@ -73,7 +74,8 @@ def parse_engine_args(parser, argv: list[str] | None, worker_node: bool):
 def build_parser():
     parser = engine_parser(PROG, __doc__.splitlines()[0])
     ours = parser.add_argument_group("Undercurrent")
-    ours.add_argument("--host", default="0.0.0.0", help="gRPC listen address")
+    ours.add_argument("--host", default=None,
+                      help="gRPC listen address (default 0.0.0.0; with --insecure 127.0.0.1)")
     ours.add_argument("--port", type=int, default=50051, help="gRPC port (0 picks a free one)")
     ours.add_argument(
         "--router",
@@ -112,6 +114,9 @@ def build_parser():
         "(default 0: no bound)",
     )
     ours.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
+    ours.add_argument("--metrics-host", default=LOOPBACK,
+                      help=f"address the metrics port listens on (default {LOOPBACK}; metrics are not "
+                      "authenticated)")
     ours.add_argument(
         "--on-shutdown",
         choices=["finish", "abort"],
@@ -164,7 +169,8 @@ def build_parser():
     limits.add_argument(
         "--max-prompt-bytes", type=int, default=0,
         help="prompt.text bytes, refused (INVALID_ARGUMENT) before tokenizing "
-        f"(default 0: {PROMPT_BYTES_PER_TOKEN} x max_model_len)",
+        f"(default 0: {PROMPT_BYTES_PER_TOKEN} x max_model_len); the client port receives requests of at "
+        f"most this plus {REQUEST_BYTES_BEYOND_PROMPT >> 20} MiB (RESOURCE_EXHAUSTED past it)",
     )
     limits.add_argument(
         "--client-queue-bytes", type=int, default=DEFAULT_CLIENT_QUEUE_BYTES,

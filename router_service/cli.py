@@ -19,7 +19,15 @@ from prometheus_client import start_http_server
 
 from common.gc_heap import freeze_startup_heap
 from common.grpc_server import MAX_MESSAGE_BYTES, PortInUse
-from common.security.config import ADMIN_TOKENS, SecurityConfigError, add_security_flags, security_from_args
+from common.security.config import (
+    ADMIN_TOKENS,
+    LOOPBACK,
+    SecurityConfigError,
+    add_router_identity_flags,
+    add_security_flags,
+    listen_host,
+    router_security,
+)
 from router_service import logs
 from router_service.probe_files import DEFAULT_MAX_INLINE_PROBE_BYTES, ProbeFileError
 from router_service.server import DEFAULT_MAX_SESSIONS, Router, RouterConfig
@@ -43,9 +51,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, required=True, help="gRPC port (0: any free port)")
     parser.add_argument("--probes", type=Path, required=True,
                         help="directory of probes to load at start-up (may be empty)")
-    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    parser.add_argument("--host", default=None,
+                        help="address to listen on (default 0.0.0.0; with --insecure 127.0.0.1)")
+    parser.add_argument("--health-port", type=int, default=None,
+                        help=f"also serve gRPC health alone, in plaintext, on {LOOPBACK}:PORT, for container "
+                             "health checks that hold no client certificate")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics over HTTP on this port")
+    parser.add_argument("--metrics-host", default=LOOPBACK,
+                        help=f"address the metrics port listens on (default {LOOPBACK}; metrics are not "
+                             "authenticated)")
     parser.add_argument("--heartbeat-interval", type=float, default=5.0,
                         help="seconds between the router's own heartbeats (default 5)")
     parser.add_argument("--grace-period", type=float, default=30.0,
@@ -66,11 +81,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="largest inline LoadProbe (manifest + weights) accepted; larger ones get "
                              f"RESOURCE_EXHAUSTED (default {DEFAULT_MAX_INLINE_PROBE_BYTES})")
     add_security_flags(parser, ADMIN_TOKENS)
+    add_router_identity_flags(parser)
     args = parser.parse_args(argv)
     if args.max_inline_probe_bytes <= 0:
         parser.error("--max-inline-probe-bytes must be > 0")
     if not args.probes.is_dir():
         parser.error(f"--probes {args.probes}: not a directory")
+    if args.health_port is not None and args.health_port < 0:
+        parser.error("--health-port must be >= 0")
     for flag in ("heartbeat_interval", "grace_period", "max_message_bytes", "max_sessions",
                  "max_requests_per_session"):
         if getattr(args, flag) <= 0:
@@ -97,11 +115,12 @@ def check_port_free(host: str, port: int) -> None:
 
 async def serve(args: argparse.Namespace) -> None:
     # Every caller (engines, operators) must present a certificate from --tls-ca.
-    security, _ = security_from_args(args, ADMIN_TOKENS, require_client_cert=True)
-    check_port_free(args.host, args.port)
+    security = router_security(args)
+    host = listen_host(args)
+    check_port_free(host, args.port)
     router = Router(
         RouterConfig(
-            host=args.host,
+            host=host,
             port=args.port,
             probes_dir=args.probes,
             heartbeat_interval=args.heartbeat_interval,
@@ -113,16 +132,18 @@ async def serve(args: argparse.Namespace) -> None:
             max_requests_per_session=args.max_requests_per_session,
             security=security,
             max_inline_probe_bytes=args.max_inline_probe_bytes,
+            health_port=args.health_port,
         )
     )
     await router.start()
     log.info("start-up heap frozen", extra={"objects": freeze_startup_heap()})
     if args.metrics_port is not None:
         try:
-            start_http_server(args.metrics_port, addr=args.host, registry=router.metrics.registry)
+            start_http_server(args.metrics_port, addr=args.metrics_host, registry=router.metrics.registry)
         except OSError as err:
-            raise PortInUse(f"cannot serve metrics on {args.host}:{args.metrics_port}: {err.strerror}") from None
-    print(f"router listening on {args.host}:{router.port}", flush=True)
+            raise PortInUse(f"cannot serve metrics on {args.metrics_host}:{args.metrics_port}: "
+                            f"{err.strerror}") from None
+    print(f"router listening on {host}:{router.port}", flush=True)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda s=sig: loop.create_task(router.shutdown()))

@@ -14,7 +14,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.grpc_server import MAX_MESSAGE_BYTES, SERVICE_FULL_NAMES, ServerHandle, start_server
+from common.grpc_server import MAX_MESSAGE_BYTES, SERVICE_FULL_NAMES, PortLimits, ServerHandle, start_server
 from common.security.config import ServerSecurity
 from router_service.metrics import RouterMetrics
 from router_service.probe_files import DEFAULT_MAX_INLINE_PROBE_BYTES, load_probe_path, probe_paths
@@ -27,6 +27,10 @@ from undercurrent.v1 import undercurrent_pb2_grpc
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_SESSIONS = 256
+# Calls beyond the sessions a router serves at once: admin calls, health checks.
+OTHER_CALLS = 256
+# An engine opens one Session per channel; admin tools make a few calls at a time.
+STREAMS_PER_CONNECTION = 16
 SESSION_CLOSE_TIMEOUT_S = 5.0  # after the server stopped: how long its Session handlers get to clean up
 
 
@@ -45,6 +49,12 @@ class RouterConfig:
     max_requests_per_session: int = DEFAULT_MAX_REQUESTS_PER_SESSION  # live requests per session
     security: ServerSecurity | None = None  # None: plaintext, no tokens (in-process tests)
     max_inline_probe_bytes: int = DEFAULT_MAX_INLINE_PROBE_BYTES  # larger inline LoadProbe: RESOURCE_EXHAUSTED
+    health_port: int | None = None  # grpc.health.v1 in plaintext on 127.0.0.1 (0: any free port)
+
+    def port_limits(self) -> PortLimits:
+        return PortLimits(max_send_bytes=self.max_message_bytes, max_receive_bytes=self.max_message_bytes,
+                          max_concurrent_rpcs=self.max_sessions + OTHER_CALLS,
+                          max_streams_per_connection=STREAMS_PER_CONNECTION)
 
 
 class Router:
@@ -102,9 +112,10 @@ class Router:
             ],
             self.config.host,
             self.config.port,
-            self.config.max_message_bytes,
+            self.config.port_limits(),
             security=self.config.security,
             metrics_registry=self.metrics.registry,
+            health_port=self.config.health_port,
         )
         self._started = True
         self.metrics.probes_loaded.set(len(self.registry))
@@ -133,7 +144,7 @@ class Router:
         while self.live_requests() and loop.time() < deadline:
             await asyncio.sleep(0.05)
         left = self.live_requests()
-        await self.handle.server.stop(grace=1.0)
+        await self.handle.stop(grace=1.0)
         # stop() cancels the Session handlers; their clean-up (requests freed, "session
         # closed") runs after it returns, and "stopped" must be the last word.
         try:

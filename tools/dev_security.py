@@ -5,8 +5,9 @@ development CA, certificates for `engine`, `router` (both also naming
 localhost and 127.0.0.1, as these services listen on loopback) and `client`,
 and token files: two client callers (`demo` and `other`, so tests can act as
 two callers) and one admin (`operator`). It hands out the matching service
-flags and client channels, so every process started through `tools.processes`
-speaks TLS with tokens unless asked for plaintext.
+flags (routers accept Sessions from the `engine` identity only) and client
+channels, so every process started through `tools.processes` speaks TLS with
+tokens unless asked for plaintext.
 """
 
 from __future__ import annotations
@@ -21,13 +22,15 @@ from cryptography import x509
 
 from common import devcerts
 from common.security import client
-from common.security.config import ServerSecurity
+from common.security.auth import Access
+from common.security.config import PROBE_ROUTER_SERVICE, ServerSecurity
 from common.security.tls import PemFiles, ServerTLS
 from common.grpc_server import channel_options
 
 DEV_DIR = Path(__file__).resolve().parent.parent / ".cache" / "devcerts"
 ROLES = {"engine": devcerts.ENGINE, "router": devcerts.ROUTER, "client": devcerts.CLIENT}
 NAMES = tuple(ROLES)
+ENGINE_IDENTITY = "engine"
 
 
 @dataclass(frozen=True)
@@ -62,12 +65,15 @@ class DevSecurity:
         return ["--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(self.ca)]
 
     def router_server_security(self) -> ServerSecurity:
-        """What a router's --tls-* flags give, for a router served in-process."""
+        """What a router's --tls-* and --engine-identities flags give, for a
+        router served in-process (no admin tokens)."""
         cert, key = self.pem("router")
-        return ServerSecurity(tls=ServerTLS(PemFiles(cert, key, self.ca), require_client_cert=True))
+        return ServerSecurity(tls=ServerTLS(PemFiles(cert, key, self.ca), require_client_cert=True),
+                              access={PROBE_ROUTER_SERVICE: Access(identities=frozenset({ENGINE_IDENTITY}))})
 
     def router_flags(self) -> list[str]:
-        return [*self._tls_flags("router"), "--admin-tokens-file", str(self.directory / "admin-tokens")]
+        return [*self._tls_flags("router"), "--admin-tokens-file", str(self.directory / "admin-tokens"),
+                "--engine-identities", ENGINE_IDENTITY]
 
     def engine_flags(self) -> list[str]:
         return [*self._tls_flags("engine"), "--client-tokens-file", str(self.directory / "client-tokens")]

@@ -1,34 +1,48 @@
-"""One server interceptor that authenticates callers by bearer token.
+"""The front door: one server interceptor that decides who may call what, before
+any request message is read.
 
-Each protected service (EngineService: client tokens; ProbeAdminService: admin
-tokens) maps to a TokenSet. A call to it without `authorization: Bearer TOKEN`
-metadata, or with a token not in the set, ends with UNAUTHENTICATED before the
-handler runs (its request is not even parsed); unary and streaming methods
-alike. Services not in the map (grpc.health.v1, reflection when enabled,
-ProbeRouterService, which mutual TLS guards) pass through.
+Each protected service maps to an `Access`: a bearer token from a TokenSet
+(EngineService: client tokens; ProbeAdminService: admin tokens), a client
+certificate whose identity is on an allowlist (ProbeRouterService: the
+engines; ProbeAdminService: operators, when configured), or both. A call that
+fails either check ends before its handler runs: UNAUTHENTICATED for a missing
+or wrong token, PERMISSION_DENIED for a certificate whose identity is not
+allowed, UNAVAILABLE while the token file cannot be read (fail closed).
+Services not in the map (grpc.health.v1, reflection when enabled) pass.
 
-An accepted call runs with the caller's name in `current_caller()`, which the
-engine uses to give each request an owner. Refusals are counted by service and
-reason; logs name the peer and the reason, never the token.
+gRPC reads a unary request whole before it calls the handler, so the door
+serves every method with a streaming request: the checks run on the call's
+metadata and peer certificate, and only an accepted call's message is read,
+within `read_timeout_s` (a caller that opens calls and never sends the
+message holds no handler for long). A refused call's bytes are never read or
+parsed.
+
+An accepted call runs with the caller's name in `current_caller()` (the
+token's name, else the certificate identity that matched), which the engine
+uses to give each request an owner and quotas. Refusals are counted by
+service and reason; logs name the peer and the reason, never the token, at
+most one line per (service, reason) per interval.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
+import inspect
 import logging
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 from grpc import aio
 from prometheus_client import CollectorRegistry, Counter
 
-from common.security.tokens import TokenSet
+from common.log_limits import RateLimitedLog
+from common.security.tokens import TokenSet, TokensUnusable
 
 log = logging.getLogger(__name__)
 
-# The name of the caller when no token check applies (plaintext development
-# mode without tokens, or an unprotected service): every such caller is the same one.
+# The name of the caller when no check applies (plaintext development mode
+# without tokens, or an unprotected service): every such caller is the same one.
 ANONYMOUS = "anonymous"
 _CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("undercurrent_caller", default=ANONYMOUS)
 
@@ -36,13 +50,44 @@ _CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("undercurrent_call
 MISSING_TOKEN = "missing_token"
 MALFORMED_HEADER = "malformed_header"
 WRONG_TOKEN = "wrong_token"
+TOKENS_UNUSABLE = "tokens_unusable"
+NO_CERTIFICATE = "no_certificate"
+IDENTITY_NOT_ALLOWED = "identity_not_allowed"
 
-LOG_INTERVAL_S = 10.0  # at most one refusal log line per (service, reason) per interval
+# How long an accepted unary call may take to deliver its request message.
+READ_TIMEOUT_S = 20.0
+
+_REFUSALS = {
+    MISSING_TOKEN: (grpc.StatusCode.UNAUTHENTICATED,
+                    "authentication required: send 'authorization: Bearer <token>' metadata"),
+    MALFORMED_HEADER: (grpc.StatusCode.UNAUTHENTICATED,
+                       "authentication failed: the authorization metadata must be one 'Bearer <token>'"),
+    WRONG_TOKEN: (grpc.StatusCode.UNAUTHENTICATED, "authentication failed: the token is not valid for this service"),
+    TOKENS_UNUSABLE: (grpc.StatusCode.UNAVAILABLE,
+                      "this service cannot check tokens now (its token file is unusable); every call is refused "
+                      "until it is fixed"),
+    NO_CERTIFICATE: (grpc.StatusCode.UNAUTHENTICATED, "this service needs a client certificate"),
+    IDENTITY_NOT_ALLOWED: (grpc.StatusCode.PERMISSION_DENIED,
+                           "permission denied: the client certificate's identity may not call this service"),
+}
 
 
 def current_caller() -> str:
-    """The authenticated caller of the RPC being handled (ANONYMOUS without tokens)."""
+    """The authenticated caller of the RPC being handled (ANONYMOUS without checks)."""
     return _CALLER.get()
+
+
+@dataclass(frozen=True)
+class Access:
+    """Who may call one service: a token from `tokens` and/or a client
+    certificate naming one of `identities` (None: that check is off)."""
+
+    tokens: TokenSet | None = None
+    identities: frozenset[str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.tokens is None and self.identities is None:
+            raise ValueError("Access: give tokens, identities or both")
 
 
 def bearer_token(metadata) -> tuple[str | None, str | None]:
@@ -59,105 +104,113 @@ def bearer_token(metadata) -> tuple[str | None, str | None]:
     return token, None
 
 
-@dataclass
-class _RefusalLog:
-    """Rate-limited refusal logging, so a flood of bad calls cannot flood the log."""
-
-    last: dict = field(default_factory=dict)
-    suppressed: dict = field(default_factory=dict)
-
-    def refused(self, service: str, method: str, reason: str, peer: str) -> None:
-        key = (service, reason)
-        now = time.monotonic()
-        if now - self.last.get(key, -LOG_INTERVAL_S) < LOG_INTERVAL_S:
-            self.suppressed[key] = self.suppressed.get(key, 0) + 1
-            return
-        self.last[key] = now
-        more = self.suppressed.pop(key, 0)
-        log.warning("refused %s from %s: %s%s", method, peer, reason.replace("_", " "),
-                    f" ({more} more refusals of this kind not logged)" if more else "")
+def certificate_identities(auth_context: dict) -> list[str]:
+    """The names a verified client certificate proves: its common name and its
+    DNS and URI subject alternative names. A wildcard names no one caller."""
+    names = [*auth_context.get("x509_common_name", ()), *auth_context.get("peer_dns", ()),
+             *auth_context.get("peer_uri", ())]
+    decoded = [n.decode("utf-8", "replace") if isinstance(n, bytes) else n for n in names]
+    return list(dict.fromkeys(n for n in decoded if n and "*" not in n))
 
 
-class TokenAuthInterceptor(aio.ServerInterceptor):
-    """Bearer-token authentication for the services in `required`
-    ({full service name: TokenSet})."""
+def _token_caller(access: Access, metadata) -> tuple[str | None, str | None]:
+    """(caller, None) or (None, refusal reason) for the token part of access."""
+    token, reason = bearer_token(metadata)
+    if token is None:
+        return None, reason
+    try:
+        caller = access.tokens.caller_of(token)
+    except TokensUnusable:
+        return None, TOKENS_UNUSABLE
+    return (caller, None) if caller is not None else (None, WRONG_TOKEN)
 
-    def __init__(self, required: dict[str, TokenSet], registry: CollectorRegistry | None = None):
-        self.required = dict(required)
+
+def _identity_caller(access: Access, context) -> tuple[str | None, str | None]:
+    names = certificate_identities(context.auth_context())
+    if not names:
+        return None, NO_CERTIFICATE
+    allowed = [n for n in names if n in access.identities]
+    return (allowed[0], None) if allowed else (None, IDENTITY_NOT_ALLOWED)
+
+
+class FrontDoor(aio.ServerInterceptor):
+    """Checks callers per service ({full service name: Access}) and serves every
+    method with a streaming request (see the module docstring). Installed on
+    every server, first, even without checks: the bounded read applies to all."""
+
+    def __init__(self, access: dict[str, Access], registry: CollectorRegistry | None = None,
+                 read_timeout_s: float = READ_TIMEOUT_S):
+        self.access = dict(access)
+        self.read_timeout_s = read_timeout_s
         self.refusals = Counter(
             "undercurrent_auth_refused", "Calls refused for authentication, by service and reason",
             ["service", "reason"], registry=registry if registry is not None else CollectorRegistry(),
         )
-        self._log = _RefusalLog()
+        self._log = RateLimitedLog(log)
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
         method = handler_call_details.method
         service = method.split("/")[1] if method.count("/") >= 2 else ""
-        tokens = self.required.get(service)
-        if handler is None or tokens is None:
-            return handler
-        token, reason = bearer_token(handler_call_details.invocation_metadata)
-        caller = tokens.caller_of(token) if token is not None else None
-        if caller is None:
-            reason = reason or WRONG_TOKEN
-            self.refusals.labels(service, reason).inc()
-            return _refusing(handler, service, method, reason, self._log)
-        return _as_caller(handler, caller)
+        access = self.access.get(service)
+        token_check = None
+        if access is not None and access.tokens is not None:
+            token_check = _token_caller(access, handler_call_details.invocation_metadata)
+
+        async def admit(context) -> None:
+            """Sets the caller, or ends the call refused."""
+            if access is None:
+                return
+            caller, reason = token_check if token_check is not None else (None, None)
+            if reason is None and access.identities is not None:
+                identity, reason = _identity_caller(access, context)
+                caller = caller or identity
+            if reason is not None:
+                self.refusals.labels(service, reason).inc()
+                self._log.log((service, reason), logging.WARNING, "refused %s from %s: %s", method,
+                              context.peer(), reason.replace("_", " "))
+                await context.abort(*_REFUSALS[reason])
+            _CALLER.set(caller)
+
+        return _behind_the_door(handler, admit, self.read_timeout_s)
 
 
-def _same_kind(handler, behavior, request_deserializer=None):
-    """A handler of the same RPC kind as `handler` with a new behavior."""
-    deserializer = request_deserializer or handler.request_deserializer
-    if handler.unary_unary:
-        make = grpc.unary_unary_rpc_method_handler
-    elif handler.unary_stream:
-        make = grpc.unary_stream_rpc_method_handler
-    elif handler.stream_unary:
-        make = grpc.stream_unary_rpc_method_handler
-    else:
-        make = grpc.stream_stream_rpc_method_handler
-    return make(behavior, request_deserializer=deserializer,
-                response_serializer=handler.response_serializer)
+def _behind_the_door(handler, admit, read_timeout_s: float):
+    """`handler` served with a streaming request: admit(context) first, then
+    (for a unary request) its one message read within read_timeout_s."""
+    unary_request = bool(handler.unary_unary or handler.unary_stream)
 
+    async def request(requests, context):
+        await admit(context)
+        if not unary_request:
+            return requests
+        try:
+            return await asyncio.wait_for(anext(requests), read_timeout_s)
+        except StopAsyncIteration:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call carried no request message")
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"the request message did not arrive within {read_timeout_s:g} s")
 
-def _refusing(handler, service: str, method: str, reason: str, refusal_log: _RefusalLog):
-    message = {
-        MISSING_TOKEN: "authentication required: send 'authorization: Bearer <token>' metadata",
-        MALFORMED_HEADER: "authentication failed: the authorization metadata must be one 'Bearer <token>'",
-        WRONG_TOKEN: "authentication failed: the token is not valid for this service",
-    }[reason]
-
-    async def refuse(request_or_iterator, context):
-        refusal_log.refused(service, method, reason, context.peer())
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    if handler.unary_stream or handler.stream_stream:
-        async def refuse_stream(request_or_iterator, context):
-            await refuse(request_or_iterator, context)
-            yield  # pragma: no cover  (abort raises)
-
-        behavior = refuse_stream
-    else:
-        behavior = refuse
-    # The request of a refused call is never parsed.
-    return _same_kind(handler, behavior, request_deserializer=lambda _bytes: None)
-
-
-def _as_caller(handler, caller: str):
+    kinds = dict(request_deserializer=handler.request_deserializer,
+                 response_serializer=handler.response_serializer)
     if handler.unary_unary or handler.stream_unary:
         inner = handler.unary_unary or handler.stream_unary
 
-        async def unary(request_or_iterator, context):
-            _CALLER.set(caller)
-            return await inner(request_or_iterator, context)
+        async def unary_response(requests, context):
+            return await inner(await request(requests, context), context)
 
-        return _same_kind(handler, unary)
+        return grpc.stream_unary_rpc_method_handler(unary_response, **kinds)
+
     inner = handler.unary_stream or handler.stream_stream
+    if inspect.isasyncgenfunction(inner):
+        async def stream_response(requests, context):
+            async for response in inner(await request(requests, context), context):
+                yield response
+    else:  # it writes with context.write (grpc_health's Watch)
+        async def stream_response(requests, context):
+            await inner(await request(requests, context), context)
 
-    async def stream(request_or_iterator, context):
-        _CALLER.set(caller)
-        async for response in inner(request_or_iterator, context):
-            yield response
-
-    return _same_kind(handler, stream)
+    return grpc.stream_stream_rpc_method_handler(stream_response, **kinds)

@@ -6,7 +6,10 @@ Entries are `NAME:TOKEN` (the name identifies the caller in logs, metrics and
 request ownership) or a bare `TOKEN` (named `token-` + the first 8 hex digits of
 its SHA-256, which does not reveal it); one per line in a file, separated by
 commas or newlines in a variable; `#` starts a comment line. A file is re-read
-when it changes, so tokens rotate without a restart.
+when it changes, so tokens rotate (and revoked tokens stop working) without a
+restart. A file that becomes unreadable or malformed fails closed: every
+token is refused (TokensUnusable) and the error is logged until the file is
+fixed, rather than keeping tokens the operator may have meant to revoke.
 
 Tokens are compared with `hmac.compare_digest` against every configured token,
 so the time taken does not reveal how much of a guess matched or which entry
@@ -20,6 +23,7 @@ import hmac
 import logging
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,10 +33,18 @@ CLIENT_TOKENS_ENV = "UNDERCURRENT_CLIENT_TOKENS"
 ADMIN_TOKENS_ENV = "UNDERCURRENT_ADMIN_TOKENS"
 MIN_TOKEN_CHARS = 16
 _NAME = re.compile(r"^[A-Za-z0-9_.@-]{1,64}$")
+# A file changed this soon before it was read may change again within the
+# file system's timestamp granularity, invisibly to (mtime, size, inode): it is
+# read again (and compared) until it is older than this.
+SETTLE_S = 2.0
 
 
 class TokenConfigError(ValueError):
     """A token source is missing, empty or malformed (names the source and line)."""
+
+
+class TokensUnusable(RuntimeError):
+    """The token file broke after start-up: no token is accepted until it is fixed."""
 
 
 def anonymous_name(token: str) -> str:
@@ -73,9 +85,13 @@ class TokenSet:
     env_var: str | None = None
     _tokens: list[tuple[bytes, str]] = field(default_factory=list, init=False, repr=False)
     _stamp: tuple | None = field(default=None, init=False, repr=False)
+    _text: str | None = field(default=None, init=False, repr=False)
+    _settled: bool = field(default=True, init=False, repr=False)
+    _broken: str | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def from_file(cls, label: str, path: Path) -> "TokenSet":
+        """Raises TokenConfigError when the file cannot be used (start-up fails)."""
         tokens = cls(label, path=Path(path))
         tokens._load_file()
         return tokens
@@ -101,32 +117,49 @@ class TokenSet:
             st = os.stat(self.path)
         except OSError:
             return None
-        return (st.st_mtime_ns, st.st_size, st.st_ino)
+        return (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino)
 
     def _load_file(self) -> None:
         stamp = self._file_stamp()
+        source = f"--{self.label}-tokens-file {self.path}"
         try:
             text = self.path.read_text()
-        except OSError as err:
-            raise TokenConfigError(f"--{self.label}-tokens-file {self.path}: {err.strerror or err}") from None
-        self._set(parse_entries(text, f"--{self.label}-tokens-file {self.path}"))
+        except (OSError, UnicodeDecodeError) as err:
+            raise TokenConfigError(f"{source}: {getattr(err, 'strerror', None) or err}") from None
+        if text != self._text:
+            self._set(parse_entries(text, source))
+            self._text = text
         self._stamp = stamp
+        self._settled = stamp is not None and time.time_ns() - stamp[0] > SETTLE_S * 1e9
 
     def _refresh(self) -> None:
-        """Re-reads a changed file; a bad new file keeps the previous tokens (logged)."""
-        if self.path is None or self._file_stamp() == self._stamp:
+        """Re-reads a changed (or not yet settled) file; a file that cannot be
+        used makes every token fail until it is fixed (logged)."""
+        if self.path is None:
+            return
+        stamp = self._file_stamp()
+        if stamp == self._stamp and self._settled:
             return
         try:
+            before = self._text
             self._load_file()
-            log.info("%s tokens reloaded from %s (%d tokens)", self.label, self.path, len(self._tokens))
         except TokenConfigError as err:
-            self._stamp = self._file_stamp()
-            log.error("%s; keeping the previous %s tokens", err, self.label)
+            self._stamp, self._text, self._tokens = stamp, None, []
+            if self._broken != str(err):
+                self._broken = str(err)
+                log.error("%s; refusing every %s token until it is fixed", err, self.label)
+            return
+        if self._broken is not None or self._text != before:
+            self._broken = None
+            log.info("%s tokens reloaded from %s (%d tokens)", self.label, self.path, len(self._tokens))
 
     def caller_of(self, token: str) -> str | None:
         """The caller's name when the token is one of the set, else None (constant time
-        in the token's content: every entry is compared, with compare_digest)."""
+        in the token's content: every entry is compared, with compare_digest).
+        Raises TokensUnusable while the token file is broken."""
         self._refresh()
+        if self._broken is not None:
+            raise TokensUnusable(self._broken)
         presented = token.encode()
         found = None
         for candidate, name in self._tokens:

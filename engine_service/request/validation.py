@@ -27,6 +27,10 @@ DEFAULT_CLIENT_QUEUE_BYTES = 32 * 1024 * 1024
 # A prompt this many bytes per token of max_model_len cannot fit (a token
 # rarely spans more than a few bytes), so it is refused before tokenizing.
 PROMPT_BYTES_PER_TOKEN = 32
+# What a GenerateRequest may hold beside its prompt (bindings, extraction points
+# with their token indexes, sampling): the client port's receive limit is the
+# prompt's limit plus this.
+REQUEST_BYTES_BEYOND_PROMPT = 1024 * 1024
 DEFAULT_CLIENT_ACTIVATION_MESSAGE_BYTES = 4 * 1024 * 1024  # most gRPC clients' receive limit
 MIN_CLIENT_ACTIVATION_MESSAGE_BYTES = 64 * 1024
 
@@ -44,6 +48,12 @@ class RequestLimits:
 
     def prompt_bytes(self, max_model_len: int) -> int:
         return self.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * max_model_len
+
+    def request_bytes(self, max_model_len: int) -> int:
+        """The largest GenerateRequest the client port receives: a prompt that
+        can fit, and the rest of the request. A 64 MiB request from anyone who
+        can connect is memory the engine never needs to buffer."""
+        return self.prompt_bytes(max_model_len) + REQUEST_BYTES_BEYOND_PROMPT
 
 
 def check_request(request: pb.GenerateRequest, running: int, limits: RequestLimits,

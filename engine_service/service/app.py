@@ -11,8 +11,8 @@ import uuid
 from common.cli import fail
 from common.errors import Unavailable
 from common.gc_heap import freeze_startup_heap
-from common.grpc_server import PortInUse, SERVICE_FULL_NAMES, start_server
-from common.security.config import CLIENT_TOKENS, SecurityConfigError, security_from_args
+from common.grpc_server import PortInUse, PortLimits, SERVICE_FULL_NAMES, start_server
+from common.security.config import SecurityConfigError, engine_security, listen_host
 from common.security.tls import ChannelFactory
 from engine_service.request.ownership import RequestOwners
 from engine_service.service.servicer import EngineServicer
@@ -26,6 +26,9 @@ HEALTH_POLL_S = 0.5
 # After vLLM's engine core stopped or a node was lost, running requests get this
 # long to end before the process exits.
 ENGINE_LOSS_EXIT_S = 10.0
+# Calls the client port serves beside the Generate streams: Abort, GetModelInfo,
+# health, and refused calls on their way out.
+OTHER_CALLS = 256
 
 
 def create_llm(args, allowances=None):
@@ -48,6 +51,38 @@ def create_llm(args, allowances=None):
         os.environ[ADDRESS_ENV] = allowances.address  # vLLM's engine core inherits it
         args.scheduler_cls = SCHEDULER_CLS
     return AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(args))
+
+
+def request_limits(args):
+    from engine_service.request.validation import RequestLimits
+
+    return RequestLimits(
+        max_streams=args.max_streams,
+        max_extraction_points=args.max_extraction_points,
+        max_prompt_bytes=args.max_prompt_bytes,
+        max_message_bytes=args.max_message_bytes,
+        client_queue_bytes=args.client_queue_bytes,
+    )
+
+
+def client_port_limits(args, max_model_len: int) -> PortLimits:
+    """The client port receives requests no larger than a prompt that can fit
+    plus the rest of a request, and sends activations up to --max-message-bytes."""
+    calls = args.max_streams + OTHER_CALLS
+    return PortLimits(max_send_bytes=args.max_message_bytes,
+                      max_receive_bytes=request_limits(args).request_bytes(max_model_len),
+                      max_concurrent_rpcs=calls, max_streams_per_connection=calls)
+
+
+def model_max_len(args) -> int:
+    """vLLM's max_model_len for these arguments, read from the model's config
+    before vLLM starts (the client port's receive limit depends on it)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    try:
+        return AsyncEngineArgs.from_cli_args(args).create_model_config().max_model_len
+    except Exception as err:  # vLLM's own configuration errors, shown as one line
+        fail("engine_service", f"vLLM could not start: {type(err).__name__}: {err}")
 
 
 def link_config(args, client_tls):
@@ -83,30 +118,30 @@ async def run(args) -> int:
     from engine_service.cpu_host.host_checks import autogroup_warning
     from engine_service.service.metrics import EngineMetrics
     from engine_service.cpu_host.placement import place_engine_service
-    from engine_service.request.validation import RequestLimits
     from engine_service.service.runtime import EngineRuntime, EngineSettings
     from engine_service.engine_core.tokens_ahead import AllowancePublisher
 
     try:  # TLS files and tokens: read now, so a bad one fails before anything starts
-        security, client_tls = security_from_args(args, CLIENT_TOKENS, require_client_cert=False)
+        security, client_tls = engine_security(args)
     except SecurityConfigError as err:
         fail("engine_service", str(err))
     links = link_config(args, client_tls)  # bad --router fails before anything starts
     metrics = EngineMetrics(include_vllm=bool(args.metrics_port))
+    host = listen_host(args)
     holder: dict = {}
     try:
         server = await start_server(
             [(pb_grpc.add_EngineServiceServicer_to_server, _StartingServicer(holder),
               SERVICE_FULL_NAMES["EngineService"])],
-            args.host,
+            host,
             args.port,
-            args.max_message_bytes,
+            client_port_limits(args, model_max_len(args)),
             security=security,
             metrics_registry=metrics.registry,
         )
     except PortInUse as err:
         fail("engine_service", f"--port: {err}")
-    print(f"engine_service: listening on {args.host}:{server.port}; starting vLLM ...", flush=True)
+    print(f"engine_service: listening on {host}:{server.port}; starting vLLM ...", flush=True)
     allowances = AllowancePublisher(args.max_tokens_ahead) if args.max_tokens_ahead else None
     try:
         llm = create_llm(args, allowances)
@@ -119,7 +154,11 @@ async def run(args) -> int:
     if args.metrics_port:
         from prometheus_client import start_http_server
 
-        start_http_server(args.metrics_port, registry=metrics.registry)
+        try:
+            start_http_server(args.metrics_port, addr=args.metrics_host, registry=metrics.registry)
+        except OSError as err:
+            fail("engine_service", f"--metrics-port: cannot listen on {args.metrics_host}:{args.metrics_port}: "
+                 f"{err.strerror}")
     runtime = EngineRuntime(
         llm,
         CaptureController(llm, backlog_bytes=args.capture_backlog_bytes),
@@ -127,13 +166,7 @@ async def run(args) -> int:
         settings=EngineSettings(
             default_failure_policy=FAILURE_POLICIES[args.failure_policy],
             router_timeout_s=args.router_timeout,
-            limits=RequestLimits(
-                max_streams=args.max_streams,
-                max_extraction_points=args.max_extraction_points,
-                max_prompt_bytes=args.max_prompt_bytes,
-                max_message_bytes=args.max_message_bytes,
-                client_queue_bytes=args.client_queue_bytes,
-            ),
+            limits=request_limits(args),
             node_timeout_s=args.node_timeout if args.nnodes > 1 and args.node_timeout > 0 else None,
         ),
         metrics=metrics,
@@ -158,7 +191,7 @@ async def run(args) -> int:
         return await _exit_after_engine_loss(server, runtime)
     log.info("shutting down: %d running requests (%s them)", len(runtime.active), args.on_shutdown)
     await runtime.shutdown(abort_running=args.on_shutdown == "abort", grace_s=args.grace_period)
-    await server.server.stop(grace=5)
+    await server.stop(grace=5)
     llm.shutdown()
     return 0
 
@@ -178,7 +211,7 @@ async def _exit_after_engine_loss(server, runtime) -> int:
         )
     except TimeoutError:
         log.error("requests did not end within %.0f s; exiting anyway", ENGINE_LOSS_EXIT_S)
-    await server.server.stop(grace=1)
+    await server.stop(grace=1)
     return 1
 
 

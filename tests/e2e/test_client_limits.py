@@ -1,5 +1,6 @@
 """Client limits on a real engine: a huge prompt is refused without stalling other
-streams, and activations come in messages no larger than the client asked for."""
+streams (by the client port's receive limit, or past --max-prompt-bytes by its
+size), and activations come in messages no larger than the client asked for."""
 
 from __future__ import annotations
 
@@ -61,9 +62,17 @@ async def test_a_huge_prompt_is_refused_by_size_while_another_stream_keeps_flowi
     gap = max(during, default=0.0)
     print(f"\n3 x {HUGE_PROMPT_BYTES} B prompts refused in {[round(s, 3) for s, _ in results]} s; "
           f"the other stream's longest gap meanwhile: {gap * 1000:.0f} ms over {len(during)} chunks")
+    # The client port receives no request larger than a prompt that can fit plus 1 MiB.
     for seconds, err in results:
-        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
-        assert err.details().startswith(f"prompt.text: over {32 * MAX_MODEL_LEN} bytes (--max-prompt-bytes)")
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.details()
+        assert "Received message larger than max" in err.details()
+    # A prompt within that but over --max-prompt-bytes is refused by its size, unparsed.
+    over = pb.GenerateRequest(text="x" * (32 * MAX_MODEL_LEN + 1), sampling=pb.SamplingParams(max_tokens=1))
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        async for _ in engine.Generate(over, timeout=120):
+            pass
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details().startswith(f"prompt.text: over {32 * MAX_MODEL_LEN} bytes (--max-prompt-bytes)")
     assert finished.finish_reason == pb.FINISH_REASON_LENGTH and finished.generated_tokens == 600
     assert during, "the other stream sent nothing while the huge prompts were handled"
     assert gap < MAX_GAP_S

@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from common.security.config import PROBE_ADMIN_SERVICE, ServerSecurity
+from common.security.auth import Access
+from common.security.config import PROBE_ADMIN_SERVICE, PROBE_ROUTER_SERVICE, ServerSecurity
 from common.security.tls import ServerTLS
 from common.security.tokens import TokenSet
 from tests.router.helpers import HIDDEN, linear_probe
@@ -10,6 +11,7 @@ from tests.security.certs import CertFactory
 
 ADMIN_TOKEN = "admin-token-0123456789abcdef"
 CLIENT_TOKEN = "client-token-0123456789abcdef"
+ENGINE_IDENTITY = "engine"
 
 
 @pytest.fixture
@@ -33,13 +35,16 @@ def probes_dir(tmp_path):
 @pytest.fixture
 def secure_router(make_router, pki, probes_dir):
     """secure_router(dns_names=..., ip_addresses=...) -> (router, its ServerTLS): a
-    router with mutual TLS (client certificates from `pki`) and admin tokens."""
+    router with mutual TLS (client certificates from `pki`), Sessions from the
+    `engine` identity and admin tokens."""
 
     async def start(stem="router", dns_names=("localhost",), ip_addresses=("127.0.0.1",)):
         tls = ServerTLS(pki.files(stem, dns_names=dns_names, ip_addresses=ip_addresses),
                         require_client_cert=True)
-        admin = TokenSet.of("admin", {ADMIN_TOKEN: "operator"})
-        router = await make_router(probes_dir, security=ServerSecurity(tls, {PROBE_ADMIN_SERVICE: admin}))
+        access = {PROBE_ADMIN_SERVICE: Access(tokens=TokenSet.of("admin", {ADMIN_TOKEN: "operator"})),
+                  PROBE_ROUTER_SERVICE: Access(identities=frozenset({ENGINE_IDENTITY}))}
+        router = await make_router(probes_dir, security=ServerSecurity(tls, access))
         return router, tls
 
     return start
+

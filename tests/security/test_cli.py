@@ -11,7 +11,7 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from common.grpc_server import start_server
-from common.security.config import ADMIN_TOKENS, SecurityConfigError, security_from_args
+from common.security.config import PROBE_ADMIN_SERVICE, PROBE_ROUTER_SERVICE, SecurityConfigError, router_security
 from router_service.cli import parse_args
 from tests.conftest import REPO
 from tests.models import EMBEDDED_MODELS
@@ -33,31 +33,39 @@ def tls_flags(files):
 ])
 def test_tls_is_required_unless_insecure(tmp_path, flags, message):
     with pytest.raises(SecurityConfigError) as err:
-        security_from_args(router_args(tmp_path, *flags), ADMIN_TOKENS, require_client_cert=True, environ={})
+        router_security(router_args(tmp_path, *flags), environ={})
     assert str(err.value) == message
 
 
-def test_tls_needs_a_token_source_and_reads_tokens_from_file_or_environment(tmp_path, pki):
-    flags = tls_flags(pki.files("router"))
+def test_tls_needs_engine_identities_and_a_way_to_check_admins(tmp_path, pki):
+    flags = [*tls_flags(pki.files("router")), "--engine-identities", "engine,engine.example"]
+    with pytest.raises(SecurityConfigError, match=r"^--engine-identities: required with TLS"):
+        router_security(router_args(tmp_path, *tls_flags(pki.files("router"))),
+                        environ={"UNDERCURRENT_ADMIN_TOKENS": f"ops:{ADMIN_TOKEN}"})
     with pytest.raises(SecurityConfigError, match=r"^--admin-tokens-file: ProbeAdminService needs admin tokens"):
-        security_from_args(router_args(tmp_path, *flags), ADMIN_TOKENS, require_client_cert=True, environ={})
-    security, client_tls = security_from_args(
-        router_args(tmp_path, *flags), ADMIN_TOKENS, require_client_cert=True,
-        environ={"UNDERCURRENT_ADMIN_TOKENS": f"ops:{ADMIN_TOKEN}"})
+        router_security(router_args(tmp_path, *flags), environ={})
+    security = router_security(router_args(tmp_path, *flags),
+                               environ={"UNDERCURRENT_ADMIN_TOKENS": f"ops:{ADMIN_TOKEN}"})
     assert security.tls.require_client_cert and not security.reflection
-    assert security.tokens["undercurrent.v1.ProbeAdminService"].caller_of(ADMIN_TOKEN) == "ops"
+    assert security.access[PROBE_ADMIN_SERVICE].tokens.caller_of(ADMIN_TOKEN) == "ops"
+    assert security.access[PROBE_ADMIN_SERVICE].identities is None
+    assert security.access[PROBE_ROUTER_SERVICE].identities == {"engine", "engine.example"}
     (tmp_path / "admin").write_text(f"root:{ADMIN_TOKEN}\n")
-    security, _ = security_from_args(
-        router_args(tmp_path, *flags, "--admin-tokens-file", str(tmp_path / "admin"), "--reflection"),
-        ADMIN_TOKENS, require_client_cert=True, environ={})
-    assert security.tokens["undercurrent.v1.ProbeAdminService"].caller_of(ADMIN_TOKEN) == "root"
+    security = router_security(
+        router_args(tmp_path, *flags, "--admin-tokens-file", str(tmp_path / "admin"), "--reflection"), environ={})
+    assert security.access[PROBE_ADMIN_SERVICE].tokens.caller_of(ADMIN_TOKEN) == "root"
     assert security.reflection
+    # Operators by certificate identity alone: no admin token source needed.
+    security = router_security(router_args(tmp_path, *flags, "--admin-identities", "ops"), environ={})
+    assert (security.access[PROBE_ADMIN_SERVICE].tokens, security.access[PROBE_ADMIN_SERVICE].identities) == (
+        None, {"ops"})
+    with pytest.raises(SecurityConfigError, match=r"^--insecure: conflicts with --engine-identities"):
+        router_security(router_args(tmp_path, "--insecure", "--engine-identities", "engine"), environ={})
 
 
 async def test_insecure_is_plaintext_and_logged_as_a_warning_once_listening(tmp_path, caplog):
-    security, client_tls = security_from_args(router_args(tmp_path, "--insecure"), ADMIN_TOKENS,
-                                              require_client_cert=True, environ={})
-    assert security.tls is None and security.tokens == {} and client_tls is None
+    security = router_security(router_args(tmp_path, "--insecure"), environ={})
+    assert security.tls is None and security.access == {}
     handle = await start_server([], "127.0.0.1", 0, security=security)
     await handle.server.stop(None)
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
@@ -86,7 +94,7 @@ def test_a_mismatched_key_fails_start_up_naming_the_files(tmp_path, pki, rogue):
     (tmp_path / "admin").write_text(f"ops:{ADMIN_TOKEN}\n")
     result = run("router_service", "--port", "0", "--probes", str(tmp_path), "--tls-cert", str(files.cert),
                  "--tls-key", str(rogue.directory / "router.key"), "--tls-ca", str(files.ca),
-                 "--admin-tokens-file", str(tmp_path / "admin"))
+                 "--admin-tokens-file", str(tmp_path / "admin"), "--engine-identities", "engine")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
         f"router_service: error: {rogue.directory / 'router.key'} is not the private key of {files.cert}")

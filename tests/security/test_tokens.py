@@ -14,10 +14,10 @@ from prometheus_client import CollectorRegistry
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from common.grpc_server import SERVICE_FULL_NAMES, start_server
-from common.security.auth import bearer_token, current_caller
+from common.security.auth import Access, bearer_token, current_caller
 from common.security.config import ENGINE_SERVICE, PROBE_ADMIN_SERVICE, ServerSecurity
 from common.security.tls import ClientTLS, ServerTLS
-from common.security.tokens import TokenConfigError, TokenSet, anonymous_name, parse_entries
+from common.security.tokens import TokenConfigError, TokenSet, TokensUnusable, anonymous_name, parse_entries
 from tests.router.helpers import HIDDEN
 from tests.router.test_admin import inline
 from tests.security.conftest import ADMIN_TOKEN, CLIENT_TOKEN
@@ -53,15 +53,23 @@ def test_tokens_from_an_environment_variable_are_comma_separated():
     assert (tokens.caller_of(ALICE), tokens.caller_of(BOB), tokens.caller_of(ALICE[:-1])) == ("alice", "bob", None)
 
 
-def test_a_token_file_is_reread_when_it_changes_and_a_broken_one_keeps_the_old_tokens(tmp_path):
+def test_a_token_file_is_reread_when_it_changes_and_a_broken_one_refuses_every_token(tmp_path, caplog):
     path = tmp_path / "tokens"
     path.write_text(f"alice:{ALICE}\n")
     tokens = TokenSet.from_file("client", path)
     assert tokens.caller_of(ALICE) == "alice" and tokens.caller_of(BOB) is None
-    path.write_text(f"bob:{BOB}\n")
+    path.write_text(f"bob:{BOB}\n")  # in place, within the file system's timestamp granularity
     assert tokens.caller_of(BOB) == "bob" and tokens.caller_of(ALICE) is None
     path.write_text("bob:short\n")
-    assert tokens.caller_of(BOB) == "bob"
+    with pytest.raises(TokensUnusable, match="entry 1: the token has fewer than 16 characters"):
+        tokens.caller_of(BOB)
+    path.unlink()
+    with pytest.raises(TokensUnusable, match="No such file or directory"):
+        tokens.caller_of(BOB)
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 2 and all("refusing every client token until it is fixed" in e for e in errors)
+    path.write_text(f"alice:{ALICE}\n")
+    assert tokens.caller_of(ALICE) == "alice" and tokens.caller_of(BOB) is None
 
 
 @pytest.mark.parametrize("metadata, expected", [
@@ -104,7 +112,7 @@ async def engine_server(pki):
     files = pki.files("engine")
     security = ServerSecurity(
         ServerTLS(files, require_client_cert=False),
-        {ENGINE_SERVICE: TokenSet.of("client", {ALICE: "alice", BOB: "bob"})},
+        {ENGINE_SERVICE: Access(tokens=TokenSet.of("client", {ALICE: "alice", BOB: "bob"}))},
     )
     handle = await start_server(
         [(pb_grpc.add_EngineServiceServicer_to_server, servicer, SERVICE_FULL_NAMES["EngineService"])],
