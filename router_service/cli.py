@@ -29,7 +29,12 @@ from common.security.config import (
     router_security,
 )
 from router_service import logs
-from router_service.probe_files import DEFAULT_MAX_INLINE_PROBE_BYTES, ProbeFileError
+from router_service.probe_files import (
+    DEFAULT_MAX_INLINE_PROBE_BYTES,
+    DEFAULT_MAX_PROBE_FILE_BYTES,
+    ProbeFileError,
+    ProbeRoot,
+)
 from router_service.server import DEFAULT_MAX_SESSIONS, Router, RouterConfig
 from router_service.session import DEFAULT_MAX_REQUESTS_PER_SESSION
 
@@ -51,6 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, required=True, help="gRPC port (0: any free port)")
     parser.add_argument("--probes", type=Path, required=True,
                         help="directory of probes to load at start-up (may be empty)")
+    parser.add_argument("--probe-root", type=Path, default=None,
+                        help="directory ProbeAdmin.LoadProbe may load probes from by path, nothing outside it "
+                             "(default: --probes)")
     parser.add_argument("--host", default=None,
                         help="address to listen on (default 0.0.0.0; with --insecure 127.0.0.1)")
     parser.add_argument("--health-port", type=int, default=None,
@@ -80,15 +88,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-inline-probe-bytes", type=int, default=DEFAULT_MAX_INLINE_PROBE_BYTES,
                         help="largest inline LoadProbe (manifest + weights) accepted; larger ones get "
                              f"RESOURCE_EXHAUSTED (default {DEFAULT_MAX_INLINE_PROBE_BYTES})")
+    parser.add_argument("--max-probe-file-bytes", type=int, default=DEFAULT_MAX_PROBE_FILE_BYTES,
+                        help="largest probe LoadProbe reads by path (its files together); larger ones get "
+                             f"RESOURCE_EXHAUSTED (default {DEFAULT_MAX_PROBE_FILE_BYTES})")
     add_security_flags(parser, ADMIN_TOKENS)
     add_router_identity_flags(parser)
     args = parser.parse_args(argv)
-    if args.max_inline_probe_bytes <= 0:
-        parser.error("--max-inline-probe-bytes must be > 0")
+    for flag in ("max_inline_probe_bytes", "max_probe_file_bytes"):
+        if getattr(args, flag) <= 0:
+            parser.error(f"--{flag.replace('_', '-')} must be > 0")
     if not args.probes.is_dir():
         parser.error(f"--probes {args.probes}: not a directory")
     if args.health_port is not None and args.health_port < 0:
         parser.error("--health-port must be >= 0")
+    if args.probe_root is not None and not args.probe_root.is_dir():
+        parser.error(f"--probe-root {args.probe_root}: not a directory")
     for flag in ("heartbeat_interval", "grace_period", "max_message_bytes", "max_sessions",
                  "max_requests_per_session"):
         if getattr(args, flag) <= 0:
@@ -132,6 +146,7 @@ async def serve(args: argparse.Namespace) -> None:
             max_requests_per_session=args.max_requests_per_session,
             security=security,
             max_inline_probe_bytes=args.max_inline_probe_bytes,
+            probe_root=ProbeRoot(args.probe_root or args.probes, args.max_probe_file_bytes),
             health_port=args.health_port,
         )
     )

@@ -5,12 +5,20 @@ Probes are data only: JSON and safetensors, never pickle (nothing here unpickles
 so loading a probe cannot run code; tests/security/test_probe_data.py checks it).
 `--probes DIR` loads DIR itself if it holds a manifest.json, else every such
 subdirectory and every top-level `.safetensors` file, in name order.
+
+A path from ProbeAdmin.LoadProbe is confined (`ProbeRoot`): it names a probe
+under the router's probe root, every file read resolves (symlinks followed)
+inside the root, and the files together are at most a size cap. Messages name
+paths relative to the root; a path outside it gets one answer whether or not
+it exists.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +33,7 @@ from router_service.manifest import ManifestError, manifest_from_dict, parse_man
 from router_service.probes import Probe, build_probe
 
 DEFAULT_MAX_INLINE_PROBE_BYTES = 32 * 1024 * 1024
+DEFAULT_MAX_PROBE_FILE_BYTES = 256 * 1024 * 1024
 
 _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 _SAFETENSORS_CODES = {name: code for code, name in _SAFETENSORS_DTYPES.items()}
@@ -34,30 +43,104 @@ class ProbeFileError(ValueError):
     """A probe file that cannot be loaded; names the file and the field."""
 
 
-def load_probe_path(path: str | Path) -> Probe:
+@dataclass(frozen=True)
+class ProbeRoot:
+    """Where LoadProbe may read probes from, and how many bytes one may take."""
+
+    directory: Path
+    max_bytes: int = DEFAULT_MAX_PROBE_FILE_BYTES
+
+    def locate(self, requested: str) -> Path:
+        """The path a LoadProbe names (relative to the root, or absolute under it),
+        checked lexically and after resolving symlinks; ProbeFileError otherwise."""
+        if not requested or "\0" in requested:
+            raise ProbeFileError("path: give a probe directory or .safetensors file under the probe root")
+        root = Path(os.path.realpath(self.directory))
+        candidate = Path(os.path.normpath(root / requested))
+        if not _within(candidate, root) or not _within(Path(os.path.realpath(candidate)), root):
+            raise ProbeFileError(f"path: {requested!r} is not under the router's probe root "
+                                 "(--probe-root); give it relative to the root")
+        return candidate
+
+    def load(self, requested: str) -> Probe:
+        path = self.locate(requested)
+        return load_probe_path(path, within=self)
+
+
+def _within(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def load_probe_path(path: str | Path, within: ProbeRoot | None = None) -> Probe:
+    """Loads a probe directory or single-file probe. `within`: every file read
+    must resolve under that root, and all of them together fit its cap; messages
+    then name paths relative to it."""
     path = Path(path)
+    shown = _shown(path, within)
+    files = _Reader(within)
     try:
         if path.is_dir():
             manifest_path = path / MANIFEST_FILE
             if not manifest_path.is_file():
-                raise ProbeFileError(f"{path}: no {MANIFEST_FILE} in the probe directory")
+                raise ProbeFileError(f"{shown}: no {MANIFEST_FILE} in the probe directory")
             weights_path = path / WEIGHTS_FILE
-            weights = weights_path.read_bytes() if weights_path.is_file() else None
-            return load_probe_bytes(manifest_path.read_text(), weights, source=str(path))
+            manifest = files.read(manifest_path)
+            weights = files.read(weights_path) if weights_path.is_file() else None
+            return load_probe_bytes(_text(manifest, f"{shown}/{MANIFEST_FILE}"), weights, source=shown)
         if path.is_file() and path.suffix == ".safetensors":
-            data = path.read_bytes()
+            data = files.read(path)
             manifest_json = _metadata(data).get(METADATA_KEY)
             if manifest_json is None:
-                raise ProbeFileError(f"{path}: no {METADATA_KEY!r} entry in the safetensors metadata")
-            return load_probe_bytes(manifest_json, data, source=str(path))
+                raise ProbeFileError(f"{shown}: no {METADATA_KEY!r} entry in the safetensors metadata")
+            return load_probe_bytes(manifest_json, data, source=shown)
         if not path.exists():
-            raise ProbeFileError(f"{path}: no such file or directory")
-        raise ProbeFileError(f"{path}: expected a probe directory or a .safetensors file")
+            raise ProbeFileError(f"{shown}: no such file or directory")
+        raise ProbeFileError(f"{shown}: expected a probe directory or a .safetensors file")
     except (ManifestError, ProbeFileError) as err:
         message = str(err)
-        raise ProbeFileError(message if message.startswith(str(path)) else f"{path}: {message}") from None
+        raise ProbeFileError(message if message.startswith(shown) else f"{shown}: {message}") from None
     except OSError as err:
-        raise ProbeFileError(f"{path}: {err.strerror or err}") from None
+        raise ProbeFileError(f"{shown}: {err.strerror or err}") from None
+
+
+def _shown(path: Path, within: ProbeRoot | None) -> str:
+    """How messages name path: relative to the root it must be under."""
+    if within is None:
+        return str(path)
+    relative = os.path.relpath(path, os.path.realpath(within.directory))
+    return "<probe root>" if relative == "." else relative
+
+
+def _text(data: bytes, shown: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ProbeFileError(f"{shown}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+
+
+class _Reader:
+    """Reads a probe's files, each resolving under the root (when confined),
+    all of them together within its byte cap."""
+
+    def __init__(self, within: ProbeRoot | None):
+        self.within = within
+        self.left = within.max_bytes if within is not None else None
+
+    def read(self, path: Path) -> bytes:
+        if self.within is None:
+            return path.read_bytes()
+        root = Path(os.path.realpath(self.within.directory))
+        real = Path(os.path.realpath(path))
+        if not _within(real, root):
+            raise ProbeFileError(f"{_shown(path, self.within)}: resolves outside the probe root")
+        with open(real, "rb") as file:
+            data = file.read(self.left + 1)
+        if len(data) > self.left:
+            raise ResourceExhausted(
+                f"path: {_shown(path, self.within)} takes the probe over {self.within.max_bytes} bytes "
+                "(--max-probe-file-bytes)")
+        self.left -= len(data)
+        return data
 
 
 def check_inline_size(manifest_json: str | bytes, weights: bytes, limit: int) -> None:
@@ -159,11 +242,21 @@ def write_probe_file(
 
 
 def _metadata(data: bytes) -> dict[str, str]:
+    """The safetensors header's __metadata__ (string to string), checked: a crafted
+    header is a ProbeFileError naming what is wrong, never another exception."""
     if len(data) < 8:
         raise ProbeFileError("not a safetensors file (too short)")
     (length,) = struct.unpack("<Q", data[:8])
+    if length > len(data) - 8:
+        raise ProbeFileError(f"not a safetensors file (the header claims {length} bytes, the file has "
+                             f"{len(data) - 8} after the length)")
     try:
         header = json.loads(data[8 : 8 + length])
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ProbeFileError("not a safetensors file (bad header)") from None
-    return header.get("__metadata__") or {}
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        raise ProbeFileError("not a safetensors file (the header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise ProbeFileError("not a safetensors file (the header is not a JSON object)")
+    metadata = header.get("__metadata__") or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ProbeFileError("safetensors header: __metadata__ must map names to strings")
+    return metadata

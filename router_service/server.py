@@ -17,7 +17,7 @@ from pathlib import Path
 from common.grpc_server import MAX_MESSAGE_BYTES, SERVICE_FULL_NAMES, PortLimits, ServerHandle, start_server
 from common.security.config import ServerSecurity
 from router_service.metrics import RouterMetrics
-from router_service.probe_files import DEFAULT_MAX_INLINE_PROBE_BYTES, load_probe_path, probe_paths
+from router_service.probe_files import DEFAULT_MAX_INLINE_PROBE_BYTES, ProbeRoot, load_probe_path, probe_paths
 from router_service.registry import ProbeRegistry
 from router_service.servicers import AdminServicer, LiveSession, SessionServicer
 from router_service.session import DEFAULT_MAX_REQUESTS_PER_SESSION
@@ -49,6 +49,7 @@ class RouterConfig:
     max_requests_per_session: int = DEFAULT_MAX_REQUESTS_PER_SESSION  # live requests per session
     security: ServerSecurity | None = None  # None: plaintext, no tokens (in-process tests)
     max_inline_probe_bytes: int = DEFAULT_MAX_INLINE_PROBE_BYTES  # larger inline LoadProbe: RESOURCE_EXHAUSTED
+    probe_root: ProbeRoot | None = None  # where LoadProbe by path may read; None: path loads refused
     health_port: int | None = None  # grpc.health.v1 in plaintext on 127.0.0.1 (0: any free port)
 
     def port_limits(self) -> PortLimits:

@@ -19,7 +19,7 @@ from common import tensor_codec
 from common.enum_checks import check_enums
 from common.errors import InvalidArgument, ResourceExhausted
 from common.log_limits import RateLimitedLog
-from router_service.probe_files import ProbeFileError, check_inline_size, load_probe_bytes, load_probe_path
+from router_service.probe_files import ProbeFileError, check_inline_size, load_probe_bytes
 from router_service.manifest import ManifestError
 from router_service.session import SessionState, error
 from undercurrent.v1 import undercurrent_pb2 as pb
@@ -213,7 +213,11 @@ class AdminServicer(undercurrent_pb2_grpc.ProbeAdminServiceServicer):
         source = request.WhichOneof("source")
         try:
             if source == "path":
-                probe = await asyncio.to_thread(load_probe_path, request.path)
+                root = self.router.config.probe_root
+                if root is None:
+                    raise InvalidArgument("path: this router has no --probe-root to load probes from; "
+                                          "send the probe inline")
+                probe = await asyncio.to_thread(root.load, request.path)
             elif source == "inline":
                 check_inline_size(request.inline.manifest_json, request.inline.weights_safetensors,
                                   self.router.config.max_inline_probe_bytes)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router_service.probe_files import encode_safetensors
+from router_service.probe_files import ProbeRoot, encode_safetensors
 from tests.router.helpers import HIDDEN, SessionClient, block, channel, errors, kinds, linear_probe, manifest
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc
@@ -34,14 +34,14 @@ async def health_status(router):
 
 async def test_load_list_unload_live_without_dropping_the_session(make_router, tmp_path):
     linear_probe(tmp_path / "dir", "first", E0, kind="linear", threshold=0.0, action="observe")
-    router = await make_router(tmp_path / "dir")
+    router = await make_router(tmp_path / "dir", probe_root=ProbeRoot(tmp_path))
     stub = admin(router)
     client = SessionClient(router)
     await client.open()
 
     # Load by path and inline: each pushes a catalog to the open session.
     path = linear_probe(tmp_path / "more", "by_path", E0 * 2, kind="linear", threshold=0.0, action="observe")
-    info = (await stub.LoadProbe(pb.LoadProbeRequest(path=str(path)))).probe
+    info = (await stub.LoadProbe(pb.LoadProbeRequest(path=str(path.relative_to(tmp_path))))).probe
     assert (info.name, info.kind, list(info.layers)) == ("by_path", "linear", [1])
     catalog = (await client.until("catalog")).catalog
     assert [p.name for p in catalog.probes] == ["by_path", "first"]
@@ -118,12 +118,12 @@ async def test_replace_keeps_running_requests_on_the_old_version(make_router, tm
 
 
 async def test_admin_errors_map_to_status_codes(make_router, tmp_path):
-    router = await make_router(tmp_path)
+    router = await make_router(tmp_path, probe_root=ProbeRoot(tmp_path))
     stub = admin(router)
     cases = [
         (stub.UnloadProbe(pb.UnloadProbeRequest(name="ghost")), grpc.StatusCode.NOT_FOUND,
          "probe 'ghost' is not loaded"),
-        (stub.LoadProbe(pb.LoadProbeRequest(path=str(tmp_path / "missing"))),
+        (stub.LoadProbe(pb.LoadProbeRequest(path="missing")),
          grpc.StatusCode.INVALID_ARGUMENT, "missing: no such file or directory"),
         (stub.LoadProbe(pb.LoadProbeRequest(inline=pb.InlineProbe(manifest_json='{"name": "x"}'))),
          grpc.StatusCode.INVALID_ARGUMENT, "manifest.version: missing"),
