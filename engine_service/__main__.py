@@ -21,6 +21,7 @@ from engine_service.capture.channel import DEFAULT_BACKLOG_BYTES
 from engine_service.engine_core.wait import MODES as ENGINE_CORE_WAITS
 from engine_service.link.send_queue import DEFAULT_SEND_QUEUE_BYTES
 from engine_service.service.runtime import EngineSettings
+from engine_service.request.callers import DEFAULT_MAX_QUEUED_BYTES_PER_CALLER, DEFAULT_MAX_STREAMS_PER_CALLER
 from engine_service.request.validation import (
     DEFAULT_CLIENT_QUEUE_BYTES,
     DEFAULT_MAX_EXTRACTION_POINTS,
@@ -163,6 +164,17 @@ def build_parser():
         help=f"concurrent Generate streams (default {DEFAULT_MAX_STREAMS})",
     )
     limits.add_argument(
+        "--max-streams-per-caller", type=int, default=DEFAULT_MAX_STREAMS_PER_CALLER,
+        help="concurrent Generate streams of one caller (one client token's name) "
+        f"(default {DEFAULT_MAX_STREAMS_PER_CALLER})",
+    )
+    limits.add_argument(
+        "--max-queued-bytes-per-caller", type=int, default=DEFAULT_MAX_QUEUED_BYTES_PER_CALLER,
+        help="events queued for one caller's streams and not yet read by it; past it its activations "
+        f"and scores are dropped and counted (default {DEFAULT_MAX_QUEUED_BYTES_PER_CALLER}, "
+        f"{DEFAULT_MAX_QUEUED_BYTES_PER_CALLER >> 20} MiB)",
+    )
+    limits.add_argument(
         "--max-extraction-points", type=int, default=DEFAULT_MAX_EXTRACTION_POINTS,
         help=f"extraction points per request (default {DEFAULT_MAX_EXTRACTION_POINTS})",
     )
@@ -199,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parse_engine_args(parser, argv, worker_node=False)
     for flag in ("max_message_bytes", "max_streams", "max_extraction_points", "client_queue_bytes",
-                 "capture_backlog_bytes", "send_queue", "send_queue_bytes"):
+                 "capture_backlog_bytes", "send_queue", "send_queue_bytes", "max_streams_per_caller",
+                 "max_queued_bytes_per_caller"):
         if getattr(args, flag) <= 0:
             parser.error(f"--{flag.replace('_', '-')} must be > 0")
     if args.max_prompt_bytes < 0:

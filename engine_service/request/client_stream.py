@@ -6,6 +6,10 @@ slow client: past the byte budget, activation batches and probe scores are
 dropped and counted (they are reported in `finished.dropped_records` and the
 engine's dropped-records metric). Tokens and `finished` are never dropped: they
 are the answer, and a gated token's release is the safety contract's output.
+
+A stream's bytes also count against its caller's budget across all of its
+streams (engine_service.request.callers): the share of the Generate call the
+stream is created in, unless one is given.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Callable
 
 from common import activations
 from engine_service.link.batching import RowTooLarge, split_by_size
+from engine_service.request.callers import StreamShare, current_share
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 # Bytes a GenerateResponse adds around the ActivationBatch it carries (tag and length).
@@ -28,8 +33,10 @@ class ClientStream:
         budget_bytes: int,
         max_activation_message_bytes: int,
         on_drop: Callable[[int], None] = lambda records: None,
+        share: StreamShare | None = None,
     ):
         self.budget_bytes = budget_bytes
+        self.share = share if share is not None else current_share()
         self.max_activation_message_bytes = max_activation_message_bytes
         self.queued_bytes = 0
         self.dropped_records = 0  # activation rows and probe scores the client never got
@@ -42,11 +49,13 @@ class ClientStream:
         dropped for the budget (and counted)."""
         size = response.ByteSize()
         kind = response.WhichOneof("event")
-        if kind in ("activations", "probe_event") and self.queued_bytes + size > self.budget_bytes:
+        if kind in ("activations", "probe_event") and not self._has_room(size):
             self._drop(_records_in(response))
             return False
         self._queue.append((response, size))
         self.queued_bytes += size
+        if self.share is not None:
+            self.share.queued(size)
         self._ready.set()
         return True
 
@@ -66,7 +75,14 @@ class ClientStream:
             await self._ready.wait()
         response, size = self._queue.popleft()
         self.queued_bytes -= size
+        if self.share is not None:
+            self.share.read(size)
         return response
+
+    def _has_room(self, size: int) -> bool:
+        if self.queued_bytes + size > self.budget_bytes:
+            return False
+        return self.share is None or self.share.has_room(size)
 
     def qsize(self) -> int:
         return len(self._queue)

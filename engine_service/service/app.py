@@ -14,6 +14,7 @@ from common.gc_heap import freeze_startup_heap
 from common.grpc_server import PortInUse, PortLimits, SERVICE_FULL_NAMES, start_server
 from common.security.config import SecurityConfigError, engine_security, listen_host
 from common.security.tls import ChannelFactory
+from engine_service.request.callers import CallerLimits, Callers
 from engine_service.request.ownership import RequestOwners
 from engine_service.service.servicer import EngineServicer
 from undercurrent.v1 import undercurrent_pb2 as pb
@@ -129,9 +130,10 @@ async def run(args) -> int:
     metrics = EngineMetrics(include_vllm=bool(args.metrics_port))
     host = listen_host(args)
     holder: dict = {}
+    callers = Callers(CallerLimits(args.max_streams_per_caller, args.max_queued_bytes_per_caller))
     try:
         server = await start_server(
-            [(pb_grpc.add_EngineServiceServicer_to_server, _StartingServicer(holder),
+            [(pb_grpc.add_EngineServiceServicer_to_server, _StartingServicer(holder, callers),
               SERVICE_FULL_NAMES["EngineService"])],
             host,
             args.port,
@@ -237,9 +239,10 @@ class _StartingServicer(EngineServicer):
     """Listens before vLLM is up (so a busy port fails fast) and answers
     UNAVAILABLE until the runtime exists."""
 
-    def __init__(self, holder: dict):
+    def __init__(self, holder: dict, callers: Callers):
         self._holder = holder
         self.owners = RequestOwners()
+        self.callers = callers
 
     @property
     def runtime(self):

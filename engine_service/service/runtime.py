@@ -237,7 +237,10 @@ class EngineRuntime:
         await self._stop(request, pb.FINISH_REASON_CLIENT_ABORT, message="aborted by Engine.Abort")
         return True
 
-    async def generate(self, message: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+    async def generate(self, message: pb.GenerateRequest,
+                       cache_salt: str | None = None) -> AsyncIterator[pb.GenerateResponse]:
+        """cache_salt: vLLM matches cached prefix blocks only between requests of
+        the same salt (engine_service.request.callers gives each caller its own)."""
         accepted_at = time.monotonic()
         if self.engine_lost is not None:
             raise Unavailable(f"the engine cannot serve: {self.engine_lost}")
@@ -281,7 +284,7 @@ class EngineRuntime:
         self.active[request_id] = request
         self.metrics.requests_started.inc()
         producer = asyncio.create_task(
-            self._run(request, ids, choice, points), name=f"generate-{request_id}"
+            self._run(request, ids, choice, points, cache_salt), name=f"generate-{request_id}"
         )
         try:
             yield pb.GenerateResponse(
@@ -310,7 +313,8 @@ class EngineRuntime:
             )
         return reqs.bind_probes(bindings, self.link.catalog(), self.settings.default_failure_policy)
 
-    async def _run(self, request: ActiveRequest, ids, choice: reqs.SamplingChoice, points) -> None:
+    async def _run(self, request: ActiveRequest, ids, choice: reqs.SamplingChoice, points,
+                   cache_salt: str | None = None) -> None:
         """Registers capture, runs vLLM, and always finishes the request's client stream."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -339,7 +343,8 @@ class EngineRuntime:
                 # vLLM never sees it. Ended while vLLM was still adding it: that abort
                 # found nothing in vLLM, so it is repeated once vLLM answers.
                 outputs = (
-                    self.llm.generate(TokensPrompt(prompt_token_ids=ids), params, request.request_id)
+                    self.llm.generate(TokensPrompt(prompt_token_ids=ids, cache_salt=cache_salt), params,
+                                      request.request_id)
                     if request.finish_reason == pb.FINISH_REASON_UNSPECIFIED
                     else _no_outputs()
                 )

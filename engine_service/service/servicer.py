@@ -2,12 +2,15 @@
 
 Errors raised by the runtime are domain errors; the interceptor in
 common.errors maps them to status codes in one place. Each request belongs to
-the authenticated caller that started it (engine_service.request.ownership).
+the authenticated caller that started it (engine_service.request.ownership),
+counts against that caller's quotas and carries its prefix-cache salt
+(engine_service.request.callers).
 """
 
 from __future__ import annotations
 
 from common.security.auth import current_caller
+from engine_service.request.callers import Callers
 from engine_service.request.ownership import RequestOwners
 from engine_service.request.validation import request_id_of
 from engine_service.service.runtime import EngineRuntime
@@ -16,14 +19,16 @@ from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 
 
 class EngineServicer(pb_grpc.EngineServiceServicer):
-    def __init__(self, runtime: EngineRuntime):
+    def __init__(self, runtime: EngineRuntime, callers: Callers | None = None):
         self.runtime = runtime
         self.owners = RequestOwners()
+        self.callers = callers or Callers()
 
     async def Generate(self, request, context):
+        caller = current_caller()
         request.request_id = request_id_of(request)  # the id its owner is recorded under
-        with self.owners.claim(request.request_id, current_caller()):
-            async for response in self.runtime.generate(request):
+        with self.owners.claim(request.request_id, caller), self.callers.stream(caller):
+            async for response in self.runtime.generate(request, cache_salt=self.callers.cache_salt(caller)):
                 yield response
 
     async def Abort(self, request, context):
