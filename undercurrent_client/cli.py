@@ -21,7 +21,7 @@ from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent_client import capture_file
 from undercurrent_client.activations import ActivationSet
 from undercurrent_client.client import EngineClient, ProbeAdminClient
-from undercurrent_client.connection import Connection
+from undercurrent_client.connection import Connection, PlaintextToken
 from undercurrent_client.errors import RpcError
 from undercurrent_client.events import (
     Activations,
@@ -45,6 +45,14 @@ class UsageError(Exception):
     """Bad input found after parsing (exit 2)."""
 
 
+class _TokenOnCommandLine(argparse.Action):
+    """A token on the command line shows in `ps` and in shell history: refused, saying where it goes."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"--token: give the token in ${TOKEN_ENV} or in a file with --token-file, not on "
+                     "the command line (it would show in ps and in shell history)")
+
+
 class _Parser(argparse.ArgumentParser):
     """Every usage error starts with `undercurrent: error:`, naming the subcommand."""
 
@@ -60,8 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     connection.add_argument("--tls-cert", metavar="PEM",
                             help="client certificate for mutual TLS (routers require one)")
     connection.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
-    connection.add_argument("--token", default=os.environ.get(TOKEN_ENV),
-                            help=f"bearer token sent on every call (default: ${TOKEN_ENV})")
+    connection.add_argument("--token-file", metavar="FILE",
+                            help=f"file holding the bearer token sent on every call (default: ${TOKEN_ENV}); "
+                                 "a token needs TLS")
+    connection.add_argument("--token", action=_TokenOnCommandLine, nargs="?", help=argparse.SUPPRESS)
+    connection.add_argument("--allow-token-over-plaintext", action="store_true",
+                            help="send the token without TLS (a development service on loopback)")
     connection.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                             help="deadline of each call (default: none for generate and capture)")
     engine = argparse.ArgumentParser(add_help=False, parents=[connection])
@@ -162,8 +174,26 @@ def _connection(args, flag: str) -> Connection:
             raise UsageError(f"--{option.replace('_', '-')} {path!r} is not a file")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise UsageError("--tls-cert and --tls-key go together")
-    return Connection(target, root_certificates=args.tls_root_cert, certificate_chain=args.tls_cert,
-                      private_key=args.tls_key, token=args.token)
+    try:
+        return Connection(target, root_certificates=args.tls_root_cert, certificate_chain=args.tls_cert,
+                          private_key=args.tls_key, token=_token(args),
+                          allow_token_over_plaintext=args.allow_token_over_plaintext)
+    except PlaintextToken:
+        raise UsageError("a token is sent only over TLS: give --tls-root-cert (or "
+                         "--allow-token-over-plaintext for a development service)") from None
+
+
+def _token(args) -> str | None:
+    """The token from --token-file, else $UNDERCURRENT_TOKEN."""
+    if not args.token_file:
+        return os.environ.get(TOKEN_ENV) or None
+    try:
+        token = open(args.token_file).read().strip()
+    except OSError as err:
+        raise UsageError(f"--token-file {args.token_file!r}: {err.strerror}") from None
+    if not token or any(ch.isspace() for ch in token):
+        raise UsageError(f"--token-file {args.token_file!r}: must hold one token and nothing else")
+    return token
 
 
 def _sampling(args) -> dict:

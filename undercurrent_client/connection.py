@@ -16,6 +16,10 @@ from grpc import aio
 from common.grpc_server import MAX_MESSAGE_BYTES, channel_options
 
 
+class PlaintextToken(ValueError):
+    """A bearer token was to be sent over a plaintext connection."""
+
+
 @dataclass(frozen=True)
 class Connection:
     """Where and how to connect.
@@ -27,6 +31,9 @@ class Connection:
     certificate_chain, private_key: PEM bytes or paths of a client certificate,
         for servers that require mutual TLS.
     token: sent as `authorization: Bearer <token>` metadata on every call.
+        Over plaintext anyone on the path reads it, so a token needs a TLS
+        connection unless `allow_token_over_plaintext` says otherwise (a
+        development service on loopback).
     max_message_bytes: the largest message sent or received.
     """
 
@@ -37,6 +44,14 @@ class Connection:
     private_key: bytes | str | Path | None = None
     token: str | None = None
     max_message_bytes: int = MAX_MESSAGE_BYTES
+    allow_token_over_plaintext: bool = False
+
+    def __post_init__(self) -> None:
+        if self.token and not self.secure and not self.allow_token_over_plaintext:
+            raise PlaintextToken(
+                "token: refusing to send a bearer token over a plaintext connection; connect with TLS "
+                "(root_certificates, or tls=True for the system's roots), or set "
+                "allow_token_over_plaintext=True for a development service")
 
     @property
     def secure(self) -> bool:

@@ -5,6 +5,11 @@ scripts): TLS and bearer tokens from the environment, plaintext without them.
   UNDERCURRENT_TLS_CERT, _TLS_KEY     client certificate and key (routers require one)
   UNDERCURRENT_TOKEN                  bearer token for EngineService (a client token)
   UNDERCURRENT_ADMIN_TOKEN            bearer token for ProbeAdminService (an admin token)
+  UNDERCURRENT_TOKEN_FILE,            files holding those tokens (a mounted secret), read
+  UNDERCURRENT_ADMIN_TOKEN_FILE       when the variables above are not set
+
+Tokens are sent over TLS only: without UNDERCURRENT_TLS_CA the channel is
+plaintext and carries no token.
 
 (The services read their token *sets* from UNDERCURRENT_CLIENT_TOKENS and
 UNDERCURRENT_ADMIN_TOKENS; these singular names are one caller's own tokens.)
@@ -22,6 +27,15 @@ from common.security.tls import secure_channel
 ADMIN_SERVICE = "undercurrent.v1.ProbeAdminService"
 ENV_CA, ENV_CERT, ENV_KEY = "UNDERCURRENT_TLS_CA", "UNDERCURRENT_TLS_CERT", "UNDERCURRENT_TLS_KEY"
 ENV_TOKEN, ENV_ADMIN_TOKEN = "UNDERCURRENT_TOKEN", "UNDERCURRENT_ADMIN_TOKEN"
+FILE_SUFFIX = "_FILE"
+
+
+def token_from_env(name: str, environ=os.environ) -> str | None:
+    """$NAME, else the content of the file $NAME_FILE names (stripped)."""
+    if environ.get(name):
+        return environ[name]
+    path = environ.get(name + FILE_SUFFIX)
+    return Path(path).read_text().strip() or None if path else None
 
 
 class ServiceTokens(grpc.AuthMetadataPlugin):
@@ -54,5 +68,5 @@ def channel_from_env(address: str, options: list, environ=os.environ,
         return grpc.aio.insecure_channel(address, options=options)
     path = (lambda name: Path(environ[name]) if environ.get(name) else None)
     credentials = tls_credentials(path(ENV_CA), path(ENV_CERT), path(ENV_KEY),
-                                  environ.get(ENV_TOKEN), environ.get(ENV_ADMIN_TOKEN))
+                                  token_from_env(ENV_TOKEN, environ), token_from_env(ENV_ADMIN_TOKEN, environ))
     return secure_channel(address, credentials, options, server_name)

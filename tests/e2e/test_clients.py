@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -206,8 +207,8 @@ async def cli(*args: str, timeout: float = 180) -> tuple[int, str, str]:
     """The command with the development CA and the `demo` client token (the engine runs with TLS)."""
     dev = DevSecurity.ensure()
     process = await asyncio.create_subprocess_exec(
-        *CLI, *args, "--tls-root-cert", str(dev.ca), "--token", dev.client_token,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        *CLI, *args, "--tls-root-cert", str(dev.ca),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "UNDERCURRENT_TOKEN": dev.client_token})
     out, err = await asyncio.wait_for(process.communicate(), timeout)
     return process.returncode, out.decode(), err.decode()
 

@@ -1,8 +1,10 @@
 """The `undercurrent` command against a real router serving mutual TLS with admin
 tokens: a client certificate (--tls-cert/--tls-key) gets in, none is refused in
-the handshake, and the certificate flags are checked before any call."""
+the handshake, and the certificate flags are checked before any call. The
+token comes from $UNDERCURRENT_TOKEN or --token-file, never the command line."""
 
 import asyncio
+import os
 import subprocess
 import sys
 
@@ -11,10 +13,12 @@ from tests.security.conftest import ADMIN_TOKEN
 CLI = [sys.executable, "-m", "undercurrent_client"]
 
 
-async def cli(*args: str) -> tuple[int, str, str]:
+async def cli(*args: str, token: str | None = ADMIN_TOKEN) -> tuple[int, str, str]:
     """A process, so the router sharing this event loop keeps answering."""
+    env = {k: v for k, v in os.environ.items() if k != "UNDERCURRENT_TOKEN"}
     process = await asyncio.create_subprocess_exec(*CLI, *args, stdout=subprocess.PIPE,
-                                                   stderr=subprocess.PIPE)
+                                                   stderr=subprocess.PIPE,
+                                                   env={**env, "UNDERCURRENT_TOKEN": token} if token else env)
     out, err = await asyncio.wait_for(process.communicate(), 60)
     return process.returncode, out.decode(), err.decode()
 
@@ -22,8 +26,7 @@ async def cli(*args: str) -> tuple[int, str, str]:
 async def test_probes_list_over_mutual_tls_needs_the_client_certificate(secure_router, pki, tmp_path):
     router, _ = await secure_router()
     client = pki.files("operator-client")
-    target = ["--router", f"127.0.0.1:{router.port}", "--tls-root-cert", str(pki.ca_path),
-              "--token", ADMIN_TOKEN]
+    target = ["--router", f"127.0.0.1:{router.port}", "--tls-root-cert", str(pki.ca_path)]
 
     code, out, err = await cli("probes", "list", *target, "--tls-cert", str(client.cert),
                                "--tls-key", str(client.key))
