@@ -32,7 +32,7 @@ def test_every_object_validates_against_the_kubernetes_schemas(overlay):
     rendered = render(K8S / "overlays" / overlay)
     assert {d["kind"] for d in rendered} == {
         "ConfigMap", "PersistentVolumeClaim", "Deployment", "Service",
-        "PodDisruptionBudget", "HorizontalPodAutoscaler",
+        "PodDisruptionBudget", "HorizontalPodAutoscaler", "NetworkPolicy",
     } | ({"StatefulSet"} if overlay == "gpu-multinode" else set())
     for document in rendered:
         kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True)
@@ -65,14 +65,14 @@ def test_the_renderer_refuses_features_it_does_not_implement(tmp_path):
 
 
 TLS_DIR = "/etc/undercurrent/tls"
-ROUTER_PROBE = ["python", "-m", "common.health_probe", f"--tls-ca={TLS_DIR}/ca.crt",
-                f"--tls-cert={TLS_DIR}/tls.crt", f"--tls-key={TLS_DIR}/tls.key",
-                "--server-name=undercurrent-router", "127.0.0.1:50061"]
+ROUTER_PROBE = ["python", "-m", "common.health_probe", "--insecure", "127.0.0.1:50062"]
 
 
 def test_router_liveness_does_not_depend_on_probes_but_readiness_does():
-    """Both over mutual TLS (Kubernetes' own gRPC probe speaks no TLS)."""
+    """Both on the router's plaintext health port on the pod's loopback: the
+    checks hold no certificate (a router requires one on its gRPC port)."""
     router = container(objects("cpu")[("Deployment", "undercurrent-router")], "router")
+    assert flags(router["args"])["--health-port"] == "50062"
     assert router["readinessProbe"]["exec"]["command"] == ROUTER_PROBE
     assert router["livenessProbe"]["exec"]["command"] == [*ROUTER_PROBE[:3], "--live", *ROUTER_PROBE[3:]]
 
@@ -85,7 +85,8 @@ def flags(args: list[str]) -> dict[str, str]:
 def test_services_serve_tls_with_tokens_from_secrets(overlay):
     """Both services refuse to start without TLS files or --insecure: the pods
     get them (and the token files) from required Secrets, one certificate per
-    service, each service only its own kind of tokens."""
+    service, each service only the Secret of the tokens it checks, and no
+    service account token."""
     rendered = objects(overlay)
     for name, tokens_flag, tokens_key in (("engine", "--client-tokens-file", "client-tokens"),
                                           ("router", "--admin-tokens-file", "admin-tokens")):
@@ -99,13 +100,20 @@ def test_services_serve_tls_with_tokens_from_secrets(overlay):
         volumes = {v["name"]: v for v in spec["volumes"]}
         assert volumes["tls"]["secret"] == {"secretName": f"undercurrent-{name}-tls"}
         assert volumes["tokens"]["secret"] == {
-            "secretName": "undercurrent-tokens", "items": [{"key": tokens_key, "path": tokens_key}]}
+            "secretName": f"undercurrent-{tokens_key}", "items": [{"key": tokens_key, "path": tokens_key}]}
+        assert [v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v] == [
+            f"undercurrent-{name}-tls", f"undercurrent-{tokens_key}"]
+        assert spec["automountServiceAccountToken"] is False
         mounts = {m["name"]: m for m in service["volumeMounts"]}
         assert mounts["tls"] == {"name": "tls", "mountPath": TLS_DIR, "readOnly": True}
         assert mounts["tokens"] == {"name": "tokens", "mountPath": "/etc/undercurrent/tokens", "readOnly": True}
-        for probe in ("readinessProbe", "livenessProbe"):
-            command = service[probe]["exec"]["command"]
-            assert f"--tls-ca={TLS_DIR}/ca.crt" in command and f"--server-name=undercurrent-{name}" in command
+    engine = container(rendered[("Deployment", "undercurrent-engine")], "engine")
+    for probe in ("readinessProbe", "livenessProbe"):
+        command = engine[probe]["exec"]["command"]
+        assert f"--tls-ca={TLS_DIR}/ca.crt" in command and "--server-name=undercurrent-engine" in command
+    # Sessions from the engine's certificate only (its cert-manager dnsNames, docs/security.md).
+    router = container(rendered[("Deployment", "undercurrent-router")], "router")
+    assert flags(router["args"])["--engine-identities"] == "undercurrent-engine"
 
 
 def test_routers_are_headless_budgeted_and_autoscaled():
