@@ -91,8 +91,10 @@ class DevSecurity:
         return {client.ENV_CA: str(self.ca), client.ENV_CERT: str(cert), client.ENV_KEY: str(key),
                 client.ENV_TOKEN: self.client_token, client.ENV_ADMIN_TOKEN: self.admin_token}
 
-    def channel(self, address: str, token: str | None = None) -> grpc.aio.Channel:
-        return grpc.aio.secure_channel(address, self.channel_credentials(token), options=channel_options())
+    def channel(self, address: str, token: str | None = None, options=()) -> grpc.aio.Channel:
+        """options: more channel arguments, after the defaults."""
+        return grpc.aio.secure_channel(address, self.channel_credentials(token),
+                                       options=[*channel_options(), *options])
 
 
 def _usable(directory: Path) -> bool:

@@ -170,12 +170,14 @@ def router(port: int, probes_dir: Path, *extra: str, log_to_file: bool = True,
 
 def engine(model: str, router_addresses: str, *extra: str, workers_bind: str | None = None,
            log_to_file: bool = True, max_model_len: int = 512, secure: bool = True,
-           dtype: str = "float32") -> Service:
-    """An engine serving `model` in `dtype` (vLLM's --dtype; float32 unless asked)."""
+           dtype: str = "float32", log_stats: bool = False) -> Service:
+    """An engine serving `model` in `dtype` (vLLM's --dtype; float32 unless asked);
+    log_stats: keep vLLM's statistics (its vllm:* series)."""
     port = free_port()
     security = _security(secure)
     args = ["engine_service", "--host", "127.0.0.1", "--port", str(port), "--model", model,
-            "--max-model-len", str(max_model_len), "--dtype", dtype, "--disable-log-stats",
+            "--max-model-len", str(max_model_len), "--dtype", dtype,
+            *([] if log_stats else ["--disable-log-stats"]),
             *(security.engine_flags() if security else ["--insecure"]), *extra]
     if router_addresses:
         args += ["--router", router_addresses]
