@@ -1,6 +1,6 @@
 """The compose project the compose test and the benchmarks run: compose v2,
 `up`, the containers and their host pids, the client credentials read from the
-stack's `certs` volume, a probe deployed to every router replica as
+engine's secrets volume, a probe deployed to every router replica as
 docs/deployment.md gives it, and the engine's metrics and log."""
 
 from __future__ import annotations
@@ -22,13 +22,9 @@ PROJECT = "undercurrent-compose-test"
 TAG = "compose-test"
 # Loads a probe directory mounted at /probe into every router replica of the
 # stack, and waits until the engine offers it: the command docs/deployment.md
-# gives. It runs in a one-off router container (`compose run`), which is on the
-# stack's network, has the client certificate and the CA, and reads the tokens
-# from the `certs` volume.
-DEPLOY_IN_STACK = ("UNDERCURRENT_ADMIN_TOKEN=$(cut -d: -f2 /certs/admin-tokens) "
-                   "UNDERCURRENT_TOKEN=$(cut -d: -f2 /certs/client-tokens) "
-                   "python -m probe_lifecycle deploy --probe /probe "
-                   "--routers dns:router:50061 --engine engine:50051")
+# gives, run by the stack's `operator` tool (`compose run`), which is on the
+# stack's network and holds the operator's certificate and tokens.
+DEPLOY_IN_STACK = "deploy --probe /probe --routers dns:router:50061 --engine engine:50051"
 
 
 def compose_binary() -> str:
@@ -79,17 +75,17 @@ class Stack:
 
     def client_credentials(self) -> grpc.ChannelCredentials:
         """TLS trusting the stack's CA, with the `demo` client token: both read
-        from the `certs` volume through the engine container."""
+        from the engine's secrets volume through the engine container."""
         ca = WORK / "compose-ca.pem"
-        ca.write_text(self.compose("exec", "-T", "engine", "cat", "/certs/ca.pem").stdout)
-        tokens = self.compose("exec", "-T", "engine", "cat", "/certs/client-tokens").stdout
+        ca.write_text(self.compose("exec", "-T", "engine", "cat", "/secrets/ca.pem").stdout)
+        tokens = self.compose("exec", "-T", "engine", "cat", "/secrets/client-tokens").stdout
         token = dict(line.split(":", 1) for line in tokens.split())["demo"]
         return tls_credentials(ca, None, None, token, None)
 
     def deploy_probe(self, probe_dir: Path) -> str:
         """DEPLOY_IN_STACK with probe_dir mounted at /probe; returns its output."""
         return self.compose("run", "--rm", "--no-deps", "-T", "-v", f"{probe_dir}:/probe:ro",
-                            "--entrypoint", "sh", "router", "-c", DEPLOY_IN_STACK).stdout
+                            "operator", *DEPLOY_IN_STACK.split()).stdout
 
     def metric(self, name: str) -> float | None:
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"

@@ -13,7 +13,7 @@ Steps, each timed and reported:
   4. `docker compose up --wait` (3 router replicas, the model job, the engine);
   5. one Generate with the shipped probe bound, sent from this host through
      the published port over TLS with a client token (the CA and the token
-     read from the `certs` volume): tokens stream, probe scores come back;
+     read from the engine's secrets volume): tokens stream, probe scores come back;
   6. the engine's word on its engine core's priority (--engine-core-nice auto)
      matches the nice of the engine core's threads, read from this host: the
      engine's user may not raise it here, so nice 0 and the line saying so;
@@ -23,7 +23,7 @@ Steps, each timed and reported:
   8. an abort through the stack: a probe built to fire at a known token (from
      a first run's activations, streamed to this client) is deployed to every
      router replica with `probe_lifecycle deploy --routers dns:router:50061`,
-     run in a one-off router container as docs/deployment.md shows; then
+     run by the stack's `operator` tool as docs/deployment.md shows; then
      `--abort-pairs` pairs of fail_closed requests: each pair's first request
      must end PROBE_ABORT at that token, the other run to its end untouched,
      and the median abort must land within ABORT_LATENCY_BOUND tokens;

