@@ -136,21 +136,21 @@ def build_parser():
         help="once vLLM's CPU backend has bound its workers to cores, move this process's threads "
         "to the other cores it may use (those vLLM reserves for other processes), so they never take "
         "a core from a forward pass; nothing moves where workers are not bound (GPU) or hold every "
-        "core. Off by default: on a 2-core host with one worker it made no difference (BENCHMARKS.md "
-        "section 36)",
+        "core. Off by default: on a 2-core host with one worker, every type at every layer ran as "
+        "fast with it as without, alternating round by round",
     )
     ours.add_argument(
         "--engine-core-wait", choices=ENGINE_CORE_WAITS, default="auto",
         help="how vLLM's engine core waits for its workers during a forward pass: spin (vLLM's "
         "own way: it takes a core while it waits) or sleep (it sleeps until the workers reply, "
         "leaving the core to the engine service and the router). auto sleeps on vLLM's CPU "
-        "backend and spins elsewhere (BENCHMARKS.md section 38)",
+        "backend (every type at every layer 4-8%% faster on a 2-core host) and spins elsewhere",
     )
     ours.add_argument(
         "--engine-core-nice", default="auto", metavar="auto|NICE",
         help="the nice of vLLM's engine core's threads, set once vLLM has started, so that each "
         "step's turnaround runs ahead of the engine service and the router (-10 ran every type "
-        "1.5-8.6%% faster on a 2-core CPU host, BENCHMARKS.md section 39). auto is -10 on vLLM's "
+        "1.5-8.6%% faster on a 2-core CPU host). auto is -10 on vLLM's "
         "CPU backend and leaves it alone elsewhere; raising it needs CAP_SYS_NICE or a nice limit "
         "(ulimit -e) of 20 - NICE, without either the service says so and goes on",
     )

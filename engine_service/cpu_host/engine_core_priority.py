@@ -10,7 +10,7 @@ before the next step, can queue behind the other two's work. With the engine
 core asleep while its workers compute (`engine_core_wait`), it has to be woken
 and scheduled each step, so its priority decides how soon the next step
 starts. At nice -10 every type at every layer ran 1.5-8.6% faster, in each of
-six runs alternating round by round (BENCHMARKS.md section 39).
+six runs alternating round by round on a 2-core host.
 
 The engine service sets it from outside, once vLLM has started: every thread
 of each engine core process vLLM started (threads it starts later inherit a
@@ -74,5 +74,5 @@ def apply(value: str, on_cpu: bool, pids: Iterable[int]) -> str:
         threads = sum(renice_threads(pid, nice) for pid in pids)
     except PermissionError:
         return (f"vLLM's engine core keeps its priority: nice {nice} needs CAP_SYS_NICE or "
-                f"RLIMIT_NICE >= {20 - nice} (--engine-core-nice {value}; BENCHMARKS.md section 40)")
+                f"RLIMIT_NICE >= {20 - nice} (--engine-core-nice {value})")
     return f"vLLM's engine core runs at nice {nice}, {threads} threads (--engine-core-nice {value})"

@@ -7,8 +7,8 @@ terminal, a service manager's unit, a launcher that starts each process in a
 session of its own) is scheduled as one group; a session holding the engine
 then kept processes of other sessions (a router, a client, a plain 10 ms
 sleeper) from both cores of a 2-core host for up to 3.3 s at a time, and a
-router went silent 7 s, long enough for the engine to drop its session
-(BENCHMARKS.md section 19). In one session the router waited at most 11 ms
+router went silent 7 s, long enough for the engine to drop its session.
+In one session the router waited at most 11 ms
 per request; in separate ones with autogroup off, no stall came either.
 Containers are outside autogroup, but in control groups that the kernel
 schedules the same way: there a higher CPU weight for the router is the
@@ -37,5 +37,5 @@ def autogroup_warning(on_cpu: bool, setting: Path = AUTOGROUP_SETTING) -> str | 
         "seconds for a CPU while vLLM's workers run, and a router that waits past "
         "--router-timeout fails its requests; start them from one session (as `make run` and "
         "the tests do), give the router cores vLLM's workers are not pinned to, or set "
-        "kernel.sched_autogroup_enabled=0 (BENCHMARKS.md section 19)"
+        "kernel.sched_autogroup_enabled=0 (docs/deployment.md, CPU hosts)"
     )

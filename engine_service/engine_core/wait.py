@@ -10,8 +10,8 @@ pass. Asleep, the engine core spins only for SPIN_AFTER_READ_S after each
 read (a step's second reply, the sampled tokens, follows its first within a
 millisecond, and its notification is often lost behind the first's), then
 waits in the queue's own poll for the workers' notification, bounded so that a
-missed one costs at most POLL_BOUND_MS (BENCHMARKS.md section 38 measures
-both ways).
+missed one costs at most POLL_BOUND_MS (`python -m bench.overhead
+--engine-core-wait auto|spin` measures both ways).
 
 The engine core runs in a process of vLLM's own, so the choice reaches it as
 the environment variable ENV, read by `register`: a vLLM general plugin

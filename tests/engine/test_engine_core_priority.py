@@ -61,7 +61,7 @@ def test_without_the_right_to_raise_it_the_engine_core_keeps_its_priority(proces
     monkeypatch.setattr(os, "setpriority", refused)
     line = engine_core_priority.apply("auto", on_cpu=True, pids=[process.pid])
     assert line == ("vLLM's engine core keeps its priority: nice -10 needs CAP_SYS_NICE or "
-                    "RLIMIT_NICE >= 30 (--engine-core-nice auto; BENCHMARKS.md section 40)")
+                    "RLIMIT_NICE >= 30 (--engine-core-nice auto)")
     monkeypatch.undo()
     assert thread_nices(process.pid) == [0, 0, 0]
 

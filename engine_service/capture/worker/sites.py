@@ -72,7 +72,7 @@ def _capture_op(
 # its own ops, rather than with torch.library.custom_op: for an op that mutates an
 # argument, custom_op adds a Python kernel on the ADInplaceOrView key that rebuilds
 # the schema's argument list several times per call: 17-25 µs per site and step in
-# a worker, against 2-5 µs here, where that key falls through (BENCHMARKS.md, section 34).
+# a worker, against 2-5 µs here, where that key falls through (measured by `python -m bench.site_op`).
 _LIBRARY = torch.library.Library(SITE_OP.partition("::")[0], "FRAGMENT")
 _LIBRARY.define(
     "capture(Tensor tensor, Tensor? addend, int tensor_type, int layer, Tensor(a!) keep_alive) -> ()")
