@@ -5,8 +5,8 @@ with every request open, and the CPU of a request's probe bookkeeping.
     python -m bench.engine_request_gc [--probes 1000] [--requests 256] [--rounds 3] [--out engine_request_gc.json]
 
 Each request goes through what the engine service does with a Generate call's
-probe bindings (`requests.bind_probes` against a catalog of `--probes` probes,
-`probe_points`, the request's `RequestLedger` and `ActiveRequest`, then
+probe bindings (pinned with `RouterLink.pin` against a catalog of `--probes`
+probes, `probe_points`, the request's `RequestLedger` and `RequestRun`, then
 `RouterLink.start_request`, whose request_start is taken off the queue of a
 replica that is marked up but never connected) and stays open; then every
 request ends. CPython's collector walks every object the service keeps at
@@ -26,13 +26,13 @@ import sys
 
 from bench.gc_watch import open_requests_main, open_requests_round
 from common.gc_heap import freeze_startup_heap
-from engine_service.request import validation as reqs
-from engine_service.request.active import ActiveRequest
-from engine_service.request.client_stream import ClientStream
 from engine_service.link import RouterLink, RouterLinkConfig
 from engine_service.link.session import ReplicaSession
-from engine_service.request.probe_points import ExpectedRows, probe_points
+from engine_service.request import bindings as pins
+from engine_service.request.client_stream import ClientStream
 from engine_service.request.ledger import RequestLedger
+from engine_service.request.probe_points import probe_points
+from engine_service.request.run import RequestRun, run_key
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 HIDDEN = 64
@@ -42,7 +42,7 @@ PROMPT = 16
 def link_with_one_replica(probes: int) -> tuple[RouterLink, ReplicaSession, dict[str, pb.ProbeInfo]]:
     catalog = {
         f"probe_{i}": pb.ProbeInfo(name=f"probe_{i}", tensor_type=pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=[0],
-                                   action=pb.PROBE_ACTION_ABORT)
+                                   action=pb.PROBE_ACTION_ABORT, digest=f"sha256:probe-{i}")
         for i in range(probes)
     }
     model = pb.ModelInfo(model="bench", hidden_size=HIDDEN, num_layers=8, dtype="bfloat16",
@@ -55,20 +55,20 @@ def link_with_one_replica(probes: int) -> tuple[RouterLink, ReplicaSession, dict
     return link, replica, catalog
 
 
-def start(link: RouterLink, replica: ReplicaSession, catalog: dict, message: pb.GenerateRequest,
-          incarnation: int) -> ActiveRequest:
-    """A request's probe bookkeeping, as `Runtime.generate` and `Runtime._run` do it."""
-    probes, infos = reqs.bind_probes(message.probes, catalog, pb.FAILURE_POLICY_FAIL_CLOSED)
-    captures = probe_points(infos)
-    request = ActiveRequest(
-        request_id=message.request_id, incarnation=incarnation, prompt_len=PROMPT, probes=probes, gate=None,
-        events=ClientStream(1 << 20, 1 << 20, lambda dropped: None), captures=True,
-        ledger=RequestLedger(PROMPT, {p.probe: p.failure_policy for p in probes}, ExpectedRows(captures, PROMPT)),
-    )
-    link.start_request(request.request_id, incarnation, request.probes, PROMPT, request.ledger)
+def start(link: RouterLink, replica: ReplicaSession, message: pb.GenerateRequest, incarnation: int) -> RequestRun:
+    """A request's probe bookkeeping, as `EngineRuntime.generate` and `_run` do it."""
+    key = run_key(message.request_id, incarnation)
+    policy = pb.FAILURE_POLICY_FAIL_CLOSED
+    infos = link.pin(key, pins.wanted(message.probes, policy))
+    bindings = pins.pinned(message.probes, infos, policy)
+    run = RequestRun(key, message.request_id, incarnation, PROMPT, bindings, infos, gate_tokens=False,
+                     stream=ClientStream(1 << 20, 1 << 20, lambda dropped: None), decode=str,
+                     ledger=RequestLedger(PROMPT, pins.for_ledger(bindings, infos), probe_points(infos)),
+                     captures=True)
+    link.start_request(key, incarnation, run.bindings, PROMPT, run.ledger)
     while replica.queue:  # the request_start goes out
         replica.queue.pop()
-    return request
+    return run
 
 
 def prepare(args):
@@ -78,17 +78,18 @@ def prepare(args):
                                    probes=[pb.ProbeBinding(probe=name) for name in catalog])
                 for i in range(args.requests)]
     freeze_startup_heap()
-    active: dict[str, ActiveRequest] = {}
+    active: dict[str, RequestRun] = {}
     incarnations = itertools.count(1)
 
     def start_all() -> None:
         for message in messages:
-            active[message.request_id] = start(link, replica, catalog, message, next(incarnations))
+            run = start(link, replica, message, next(incarnations))
+            active[run.key] = run
 
     def end_all() -> None:
-        for request_id in list(active):
-            link.end_request(request_id, pb.FINISH_REASON_STOP)
-            del active[request_id]
+        for key in list(active):
+            link.end_request(key, pb.FINISH_REASON_STOP)
+            del active[key]
         while replica.queue:
             replica.queue.pop()
 

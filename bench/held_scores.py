@@ -5,7 +5,7 @@ probes bound to the request.
 
 A router sends one ProbeScores message per binding and step, just before the
 step's StepAck; the engine service holds each until the request's ledger
-counts its rows scored (`active_request.HeldScores`), on its event loop. Each
+counts its rows scored (`request.gate.HeldScores`), on its event loop. Each
 step here: the step's rows queued and sent on the ledger, one message per
 bound probe taken as the engine takes a Scores event, then the ack and the
 release the engine runs on it. Reports CPU ms per request and step
@@ -19,8 +19,10 @@ import argparse
 import time
 
 from bench import results_file
-from engine_service.request.active import HeldScores
-from engine_service.request.ledger import RequestLedger
+from common.capture_spec import TokenSelector
+from engine_service.request.gate import HeldScores
+from engine_service.request.ledger import LedgerBinding, RequestLedger
+from engine_service.request.probe_points import point_name
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 PROMPT = 16
@@ -29,18 +31,20 @@ LAYERS = 8  # the bench model's: a probe over every layer scores 8 rows a token
 
 def step_ms(probes: int, steps: int) -> float:
     names = [f"probe_{i}" for i in range(probes)]
-    ledger = RequestLedger(PROMPT, {name: pb.FAILURE_POLICY_FAIL_OPEN for name in names})
+    points = tuple(point_name("residual_stream", layer) for layer in range(LAYERS))
+    ledger = RequestLedger(PROMPT, [LedgerBinding(name, False, False, points, TokenSelector()) for name in names])
     held, shown = HeldScores(), 0
     started = time.process_time()
     for step in range(1, steps + 1):
         position = PROMPT + step
-        message = ledger.queued("router", {position: LAYERS}, 0.0)
+        ledger.computed_below(position)
+        message = ledger.queued("router", {point: [position] for point in points}, 0.0)
         ledger.sent(message, step)
         for name in names:
             shown += len(held.add(pb.ProbeScores(request_id="r", probe=name, token_positions=[position] * LAYERS,
-                                                 scores=[0.5] * LAYERS), ledger))
+                                                 scores=[0.5] * LAYERS), ledger, position + 1))
         ledger.acknowledged(message)
-        shown += len(held.release(ledger))
+        shown += len(held.release(ledger, position + 1))
     elapsed = time.process_time() - started
     assert shown == probes * steps, (shown, probes, steps)
     return elapsed / steps * 1e3

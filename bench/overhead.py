@@ -277,10 +277,10 @@ class Engines:
         await self.runtime.start()
         await self.runtime.link.wait_ready(timeout=60)
         deadline = time.monotonic() + 30
-        while (len(self.runtime.link.catalog()) < 1 + len(TENSOR_TYPES) + MANY_PROBES
+        while (len(loaded_probes(self.runtime.link)) < 1 + len(TENSOR_TYPES) + MANY_PROBES
                or self.runtime.routers_up() < len(targets)):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"router catalog incomplete: {sorted(self.runtime.link.catalog())}")
+                raise RuntimeError(f"router catalog incomplete: {sorted(loaded_probes(self.runtime.link))}")
             await asyncio.sleep(0.1)
         # This process is the engine service's front end: freeze its start-up heap as the service does.
         print(f"start-up heap frozen: {freeze_startup_heap()} objects", flush=True)
@@ -543,6 +543,11 @@ def main() -> int:
     print(f"\n{report['command']}  ({report['date']}, {report['wall_seconds']} s, {report['machine']})\n")
     print(table(results))
     return 0
+
+
+def loaded_probes(link) -> set[str]:
+    """The probes new requests can bind: those of the replicas that take requests."""
+    return {name for catalog in link.catalogs().values() for name in catalog}
 
 
 if __name__ == "__main__":

@@ -56,8 +56,10 @@ def session(probes: int, requests: int) -> tuple[SessionState, list[str]]:
 def prepare(args):
     """The session, warmed; returns the function that measures one round."""
     state, names = session(args.probes, args.requests)
+    digests = {p.name: p.digest for p in state.registry.probes()}
     starts = [pb.RequestStart(request_id=f"req-{i}", prompt_length=1,
-                              probes=[pb.ProbeBinding(probe=n) for n in names]) for i in range(args.requests)]
+                              bindings=[pb.SessionBinding(probe=n, digest=digests[n]) for n in names])
+              for i in range(args.requests)]
     ends = [pb.RequestEnd(request_id=f"req-{i}") for i in range(args.requests)]
     freeze_startup_heap()
     state.start(starts[0])  # warm: every probe's grid column made once

@@ -59,6 +59,8 @@ from common.gc_heap import freeze_startup_heap  # noqa: E402
 from common.activations import Block, decode_parts, encode_part, session_request_bytes, to_batch  # noqa: E402
 from undercurrent.v1 import undercurrent_pb2 as pb  # noqa: E402
 
+from engine_service.request.probe_points import point_name  # noqa: E402
+
 WINDOW = 8
 
 
@@ -69,7 +71,8 @@ def rows(args) -> np.ndarray:
 
 def step_blocks(args, bits: np.ndarray, request_ids: list[str], step: int) -> list[Block]:
     positions, flags = np.full(args.rows, step, np.int64), np.ones(args.rows, bool)
-    return [Block("resid", pb.TENSOR_TYPE_RESIDUAL_STREAM, layer, bits, request_ids, positions, flags, "bfloat16")
+    return [Block(point_name("residual_stream", layer), pb.TENSOR_TYPE_RESIDUAL_STREAM, layer, bits, request_ids,
+                  positions, flags, "bfloat16")
             for layer in range(args.blocks)]
 
 
@@ -80,7 +83,8 @@ async def engine(args) -> tuple[float, float, Collections, int]:
     from engine_service.capture.channel import shipment_frames, shipment_from_frames
     from engine_service.link import RouterLink, RouterLinkConfig
     from engine_service.link.session import ReplicaSession
-    from engine_service.request.ledger import RequestLedger
+    from common.capture_spec import TokenSelector
+    from engine_service.request.ledger import LedgerBinding, RequestLedger
 
     model = pb.ModelInfo(model="bench", hidden_size=args.hidden, num_layers=max(32, args.blocks), dtype="bfloat16",
                          tensor_types=[pb.TENSOR_TYPE_RESIDUAL_STREAM])
@@ -91,9 +95,12 @@ async def engine(args) -> tuple[float, float, Collections, int]:
     link._replicas[address] = replica
     replica._mark_up(pb.RouterHello(router_id="bench"))
     request_ids = [f"req-{i}" for i in range(args.rows)]
+    # One fail_open binding per request reading every block's layer.
+    reads = LedgerBinding("p", False, False, tuple(point_name("residual_stream", layer) for layer in range(args.blocks)),
+                          TokenSelector())
     for request_id in request_ids:
-        link.start_request(request_id, 1, [pb.ProbeBinding(probe="p")], 1,
-                           RequestLedger(prompt_len=1, policies={"p": pb.FAILURE_POLICY_FAIL_OPEN}))
+        link.start_request(request_id, 1, [pb.SessionBinding(probe="p", failure_policy=pb.FAILURE_POLICY_FAIL_OPEN)],
+                           1, RequestLedger(1, [reads]))
     while replica.queue:
         replica.queue.pop()
     bits, in_flight = rows(args), []
@@ -150,8 +157,8 @@ def router(args) -> float:
     state = SessionState(registry, model, RouterMetrics(), max_requests=args.rows + 1)
     request_ids = [f"req-{i}" for i in range(args.rows)]
     for request_id in request_ids:
-        state.start(pb.RequestStart(request_id=request_id, probes=[pb.ProbeBinding(probe=p) for p in names],
-                                    prompt_length=1))
+        state.start(pb.RequestStart(request_id=request_id, prompt_length=1, bindings=[
+            pb.SessionBinding(probe=p.name, digest=p.digest) for p in registry.probes() if p.name in names]))
     bits, batches = rows(args), []
     for step in range(1, args.steps + 1):
         wire = pb.SessionRequest(batch=to_batch(step_blocks(args, bits, request_ids, step), step)).SerializeToString()

@@ -160,10 +160,11 @@ async def drive(name: str, port: int, args, probe_names: list[str], tensors: lis
         await call.write(pb.SessionRequest(hello=pb.SessionHello(engine_id="bench", model=model)))
         hello = await call.read()
         assert hello.WhichOneof("message") == "hello", hello
-        bindings = [pb.ProbeBinding(probe=p) for p in probe_names]
+        digests = {p.name: p.digest for p in hello.hello.probes}
+        bindings = [pb.SessionBinding(probe=p, digest=digests[p]) for p in probe_names]
         for rid in request_ids:
             await call.write(pb.SessionRequest(request_start=pb.RequestStart(
-                request_id=rid, probes=bindings, prompt_length=1)))
+                request_id=rid, bindings=bindings, prompt_length=1)))
         window = asyncio.Semaphore(args.window)
         sent_at: dict[int, float] = {}
         latencies: list[float] = []

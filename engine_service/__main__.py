@@ -19,6 +19,7 @@ from common.grpc_server import MAX_MESSAGE_BYTES
 from engine_service.cpu_host import engine_core_priority
 from engine_service.capture.channel import DEFAULT_BACKLOG_BYTES
 from engine_service.engine_core.wait import MODES as ENGINE_CORE_WAITS
+from engine_service.link.config import RouterLinkConfig
 from engine_service.link.send_queue import DEFAULT_SEND_QUEUE_BYTES
 from engine_service.service.runtime import EngineSettings
 from engine_service.request.callers import DEFAULT_MAX_QUEUED_BYTES_PER_CALLER, DEFAULT_MAX_STREAMS_PER_CALLER
@@ -95,7 +96,12 @@ def build_parser():
         help="default for bindings that set none",
     )
     ours.add_argument("--router-timeout", type=float, default=EngineSettings.router_timeout_s,
-                      help="seconds")
+                      help="seconds a row may wait for its router's ack before it counts unscored "
+                           "(fail_closed bindings then end the request), and a request may wait "
+                           "without any replica")
+    ours.add_argument("--router-heartbeat-timeout", type=float, default=RouterLinkConfig.heartbeat_timeout_s,
+                      help="seconds without any message from a replica (heartbeats included) before its "
+                           "session counts as lost and its requests move elsewhere")
     ours.add_argument(
         "--overflow-policy",
         choices=["drop_oldest", "drop_newest"],
@@ -215,6 +221,11 @@ def main(argv: list[str] | None = None) -> int:
                  "max_queued_bytes_per_caller"):
         if getattr(args, flag) <= 0:
             parser.error(f"--{flag.replace('_', '-')} must be > 0")
+    if args.router_timeout <= 0:
+        parser.error("--router-timeout must be > 0")
+    if args.router_heartbeat_timeout <= RouterLinkConfig.heartbeat_interval_s:
+        parser.error(f"--router-heartbeat-timeout must exceed the {RouterLinkConfig.heartbeat_interval_s:g} s "
+                     "between heartbeats")
     if args.max_prompt_bytes < 0:
         parser.error("--max-prompt-bytes must be >= 0")
     if args.node_timeout < 0:

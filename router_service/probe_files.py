@@ -15,6 +15,7 @@ it exists.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -157,7 +158,21 @@ def load_probe_bytes(manifest_json: str | bytes, weights: bytes | None, source: 
     """Parses and checks a manifest and its weights (safetensors bytes, or None)."""
     manifest = parse_manifest(manifest_json)
     tensors = read_safetensors(weights, manifest.dtype) if weights else {}
-    return build_probe(manifest, tensors, source=source)
+    return build_probe(manifest, tensors, source=source, digest=probe_digest(manifest_json, tensors))
+
+
+def probe_digest(manifest_json: str | bytes, tensors: dict[str, np.ndarray]) -> str:
+    """A digest of what a probe is, whatever file layout it came in: its manifest
+    as canonical JSON and each tensor's name, dtype, shape and bytes. Routers that
+    loaded the same probe agree on it; the engine pins each binding to one."""
+    digest = hashlib.sha256()
+    canonical = json.dumps(json.loads(manifest_json), sort_keys=True, separators=(",", ":"))
+    digest.update(canonical.encode())
+    for name in sorted(tensors):
+        array = np.ascontiguousarray(tensors[name])
+        digest.update(f"\0{name}\0{array.dtype.str}\0{array.shape}\0".encode())
+        digest.update(array.tobytes())
+    return "sha256:" + digest.hexdigest()
 
 
 def probe_paths(directory: str | Path) -> list[Path]:

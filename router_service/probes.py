@@ -123,6 +123,14 @@ class Probe:
     unloading: bool = False
     retired: bool = False
     source: str = field(default="", compare=False)
+    digest: str = ""  # probe_files.probe_digest of what it was loaded from
+
+    @property
+    def stateful(self) -> bool:
+        """Its decisions depend on earlier rows of the request: a trajectory,
+        min_tokens or patience. A replica that takes a request over mid-way
+        would start them afresh."""
+        return not self.stateless or self.manifest.min_tokens > 0 or self.manifest.patience > 1
 
     @property
     def name(self) -> str:
@@ -154,7 +162,7 @@ class Probe:
         return agree
 
 
-def build_probe(manifest: Manifest, tensors: dict[str, np.ndarray], source: str = "") -> Probe:
+def build_probe(manifest: Manifest, tensors: dict[str, np.ndarray], source: str = "", digest: str = "") -> Probe:
     """Checks the weights against the manifest and folds them into forms."""
     used: set[str] = set()
     spec = manifest.scorer
@@ -171,7 +179,7 @@ def build_probe(manifest: Manifest, tensors: dict[str, np.ndarray], source: str 
     unused = sorted(set(tensors) - used)
     if unused:
         raise ManifestError(f"weights: tensor(s) {unused} are not used by a {manifest.kind} probe")
-    return Probe(manifest, forms, members, cascade_k=k, source=source)
+    return Probe(manifest, forms, members, cascade_k=k, source=source, digest=digest)
 
 
 def _form_and_aggregation(

@@ -65,11 +65,16 @@ class ProbeRegistry:
         self._remove(probe, forced=bool(probe.active_requests))
         return True
 
-    def bind(self, name: str) -> Probe:
-        """The probe a new request may use; raises NotFound or FailedPrecondition."""
+    def bind(self, name: str, digest: str) -> Probe:
+        """The probe a new request may use, in the version `digest` names; raises
+        NotFound or FailedPrecondition (another version is loaded, or it unloads)."""
         probe = self._probes.get(name)
         if probe is None:
             raise NotFound(f"probe {name!r} is not loaded on this router")
+        if probe.digest != digest:
+            raise FailedPrecondition(
+                f"probe {name!r} is version {probe.manifest.version!r} ({probe.digest}) on this router; "
+                f"the request was bound to {digest or 'no digest'}")
         if probe.unloading:
             raise FailedPrecondition(f"probe {name!r} is being unloaded; it takes no new requests")
         probe.active_requests += 1
@@ -95,6 +100,8 @@ class ProbeRegistry:
             tokens=m.tokens.to_proto(),
             active_requests=probe.active_requests,
             unloading=probe.unloading,
+            digest=probe.digest,
+            stateful=probe.stateful,
         )
 
     def _remove(self, probe: Probe, forced: bool) -> None:

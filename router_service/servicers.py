@@ -97,13 +97,16 @@ class LiveSession:
 
     async def _handle(self, message: pb.SessionRequest) -> list[pb.SessionResponse]:
         kind = message.WhichOneof("message")
+        # Bindings a forced unload detached: the engine hears of them before this
+        # batch's ack whatever scoring does, or it would count their rows scored.
+        notices: list[pb.SessionResponse] = []
         try:
             if kind == "batch":
-                out = self.state.detach_retired()
+                notices = self.state.detach_retired()
                 if row_bytes(message.batch) <= INLINE_SCORING_BYTES:
-                    return out + self.state.batch(message.batch)
+                    return notices + self.state.batch(message.batch)
                 self._scoring = self.router.executor.submit(self.state.batch, message.batch)
-                return out + await asyncio.wrap_future(self._scoring)
+                return notices + await asyncio.wrap_future(self._scoring)
             if kind == "request_start":
                 return self.state.start(message.request_start)
             if kind == "request_end":
@@ -117,7 +120,7 @@ class LiveSession:
             _error_log.log((kind, type(err).__qualname__), logging.ERROR, "error handling engine message",
                            exc_info=err, extra={"session": self.id, "kind": kind})
             if kind == "batch":  # an error per request of the batch, then its ack
-                return self.state.batch_failed(message.batch, err)
+                return notices + self.state.batch_failed(message.batch, err)
             about = getattr(message, kind) if kind in ("request_start", "request_end") else None
             return [error(about.request_id if about else "", "INTERNAL",
                           f"{kind}: internal error: {type(err).__name__}: {err}",

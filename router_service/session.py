@@ -32,7 +32,8 @@ from undercurrent.v1 import undercurrent_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-# Remembered so a record that arrives after request_end gets a precise error.
+# Remembered so a record that arrives after request_end, or after a refused
+# request_start, gets a precise error naming the run.
 ENDED_REQUESTS_REMEMBERED = 4096
 PLAN_CACHE_SIZE = 64
 DEFAULT_MAX_REQUESTS_PER_SESSION = 4096
@@ -190,6 +191,9 @@ class SessionState:
         # Per (tensor type, layer): the grid columns of the bound probes that read it.
         self._readers: dict[tuple[int, int], np.ndarray] = {}
         self._ended: OrderedDict[str, int] = OrderedDict()  # request id -> its last incarnation
+        # Request ids whose request_start was refused -> that start's incarnation: errors
+        # about their rows echo it, so the engine knows which run they concern.
+        self._refused: OrderedDict[str, int] = OrderedDict()
         self._reported_incompatible: set[tuple[str, str]] = set()
         self._plans: OrderedDict[bytes, ProjectionPlan] = OrderedDict()  # by grid columns
         # The last batch's request_ids and their _SlotTable; cleared whenever a
@@ -222,42 +226,47 @@ class SessionState:
         def refuse(code: str, message: str, probe: str = "") -> pb.SessionResponse:
             return self._error(rid, code, message, probe, incarnation=incarnation)
 
+        def refuse_request(code: str, message: str) -> list[pb.SessionResponse]:
+            self._remember(self._refused, rid, incarnation)
+            return [refuse(code, message)]
+
         if not rid:
             return [refuse("INVALID_ARGUMENT", "request_start.request_id is empty")]
-        if self.draining():
-            return [refuse("UNAVAILABLE", "router is draining; send the request elsewhere")]
         if rid in self.requests:
             return [refuse("ALREADY_EXISTS", f"request_start: request {rid!r} already started")]
+        if self.draining():
+            return refuse_request("UNAVAILABLE", "router is draining; send the request elsewhere")
         if len(self.requests) >= self.max_requests:
-            return [refuse("RESOURCE_EXHAUSTED",
-                           f"request_start: this session already runs {len(self.requests)} requests, "
-                           f"the router's --max-requests-per-session")]
+            return refuse_request("RESOURCE_EXHAUSTED",
+                                  f"request_start: this session already runs {len(self.requests)} requests, "
+                                  f"the router's --max-requests-per-session")
         if msg.prompt_length < 0:
-            return [refuse("INVALID_ARGUMENT", f"request_start.prompt_length {msg.prompt_length} is negative")]
+            return refuse_request("INVALID_ARGUMENT",
+                                  f"request_start.prompt_length {msg.prompt_length} is negative")
         out: list[pb.SessionResponse] = []
         orders: dict[int, int] = {}  # grid column -> place, in binding order
         trajectories: dict[int, list] = {}
         names: set[str] = set()
         aborts: list[bool] = []  # per column of orders: the grid cells are written at once
         row = self._grid.add_request()
-        for i, wanted in enumerate(msg.probes):
+        for i, wanted in enumerate(msg.bindings):
             name = wanted.probe  # read once: each read of a message's string field makes a new str
             if bad := unknown_enum(wanted):  # its path is built for the error only
-                out.append(refuse("INVALID_ARGUMENT", f"request_start.probes[{i}].{bad}", name))
+                out.append(refuse("INVALID_ARGUMENT", f"request_start.bindings[{i}].{bad}", name))
                 continue
             if name in names:
                 out.append(refuse("INVALID_ARGUMENT",
-                                  f"request_start.probes[{i}]: probe {name!r} bound twice", name))
+                                  f"request_start.bindings[{i}]: probe {name!r} bound twice", name))
                 continue
             try:
-                probe = self.registry.bind(name)
+                probe = self.registry.bind(name, wanted.digest)
             except UndercurrentError as err:
-                out.append(refuse(err.code.name, f"request_start.probes[{i}]: {err}", name))
+                out.append(refuse(err.code.name, f"request_start.bindings[{i}]: {err}", name))
                 continue
             # A probe some request of the session binds was checked against the model then.
             if id(probe) not in self._bound and (reason := probe.manifest.incompatibility(self.model)):
                 self.registry.release(probe)
-                out.append(refuse("FAILED_PRECONDITION", f"request_start.probes[{i}]: {reason}", name))
+                out.append(refuse("FAILED_PRECONDITION", f"request_start.bindings[{i}]: {reason}", name))
                 continue
             names.add(name)
             action = wanted.action or probe.manifest.action  # PROBE_ACTION_UNSPECIFIED is 0
@@ -270,6 +279,7 @@ class SessionState:
         self.requests[rid] = RequestState(rid, msg.prompt_length, row, orders, incarnation, trajectories=trajectories)
         self._slot_table = None
         self._ended.pop(rid, None)
+        self._refused.pop(rid, None)
         self.metrics.live_requests.inc()
         return out
 
@@ -283,11 +293,15 @@ class SessionState:
         self._slot_table = None
         out = [m for column in list(request.pending) if (m := self._flush_scores(request, column, force=True))]
         self._free(request)
-        self._ended[msg.request_id] = request.incarnation
-        self._ended.move_to_end(msg.request_id)
-        while len(self._ended) > ENDED_REQUESTS_REMEMBERED:
-            self._ended.popitem(last=False)
+        self._remember(self._ended, msg.request_id, request.incarnation)
         return out
+
+    @staticmethod
+    def _remember(requests: OrderedDict[str, int], request_id: str, incarnation: int) -> None:
+        requests[request_id] = incarnation
+        requests.move_to_end(request_id)
+        while len(requests) > ENDED_REQUESTS_REMEMBERED:
+            requests.popitem(last=False)
 
     def close(self) -> int:
         """Frees every request of the session (it dropped); returns how many."""
@@ -663,6 +677,10 @@ class SessionState:
             return [self._error(rid, "FAILED_PRECONDITION",
                                 f"{where}: records for request {rid!r} after its request_end; not scored",
                                 step=step, incarnation=self._ended[rid])]
+        if rid in self._refused:
+            return [self._error(rid, "FAILED_PRECONDITION",
+                                f"{where}: records for request {rid!r}, whose request_start this session "
+                                "refused; not scored", step=step, incarnation=self._refused[rid])]
         return [self._error(rid, "NOT_FOUND",
                             f"{where}: request {rid!r} was never started on this session "
                             "(no request_start); its records were not scored", step=step)]

@@ -25,7 +25,8 @@ from common.grpc_server import SERVICE_FULL_NAMES, ServerHandle, start_server
 from common.security.config import ServerSecurity
 
 PROBE = pb.ProbeInfo(
-    name="first_element", kind="threshold", tensor_type=pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=[0]
+    name="first_element", kind="threshold", tensor_type=pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=[0],
+    version="1", digest="sha256:first-element-v1",
 )
 
 
@@ -62,6 +63,8 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
         self.bad_rows: set[str] = set()
         # request_start of these requests is refused with RESOURCE_EXHAUSTED.
         self.refuse: set[str] = set()
+        # (Both name a request by its id, or by the client's id within an engine's
+        # run key "<client id>#<incarnation>", as the engine's tests know it.)
         self.incarnations: dict[str, int] = {}
         self.requests: dict[str, Received] = {}
         self.log: list[tuple[str, str]] = []  # (kind, request_id) in arrival order
@@ -182,13 +185,16 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
             self.requests.setdefault(start.request_id, Received()).starts.append(start)
             self.incarnations[start.request_id] = start.incarnation
             self.log.append(("start", start.request_id))
-            if start.request_id in self.refuse:
+            if _named(start.request_id, self.refuse):
                 return [self._error(start.request_id, pb.STATUS_CODE_RESOURCE_EXHAUSTED, "too many requests")]
-            known = {p.name for p in self.probes}
+            loaded = {p.name: p.digest for p in self.probes}
             return [
                 self._error(start.request_id, pb.STATUS_CODE_NOT_FOUND, f"probe {b.probe!r} is not loaded", probe=b.probe)
-                for b in start.probes
-                if b.probe not in known
+                if b.probe not in loaded else
+                self._error(start.request_id, pb.STATUS_CODE_FAILED_PRECONDITION,
+                            f"probe {b.probe!r} is {loaded[b.probe]} here, bound to {b.digest}", probe=b.probe)
+                for b in start.bindings
+                if loaded.get(b.probe) != b.digest
             ]
         if kind == "request_end":
             self.requests[message.request_end.request_id].ended = True
@@ -232,7 +238,7 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
             received.positions.extend(p for p, _ in scored)
             received.steps.append(batch.step)
             self.log.append(("batch", request_id))
-            if request_id in self.bad_rows:
+            if _named(request_id, self.bad_rows):
                 replies.append(self._error(request_id, pb.STATUS_CODE_INVALID_ARGUMENT,
                                            "rows: NaN or Inf", step=batch.step))
                 continue
@@ -264,3 +270,15 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
                     )
                 )
         return replies + self._ack(batch.step)
+
+
+def _named(request_id: str, names: set[str]) -> bool:
+    return request_id in names or request_id.rsplit("#", 1)[0] in names
+
+
+def of_client(by_key: dict, client_id: str):
+    """What a router keeps by the engine's run key ("<client id>#<incarnation>"),
+    for the latest run of a client's request id."""
+    keys = [key for key in by_key if key.rsplit("#", 1)[0] == client_id]
+    assert keys, f"no run of {client_id!r} among {sorted(by_key)}"
+    return by_key[max(keys, key=lambda key: int(key.rsplit("#", 1)[1]))]

@@ -31,6 +31,7 @@ class SessionClient:
         self.engine_id = engine_id
         self.call = None
         self.step = 0
+        self.digests: dict[str, str] = {}  # the router's probes, as its hello and catalogs list them
 
     async def _messages(self):
         while (message := await self.outgoing.get()) is not None:
@@ -47,9 +48,12 @@ class SessionClient:
     def send(self, **message) -> None:
         self.outgoing.put_nowait(pb.SessionRequest(**message))
 
-    def start(self, request_id: str, *probes, prompt_length: int = 4, actions=None) -> None:
-        bindings = [pb.ProbeBinding(probe=p, action=(actions or {}).get(p, 0)) for p in probes]
-        self.send(request_start=pb.RequestStart(request_id=request_id, probes=bindings,
+    def start(self, request_id: str, *probes, prompt_length: int = 4, actions=None, digests=None) -> None:
+        """request_start binding `probes` at the versions the router listed (or `digests`)."""
+        digests = {**self.digests, **(digests or {})}
+        bindings = [pb.SessionBinding(probe=p, action=(actions or {}).get(p, 0), digest=digests.get(p, ""))
+                    for p in probes]
+        self.send(request_start=pb.RequestStart(request_id=request_id, bindings=bindings,
                                                 prompt_length=prompt_length))
 
     def end(self, request_id: str) -> None:
@@ -67,7 +71,12 @@ class SessionClient:
         return self.step
 
     async def recv(self, timeout: float = TIMEOUT) -> pb.SessionResponse:
-        return await asyncio.wait_for(self.call.read(), timeout)
+        message = await asyncio.wait_for(self.call.read(), timeout)
+        listed = (message.hello.probes if message.HasField("hello")
+                  else message.catalog.probes if message.HasField("catalog") else None)
+        if listed is not None:
+            self.digests = {p.name: p.digest for p in listed}
+        return message
 
     async def until_ack(self, step: int, skip=("heartbeat", "catalog")) -> list[pb.SessionResponse]:
         """Every message up to and including the ack of `step`, minus the skipped kinds."""

@@ -3,7 +3,7 @@
 A token source is a file (`--client-tokens-file`, `--admin-tokens-file`) or an
 environment variable (`UNDERCURRENT_CLIENT_TOKENS`, `UNDERCURRENT_ADMIN_TOKENS`).
 Entries are `NAME:TOKEN` (the name identifies the caller in logs, metrics and
-request ownership) or a bare `TOKEN` (named `token-` + the first 8 hex digits of
+request ids) or a bare `TOKEN` (named `token-` + the first 8 hex digits of
 its SHA-256, which does not reveal it); one per line in a file, separated by
 commas or newlines in a variable; `#` starts a comment line. A file is re-read
 when it changes, so tokens rotate (and revoked tokens stop working) without a

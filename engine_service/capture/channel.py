@@ -36,7 +36,8 @@ sequence number it took from a rank into a small file in the sink's private
 directory, which the worker maps. A worker hands ZeroMQ no more than the
 bound; past it, it keeps shipments, and past the bound in all it drops its
 oldest kept ones and reports, in the next shipment it sends, how many rows of
-which request it dropped; the driver fails those requests (their rows are
+which request and point it dropped, at which positions; the driver fails
+those requests (their rows are
 gone; nothing is lost silently). Errors and prefix cache gaps of a dropped
 shipment move to the next one.
 
@@ -50,7 +51,7 @@ from __future__ import annotations
 import mmap
 import os
 import socket
-from collections import Counter
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -177,6 +178,25 @@ def shipment_from_frames(frames: list) -> dict:  # zmq.Frame or any bytes-like o
 
 
 
-def rows_per_request(shipment: dict) -> Counter[str]:
-    return Counter(r for part in shipment["parts"] for r in part["request_ids"])
+def dropped_positions(shipment: dict) -> dict[tuple[str, str], list[int]]:
+    """The positions of a shipment's rows per (request id, point): what a worker
+    reports when it drops the shipment."""
+    out: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for part in shipment["parts"]:
+        positions = np.frombuffer(part["positions"], "<i8").tolist()
+        for request_id, position in zip(part["request_ids"], positions):
+            out[(request_id, part["point"])].append(position)
+    return out
 
+
+def dropped_report(dropped: dict[tuple[str, str], list[int]]) -> list[tuple[str, str, list[int]]]:
+    """Dropped rows as a shipment header carries them: (request id, point, positions)."""
+    return sorted((request_id, point, positions) for (request_id, point), positions in dropped.items())
+
+
+def dropped_in(report) -> dict[tuple[str, str], list[int]]:
+    """A shipment header's dropped rows back as positions per (request id, point)."""
+    out: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for request_id, point, positions in report:
+        out[(request_id, point)].extend(positions)
+    return out

@@ -47,11 +47,6 @@ def allowance(settled_below: int, prompt_len: int, tokens_ahead: int) -> int:
     return max(settled_below, prompt_len) + tokens_ahead
 
 
-def request_key(request_id: str, incarnation: int) -> str:
-    """Names one run of a request id (ids may be reused after a request ends)."""
-    return f"{request_id}#{incarnation}"
-
-
 def encode(allowances: dict[str, int | None]) -> bytes:
     """key -> allowance; None: the request ended (the scheduler forgets it)."""
     return json.dumps(allowances, separators=(",", ":")).encode()

@@ -12,10 +12,11 @@ same rule.
 from engine_service.link.config import RouterLinkConfig
 from engine_service.link.events import (
     Abort,
+    Failed,
     LinkEvent,
     Processed,
     Scores,
-    StateReset,
+    StateRestarted,
     Unavailable,
     Unscored,
 )
@@ -24,13 +25,14 @@ from engine_service.link.send_queue import OverflowPolicy
 
 __all__ = [
     "Abort",
+    "Failed",
     "LinkEvent",
     "OverflowPolicy",
     "Processed",
     "RouterLink",
     "RouterLinkConfig",
     "Scores",
-    "StateReset",
+    "StateRestarted",
     "Unavailable",
     "Unscored",
 ]

@@ -152,20 +152,28 @@ def split_by_size(blocks: list[Block], max_bytes: int) -> list[list[Block]]:
     return parts
 
 
-def rows_by_position(blocks: list[Block]) -> dict[str, dict[int, int]]:
-    """Per request, how many rows each token position has in these blocks."""
-    # Blocks sharing key objects (decode_parts) are counted once, times their number.
-    shared: dict[tuple[int, int], tuple[Block, int]] = {}
+def rows_by_point(blocks: list[Block]) -> dict[str, dict[str, list[int]]]:
+    """Per request, per point: the token position of each of its rows in these
+    blocks (the lists may be shared between points: read them, never change them)."""
+    # Blocks sharing key objects (decode_parts) are split by request once.
+    split: dict[tuple[int, int], dict[str, list[int]]] = {}
+    result: dict[str, dict[str, list[int]]] = {}
     for block in blocks:
         key = (id(block.request_ids), id(block.token_positions))
-        first, count = shared.get(key, (block, 0))
-        shared[key] = (first, count + 1)
-    result: dict[str, dict[int, int]] = {}
-    for block, times in shared.values():
-        for request_id, position in zip(block.request_ids, block.token_positions.tolist()):
-            counts = result.get(request_id)
-            if counts is None:
-                result[request_id] = {position: times}
+        per_request = split.get(key)
+        if per_request is None:
+            per_request = split[key] = {}
+            for request_id, position in zip(block.request_ids, block.token_positions.tolist()):
+                positions = per_request.get(request_id)
+                if positions is None:
+                    per_request[request_id] = [position]
+                else:
+                    positions.append(position)
+        for request_id, positions in per_request.items():
+            points = result.get(request_id)
+            if points is None:
+                result[request_id] = {block.point: positions}
             else:
-                counts[position] = counts.get(position, 0) + times
+                earlier = points.get(block.point)
+                points[block.point] = positions if earlier is None else earlier + positions
     return result

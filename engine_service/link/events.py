@@ -49,24 +49,36 @@ class Unscored:
 
 
 @dataclass(frozen=True)
-class StateReset:
-    """The request moved to new_replica, whose probes start without its earlier tokens."""
+class StateRestarted:
+    """The request moved to another replica, where these fail_open stateful
+    bindings start their probe state afresh (counted in the request's finish).
+    A fail_closed one ends the request instead (an Unscored event)."""
 
     request_id: str
     incarnation: int
-    old_replica: str | None
-    new_replica: str
+    probes: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The link could not account for the request's rows (an internal error):
+    nothing it says about the request can be trusted any more."""
+
+    request_id: str
+    incarnation: int
     reason: str
 
 
 @dataclass(frozen=True)
 class Unavailable:
-    """No replica has been reachable for the request since `since` (time.monotonic()),
+    """No replica has been reachable for the request since `since` (the link's clock),
     for at least router_timeout_s. Sent once per outage."""
 
     request_id: str
     incarnation: int
     since: float
+    waited_s: float  # since the outage began, when the event was sent
 
 
-LinkEvent = Union[Scores, Abort, Processed, Unscored, StateReset, Unavailable]
+LinkEvent = Union[Scores, Abort, Processed, Unscored, StateRestarted, Failed, Unavailable]

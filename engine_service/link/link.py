@@ -1,21 +1,28 @@
 """The engine's connection to its probe routers: one ReplicaSession per replica.
 
 The engine's drain loop calls start_request / send_step / end_request; none of
-them awaits the network. Each request lives on one replica, chosen by
-rendezvous hashing of its id over the replicas that are up; when that replica
-goes down or drains, the request is re-homed (request_start with
-state_reset=True). Every row the link is handed is entered in the request's
-RequestLedger (engine_service.request.ledger) as it is queued, sent,
-acknowledged, dropped, lost, errored or timed out; the engine reads the ledger
-to gate tokens, apply failure policies and count losses. What the routers send
-back reaches the engine as LinkEvent values through one callback, in the order
-each router sent them (so a verdict caused by step N arrives before the
-Processed event of ack N).
+them awaits the network. Requests are known by the engine's run key, which is
+also the request id routers see. Each request lives on one replica, chosen by
+rendezvous hashing over the replicas that serve its bindings at the versions
+they were pinned to (`assignment`); when that replica goes down or drains, the
+request is re-homed (request_start with state_reset=True), and a stateful
+binding whose probe state held rows of it starts afresh there: the ledger
+decides what that means under the binding's policy. A request whose stateful
+state lives on a draining replica stays there.
+
+Every row the link is handed is entered in the request's RequestLedger
+(engine_service.request.ledger) as it is queued, sent, acknowledged, dropped,
+lost, refused, errored or timed out; the engine reads the ledger to gate tokens,
+apply failure policies and count losses. What the routers send back reaches
+the engine as LinkEvent values through one callback, in the order each router
+sent them (so a verdict caused by step N arrives before the Processed event of
+ack N). A router-wide notice (an error naming neither a request nor a step,
+such as an incompatible probe in its catalog) is logged and counted, never
+taken as a failure of the requests on that replica.
 
 Router messages about a request are accepted only from a replica that got the
-request's request_start and is still connected, and only for the live
-incarnation (a router that does not echo incarnations yet is matched by
-request id and replica alone).
+request's request_start and is still connected, and only with the live run's
+incarnation echoed.
 
 All methods must be called from the event loop's thread.
 """
@@ -34,14 +41,15 @@ from undercurrent.v1 import undercurrent_pb2 as pb
 from common.activations import Block, batch_bytes
 from common.errors import status_code_name
 from engine_service.link import batching
-from engine_service.link.assignment import pick_replica
+from engine_service.link.assignment import Catalog, Wanted, choose_home, pin_versions
 from engine_service.link.config import RouterLinkConfig
 from engine_service.link.events import (
     Abort,
+    Failed,
     LinkEvent,
     Processed,
     Scores,
-    StateReset,
+    StateRestarted,
     Unavailable,
     Unscored,
 )
@@ -61,7 +69,7 @@ _NOT_STARTED = ""
 class _Request:
     request_id: str
     incarnation: int
-    bindings: Sequence[pb.ProbeBinding]  # kept as given (the engine's: one repeated field)
+    bindings: Sequence[pb.SessionBinding]  # kept as given (the engine's: one repeated field)
     prompt_length: int
     ledger: RequestLedger
     replica: ReplicaSession | None = None
@@ -69,6 +77,10 @@ class _Request:
     # Replicas that got this run's request_start on their current session: the
     # owner, and a draining former owner still finishing the rows it got.
     homes: set[str] = field(default_factory=set)
+    # Former owners it was ended on while it goes on elsewhere: what they say
+    # about the run as a whole concerns only the rows still in flight there
+    # (their answer to request_end concerns none).
+    ended_on: set[str] = field(default_factory=set)
     unavailable_since: float | None = None
     unavailable_reported: bool = False
 
@@ -83,10 +95,18 @@ class RouterLink:
         on_event: Callable[[LinkEvent], None],
         registry: CollectorRegistry | None = None,
         resolver: Resolver = resolve_dns,
+        clock: Callable[[], float] = time.monotonic,
+        session_factory: Callable[..., ReplicaSession] = ReplicaSession,
     ) -> None:
+        """`clock` times rows in flight and outages (the router timeout counts on
+        it); `session_factory` makes one replica's session (ReplicaSession's
+        arguments), which a simulation replaces."""
         self.config = config
+        self._clock = clock
+        self._session_factory = session_factory
         self.registry = registry if registry is not None else CollectorRegistry()
         self._metrics = metrics_for(self.registry)
+        self._metrics.links.add(self)
         self._hello = pb.SessionRequest(
             hello=pb.SessionHello(engine_id=config.engine_id, model=model, accepts_replies=True)
         )
@@ -136,11 +156,16 @@ class RouterLink:
 
     # -- requests (never block) --------------------------------------------
 
+    def pin(self, request_id: str, wanted: Sequence[Wanted]) -> list[pb.ProbeInfo]:
+        """The probe versions a new request is bound to: those of the replica it
+        will live on (`assignment.pin_versions`)."""
+        return pin_versions(request_id, self.catalogs(), wanted)
+
     def start_request(
         self,
         request_id: str,
         incarnation: int,
-        bindings: Sequence[pb.ProbeBinding],
+        bindings: Sequence[pb.SessionBinding],
         prompt_length: int,
         ledger: RequestLedger,
     ) -> None:
@@ -165,7 +190,7 @@ class RouterLink:
                 return _NOT_STARTED
             return request.replica.address if request.replica else None
 
-        now = time.monotonic()
+        now = self._clock()
         for address, part in batching.partition_by_owner(blocks, owner_of).items():
             if address == _NOT_STARTED:
                 continue
@@ -192,14 +217,10 @@ class RouterLink:
 
     # -- queries ------------------------------------------------------------
 
-    def catalog(self) -> dict[str, pb.ProbeInfo]:
-        """Probes offered by replicas that take requests (up, not draining)."""
-        result: dict[str, pb.ProbeInfo] = {}
-        for replica in sorted(self._replicas.values(), key=lambda r: r.address):
-            if replica.eligible:
-                for name, info in replica.probes.items():
-                    result.setdefault(name, info)
-        return result
+    def catalogs(self) -> dict[str, Catalog]:
+        """The probes of each replica that takes requests (up, not draining)."""
+        return {address: replica.probes for address, replica in sorted(self._replicas.items())
+                if replica.eligible}
 
     def replicas_up(self) -> list[str]:
         return sorted(a for a, r in self._replicas.items() if r.up)
@@ -209,38 +230,44 @@ class RouterLink:
         return replica.address if replica else None
 
     def unavailable_since(self, request_id: str) -> float | None:
-        """time.monotonic() when the request lost its last reachable replica, or None."""
+        """When (on the link's clock) the request lost its last reachable replica, or None."""
         return self._requests[request_id].unavailable_since
 
     def live_requests(self) -> int:
         return len(self._requests)
+
+    def rows_in_flight(self) -> int:
+        """Probe rows of live requests queued or sent and not yet acknowledged or failed."""
+        return sum(request.ledger.in_flight() for request in list(self._requests.values()))
 
     # -- assignment ---------------------------------------------------------
 
     def _home(self, request: _Request, reason: str) -> None:
         """Places a request that has no replica; without any replica to take it,
         the request waits unhomed (its rows are dropped) and the watchdog counts."""
-        eligible = [a for a, r in self._replicas.items() if r.eligible]
-        address = pick_replica(request.request_id, eligible)
+        wanted = [Wanted(b.probe, b.digest, b.failure_policy == pb.FAILURE_POLICY_FAIL_CLOSED)
+                  for b in request.bindings]
+        address = choose_home(request.request_id, self.catalogs(), wanted)
         if address is None:
             request.replica = None
             if request.unavailable_since is None:
-                request.unavailable_since = time.monotonic()
+                request.unavailable_since = self._clock()
             return
         replica = self._replicas[address]
         state_reset = request.last_replica is not None or bool(request.ledger.failures)
-        old = request.last_replica
         request.replica = replica
         request.last_replica = address
         request.homes.add(address)
+        request.ended_on.discard(address)
         request.unavailable_since = None
         request.unavailable_reported = False
         replica.requests.add(request.request_id)
+        request.ledger.homed(address)
         replica.send_control(
             pb.SessionRequest(
                 request_start=pb.RequestStart(
                     request_id=request.request_id,
-                    probes=request.bindings,
+                    bindings=request.bindings,
                     prompt_length=request.prompt_length,
                     state_reset=state_reset,
                     incarnation=request.incarnation,
@@ -250,13 +277,22 @@ class RouterLink:
         if state_reset:
             self._metrics.rehomed.inc()
             log.warning("request %s re-homed to %s: %s", request.request_id, address, reason)
-            self._emit(StateReset(request.request_id, request.incarnation, old, address, reason))
+            failure, restarted = request.ledger.rehomed(address, reason)
+            self._unscored(request, failure, "state_lost")
+            if restarted and self._live(request):
+                self._emit(StateRestarted(request.request_id, request.incarnation, tuple(restarted),
+                                          f"re-homed to {address} ({reason})"))
 
     def _emit(self, event: LinkEvent) -> None:
+        """Hands the engine an event. Its handler must not raise: one that does
+        has lost track of the request, which the engine is told to end."""
         try:
             self._on_event(event)
-        except Exception:
+        except Exception as err:
             log.exception("router link event handler failed on %r", event)
+            if not isinstance(event, Failed):
+                self._emit(Failed(event.request_id, event.incarnation,
+                                  f"engine error handling {type(event).__name__}: {type(err).__name__}: {err}"))
 
     def _live(self, request: _Request) -> bool:
         return self._requests.get(request.request_id) is request
@@ -271,12 +307,13 @@ class RouterLink:
     # -- queues -------------------------------------------------------------
 
     def _not_sent(self, blocks: list[Block], now: float, kind: str, reason: str) -> None:
-        rows = batching.rows_by_position(blocks)
+        rows = batching.rows_by_point(blocks)
         self._metrics.dropped_batches.labels(kind).inc()
-        self._metrics.dropped_records.labels(kind).inc(sum(sum(r.values()) for r in rows.values()))
-        for request_id, positions in rows.items():
+        self._metrics.dropped_records.labels(kind).inc(
+            sum(len(p) for points in rows.values() for p in points.values()))
+        for request_id, points in rows.items():
             request = self._requests[request_id]
-            self._unscored(request, request.ledger.not_sent("", positions, now, reason), kind)
+            self._unscored(request, request.ledger.not_sent(points, now, reason), kind)
 
     def _queue_batches(self, replica: ReplicaSession, blocks: list[Block], now: float) -> None:
         try:
@@ -290,9 +327,9 @@ class RouterLink:
             # while queued; the step number is added as the batch is written.
             data = batch_bytes(batching.holding_little_else(part))
             entries = []
-            for request_id, positions in batching.rows_by_position(part).items():
+            for request_id, points in batching.rows_by_point(part).items():
                 request = self._requests[request_id]
-                entries.append((request, request.ledger.queued(replica.address, positions, now)))
+                entries.append((request, request.ledger.queued(replica.address, points, now)))
             batch = QueuedBatch(data, data.nbytes, sum(b.num_rows for b in part), entries)
             for dropped in replica.send_batch(batch):
                 self._drop(dropped, self.config.overflow_policy.value)
@@ -374,15 +411,14 @@ class RouterLink:
     def _match(
         self, replica: ReplicaSession, request_id: str, incarnation: int, kind: str
     ) -> _Request | None:
-        """The live request run a router message is about, or None (counted)."""
-        if incarnation:
-            replica.echoes_incarnation = True
+        """The live request run a router message is about, or None (counted): the
+        router must have been given the run and echo its incarnation."""
         request = self._requests.get(request_id)
         if request is None:
             reason = "unknown_request"
         elif replica.address not in request.homes:
             reason = "not_its_replica"
-        elif incarnation != request.incarnation and (incarnation or replica.echoes_incarnation):
+        elif incarnation != request.incarnation:
             reason = "stale_incarnation"
         else:
             return request
@@ -409,7 +445,8 @@ class RouterLink:
             if error.step:
                 failure = request.ledger.step_failed(replica.address, error.step, text, probe)
             else:
-                failure = request.ledger.refused(text, probe)
+                failure = request.ledger.refused(replica.address, text, probe,
+                                                 home=replica.address not in request.ended_on)
             self._unscored(request, failure, "router_error")
             return
         if error.step:
@@ -419,18 +456,16 @@ class RouterLink:
                 failure = request.ledger.step_failed(replica.address, error.step, text, probe)
                 self._unscored(request, failure, "router_error")
             return
-        # Neither request nor step: every row the replica holds unacknowledged.
-        for request in list(self._requests.values()):
-            if replica.address in request.homes:
-                failure = request.ledger.replica_failed(replica.address, text, probe)
-                self._unscored(request, failure, "router_error")
+        # Neither request nor step: a notice about the router (an incompatible
+        # probe in its catalog, say), logged and counted above; it concerns no
+        # request's rows.
 
     # -- membership ---------------------------------------------------------
 
     def _set_members(self, addresses: list[str] | tuple[str, ...]) -> None:
         wanted = set(addresses)
         for address in sorted(wanted - self._replicas.keys()):
-            replica = ReplicaSession(address, self.config, self._hello, self, self._metrics)
+            replica = self._session_factory(address, self.config, self._hello, self, self._metrics)
             self._replicas[address] = replica
             replica.start()
             log.info("router replica %s added", address)
@@ -467,10 +502,10 @@ class RouterLink:
         one Unavailable event per outage."""
         timeout = self.config.router_timeout_s
         tick = max(0.01, timeout / 5)
-        last = time.monotonic()
+        last = self._clock()
         while True:
             await asyncio.sleep(tick)
-            now = time.monotonic()
+            now = self._clock()
             stalled, last = now - last > 2 * tick, now
             if stalled:
                 # The event loop itself was blocked: acks may sit unread in the
@@ -483,20 +518,29 @@ class RouterLink:
 
     def _check_timeouts(self, now: float, timeout: float) -> None:
         for request in list(self._requests.values()):
-            oldest = request.ledger.oldest_in_flight()
-            if oldest is not None and now - oldest >= timeout:
-                where = request.replica.address if request.replica else "(none)"
-                failure = request.ledger.expire(
-                    now - timeout,
-                    f"router {where} acknowledged no rows for {timeout:g} s (router timeout)",
-                )
-                self._unscored(request, failure, "timeout")
-            since = request.unavailable_since
-            if since is None or request.unavailable_reported or not self._live(request):
-                continue
-            if now - since >= timeout:
-                request.unavailable_reported = True
-                self._emit(Unavailable(request.request_id, request.incarnation, since))
+            try:
+                self._check_timeout(request, now, timeout)
+            except Exception as err:  # one request's bad state must not stop the others' checks
+                log.exception("router link watchdog failed for request %s", request.request_id)
+                if self._live(request):
+                    self._emit(Failed(request.request_id, request.incarnation,
+                                      f"engine error checking router timeouts: {type(err).__name__}: {err}"))
+
+    def _check_timeout(self, request: _Request, now: float, timeout: float) -> None:
+        oldest = request.ledger.oldest_in_flight()
+        if oldest is not None and now - oldest >= timeout:
+            where = request.replica.address if request.replica else "(none)"
+            failure = request.ledger.expire(
+                now - timeout,
+                f"router {where} acknowledged no rows for {timeout:g} s (router timeout)",
+            )
+            self._unscored(request, failure, "timeout")
+        since = request.unavailable_since
+        if since is None or request.unavailable_reported or not self._live(request):
+            return
+        if now - since >= timeout:
+            request.unavailable_reported = True
+            self._emit(Unavailable(request.request_id, request.incarnation, since, now - since))
 
     def _notify_change(self) -> None:
         waiters, self._change_waiters = self._change_waiters, []
@@ -513,8 +557,11 @@ class RouterLink:
             if not (replica.up and replica.draining):
                 continue
             for request_id in sorted(replica.requests):
-                replica.requests.discard(request_id)
                 request = self._requests[request_id]
+                if request.ledger.holds_state_on(replica.address):
+                    continue  # its stateful probes' state is there: it finishes there
+                replica.requests.discard(request_id)
+                request.ended_on.add(replica.address)
                 replica.send_control(
                     pb.SessionRequest(
                         request_end=pb.RequestEnd(

@@ -49,6 +49,13 @@ class LinkMetrics:
         self.replicas_up = Gauge(
             p + "replicas_up", "Replicas with a live Session", registry=registry
         )
+        # Read at each scrape from the links sharing the registry (rows_in_flight).
+        self.rows_in_flight = Gauge(
+            p + "rows_in_flight", "Probe rows queued or sent and not yet acknowledged or failed",
+            registry=registry,
+        )
+        self.links: weakref.WeakSet = weakref.WeakSet()
+        self.rows_in_flight.set_function(lambda: sum(link.rows_in_flight() for link in self.links))
         self.ack_latency = Histogram(
             p + "ack_latency_seconds",
             "Batch written to StepAck received",

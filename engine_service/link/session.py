@@ -114,9 +114,6 @@ class ReplicaSession:
         self.router_id = ""
         self.probes: dict[str, pb.ProbeInfo] = {}
         self.requests: set[str] = set()  # ids of the requests homed here
-        # Set once the router echoes a request incarnation; from then on a
-        # message without one is not trusted to be about the live run.
-        self.echoes_incarnation = False
         self.last_received = 0.0
         self.closing = False
         self._hello = hello
@@ -170,7 +167,6 @@ class ReplicaSession:
         self.router_id = hello.router_id
         self.probes = {p.name: p for p in hello.probes}
         self.steps = StepLedger()
-        self.echoes_incarnation = False
         self.last_received = time.monotonic()
         self._metrics.replicas_up.inc()
         log.info(

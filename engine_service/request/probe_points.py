@@ -34,10 +34,9 @@ def probe_points(probes: list[pb.ProbeInfo]) -> list[ExtractionPoint]:
         tokens = TokenSelector.from_proto(chosen[0])
         if any(s != chosen[0] and TokenSelector.from_proto(s) != tokens for s in chosen):
             tokens = TokenSelector()
-        suffix = "" if layer is None else f".{layer}"
         points.append(
             ExtractionPoint(
-                name=f"{PROBE_POINT_PREFIX}{tensor_type}{suffix}",
+                name=point_name(tensor_type, layer),
                 tensor_type=tensor_type,
                 layers=() if layer is None else (layer,),
                 tokens=tokens,
@@ -46,16 +45,30 @@ def probe_points(probes: list[pb.ProbeInfo]) -> list[ExtractionPoint]:
     return points
 
 
-class ExpectedRows:
-    """How many probe rows capture makes at each position of one request: one
-    per probe point whose token selector picks the position (a probe point is
-    one layer, or the final norm). The request's ledger holds each position the
-    model computed to this count, so rows that capture lost without a word
-    cannot let a gated token through or go uncounted."""
+def point_name(tensor_type: str, layer: int | None) -> str:
+    """The name of the probe point capturing (tensor_type, layer); layer None: the final norm."""
+    return f"{PROBE_POINT_PREFIX}{tensor_type}" + ("" if layer is None else f".{layer}")
 
-    def __init__(self, points: list[ExtractionPoint], prompt_len: int):
+
+def binding_points(info: pb.ProbeInfo) -> tuple[str, ...]:
+    """The probe points a probe reads (what probe_points captures for it)."""
+    tensor_type = tensor_type_from_proto(info.tensor_type)
+    if tensor_type == "final_norm":
+        return (point_name(tensor_type, None),)
+    return tuple(point_name(tensor_type, layer) for layer in info.layers)
+
+
+class ExpectedRows:
+    """How many rows capture makes at each position of one request for some
+    probe points, given each point's token selector: one per point whose
+    selector picks the position (a probe point is one layer, or the final norm).
+    The request's ledger holds each position the model computed to this count,
+    so rows that capture lost without a word cannot let a gated token through or
+    go uncounted."""
+
+    def __init__(self, selectors: list[TokenSelector], prompt_len: int):
         self.prompt_len = prompt_len
-        self._selectors = Counter(point.tokens for point in points)  # selector -> probe points using it
+        self._selectors = Counter(selectors)  # selector -> probe points using it
         # Whole-scope selectors (the usual kind) make a fixed number of rows at every
         # prompt and every generated position: read once from the selectors' own rule
         # (at position 0 and at the first generated position), then counted without

@@ -9,18 +9,17 @@ from __future__ import annotations
 import asyncio
 import math
 import uuid
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from common.enum_checks import check_enums
-from common.errors import InvalidArgument, NotFound, ResourceExhausted
+from common.errors import InvalidArgument, ResourceExhausted
 from common.grpc_server import MAX_MESSAGE_BYTES
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 MAX_REQUEST_ID_CHARS = 256
 DEFAULT_MAX_TOKENS = 64
 
-# Limits a client meets (the engine's flags; see README "Limits").
+# Limits a client meets (the engine's flags; see docs/engine.md "Limits").
 DEFAULT_MAX_STREAMS = 256
 DEFAULT_MAX_EXTRACTION_POINTS = 64
 DEFAULT_CLIENT_QUEUE_BYTES = 32 * 1024 * 1024
@@ -79,35 +78,6 @@ def check_request(request: pb.GenerateRequest, running: int, limits: RequestLimi
                 f"prompt.text: over {allowed} bytes (--max-prompt-bytes); it cannot fit "
                 f"max_model_len {model.max_model_len} tokens"
             )
-
-
-def bind_probes(
-    bindings: Sequence[pb.ProbeBinding], catalog: Mapping[str, pb.ProbeInfo], default_failure_policy: int,
-) -> tuple[Sequence[pb.ProbeBinding], list[pb.ProbeInfo]]:
-    """(bindings, their probes' infos): each binding resolved against the routers'
-    catalog, its failure policy and action filled in; NotFound names a probe no
-    reachable router loaded.
-
-    The bindings come back as one message's repeated field, which the request and
-    the router link keep while it runs: one object for any number of
-    bindings, where a list of messages is one object per binding for the garbage
-    collector to walk at each full collection, on the event loop."""
-    resolved, infos = pb.RequestStart(), []
-    for i, binding in enumerate(bindings):
-        info = catalog.get(binding.probe)
-        if info is None:
-            known = ", ".join(sorted(catalog)) or "none"
-            raise NotFound(
-                f"probes[{i}].probe: {binding.probe!r} is not loaded in any reachable "
-                f"router (loaded: {known})"
-            )
-        resolved.probes.add(
-            probe=binding.probe,
-            failure_policy=binding.failure_policy or default_failure_policy,
-            action=binding.action or info.action or pb.PROBE_ACTION_OBSERVE,
-        )
-        infos.append(info)
-    return resolved.probes, infos
 
 
 def check_capacity(running: int, limits: RequestLimits) -> None:
@@ -241,7 +211,3 @@ def sampling_choice(sampling: pb.SamplingParams, prompt_len: int, limits: ModelL
         ignore_eos=sampling.ignore_eos,
         repetition_penalty=penalty,
     )
-
-
-# vLLM finish reasons -> ours; abort is refined by who asked for it.
-VLLM_FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_CLIENT_ABORT, "error": pb.FINISH_REASON_ERROR}

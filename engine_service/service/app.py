@@ -15,7 +15,6 @@ from common.grpc_server import PortInUse, PortLimits, SERVICE_FULL_NAMES, start_
 from common.security.config import SecurityConfigError, engine_security, listen_host
 from common.security.tls import ChannelFactory
 from engine_service.request.callers import CallerLimits, Callers
-from engine_service.request.ownership import RequestOwners
 from engine_service.service.servicer import EngineServicer
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
@@ -98,6 +97,7 @@ def link_config(args, client_tls):
             targets=args.router,
             engine_id=f"engine-{uuid.uuid4().hex[:8]}",
             router_timeout_s=args.router_timeout,
+            heartbeat_timeout_s=args.router_heartbeat_timeout,
             queue_max_batches=args.send_queue,
             queue_max_bytes=args.send_queue_bytes,
             overflow_policy=args.overflow_policy,
@@ -241,7 +241,6 @@ class _StartingServicer(EngineServicer):
 
     def __init__(self, holder: dict, callers: Callers):
         self._holder = holder
-        self.owners = RequestOwners()
         self.callers = callers
 
     @property

@@ -23,7 +23,7 @@ from tests.capture.conftest import SMALL_STEPS
 from tests.capture.workloads import prompt
 from tests.engine_link.helpers import FAST, until
 from tools.capture_engines import capture_engine
-from tools.router_double import PROBE, RouterDouble
+from tools.router_double import PROBE, RouterDouble, of_client
 
 pytestmark = pytest.mark.vllm
 
@@ -100,7 +100,7 @@ async def test_real_capture_losing_a_positions_rows_stops_a_gated_fail_closed_re
     assert capture.lost_rows == 1
     assert (open_finish.unprobed_tokens, open_finish.dropped_records) == (1, 1)
     assert open_finish.message.startswith("1 tokens unprobed (fail_open): capture delivered no rows")
-    assert LOST not in router.requests["loss-open"].positions
+    assert LOST not in of_client(router.requests, "loss-open").positions
 
     tokens, finished = await run(runtime, generate_request("loss-closed", pb.FAILURE_POLICY_FAIL_CLOSED))
     assert capture.lost_rows == 2

@@ -155,8 +155,9 @@ async def test_a_worker_whose_driver_does_not_read_keeps_its_backlog_bound_and_r
         received = Counter(r for s in got for p in s["parts"] for r in p["request_ids"])
         reported = Counter()
         for s in got:
-            for request_id, rows in s.get("dropped", ()):
-                reported[request_id] += rows
+            for request_id, point, positions in s.get("dropped", ()):
+                assert point == "p"  # reported per point, so the engine tells probe rows from a client's
+                reported[request_id] += len(positions)
         # Every row either arrived or was reported dropped, for its own request; none twice.
         assert received + reported == pushed
         assert sum(reported.values()) == pusher.dropped_rows
@@ -193,7 +194,8 @@ async def test_the_driver_fails_each_request_whose_rows_a_worker_dropped():
         assert errors["lost"].startswith(f"capture: rank 0 dropped {pusher.dropped_rows} rows of this request")
         assert "--capture-backlog-bytes" in errors["lost"]
         assert controller.backlog_rows_dropped == pusher.dropped_rows
-        assert controller.pop_dropped_rows() == {"lost": pusher.dropped_rows}  # what its finish counts
+        [(key, positions)] = controller.pop_dropped_rows().items()  # what its finish counts, by position
+        assert key == ("lost", "p") and len(positions) == len(set(positions)) == pusher.dropped_rows
         assert sum(b.num_rows for b in blocks) == position + 1 - pusher.dropped_rows
     finally:
         pusher.close()

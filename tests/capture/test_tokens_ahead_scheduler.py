@@ -11,7 +11,8 @@ import asyncio
 
 import pytest
 
-from engine_service.engine_core.tokens_ahead import AllowancePublisher, request_key
+from engine_service.engine_core.tokens_ahead import AllowancePublisher
+from engine_service.request.run import run_key
 from tests.capture.workloads import prompt
 from tools.capture_engines import capture_engine
 
@@ -53,7 +54,7 @@ async def test_a_bounded_request_waits_at_each_allowance_and_ends_with_the_same_
     from vllm.inputs import TokensPrompt
 
     engine, allowances = held_engine
-    key = request_key("held", 1)
+    key = run_key("held", 1)
     tokens: dict[str, list[int]] = {"held": [], "free": []}
 
     async def run(request_id: str, params) -> None:
@@ -86,7 +87,7 @@ async def test_an_ended_bounded_request_stays_held_until_vllm_aborts_it(held_eng
     from vllm.inputs import TokensPrompt
 
     engine, allowances = held_engine
-    key = request_key("ended", 1)
+    key = run_key("ended", 1)
     tokens: list[int] = []
 
     async def run() -> None:

@@ -102,9 +102,12 @@ async def test_killed_router_fails_closed_and_open_requests_by_policy(engine, st
     scored = sum(len(e.token_positions) for e in open_outcome.scores)
     unprobed = open_outcome.finished.unprobed_tokens
     assert scored > 0 and unprobed > 0
-    # Every fed token is scored or counted as unprobed (both, if its scores
-    # arrived but its ack did not, in time or at all: the count is conservative).
-    assert scored + unprobed >= long - 1 and unprobed <= long - 1
+    # Every fed token (all but the last; one row each) is scored or counted
+    # unprobed, exactly once: the client is shown a score only for a row its
+    # report counts scored.
+    [watch] = open_outcome.finished.bindings
+    assert (watch.rows_scored, watch.rows_unprobed) == (scored, unprobed)
+    assert scored + unprobed == long - 1
 
     # The router comes back on the same port: new requests are probed again, no engine restart.
     await start_router(0, tmp_path / "probes-0")
@@ -153,7 +156,9 @@ async def test_request_of_a_lost_replica_is_rehomed_and_finishes(
     assert outcome.reason == "LENGTH", outcome.finished
     scored_positions = sum(len(e.token_positions) for e in outcome.scores)
     unprobed = outcome.finished.unprobed_tokens
-    assert scored_positions + unprobed >= 999 and unprobed < 999
+    [watch] = outcome.finished.bindings
+    assert (watch.rows_scored, watch.rows_unprobed) == (scored_positions, unprobed)
+    assert scored_positions + unprobed == 999 and unprobed < 999
     routers = [event.router for event in outcome.scores]
     survivor = next(r.address for r in two_routers if r.address != home)
     assert routers[0] == home and routers[-1] == survivor

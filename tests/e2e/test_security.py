@@ -21,7 +21,7 @@ def long_request(rid: str, max_tokens: int = 900) -> pb.GenerateRequest:
                               sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
 
 
-async def test_another_callers_abort_finds_nothing_and_the_request_finishes_normally(engine_service):
+async def test_request_ids_belong_to_their_caller(engine_service):
     other_token = DevSecurity.ensure().other_client_token
     async with stack.channel(engine_service.address) as mine, \
             stack.channel(engine_service.address, token=other_token) as theirs:
@@ -31,13 +31,17 @@ async def test_another_callers_abort_finds_nothing_and_the_request_finishes_norm
             outcome = stack.Outcome()
             running = asyncio.create_task(stack.generate(owner, long_request("mine"), outcome=outcome))
             await stack.until_started(outcome, running)
-            # To the other caller the running request does not exist ...
-            with pytest.raises(grpc.aio.AioRpcError) as reused:
-                await stack.generate(other, long_request("mine", max_tokens=2))
+            # To the other caller the running request does not exist: its Abort
+            # finds nothing, and its request of the same id is a request of its own.
             assert not (await other.Abort(pb.AbortRequest(request_id="mine"))).found
-        assert (reused.value.code(), reused.value.details()) == (
-            grpc.StatusCode.NOT_FOUND, "request_id: 'mine' not found")
-        # ... and it finishes untouched.
+            theirs_outcome = stack.Outcome()
+            same_id = asyncio.create_task(stack.generate(other, long_request("mine", max_tokens=2),
+                                                         outcome=theirs_outcome))
+            await stack.until_started(theirs_outcome, same_id)
+            assert theirs_outcome.request_id == "mine"
+        theirs_finished = await same_id
+        assert theirs_finished.reason == "LENGTH" and len(theirs_finished.tokens) == 2
+        # ... and the first finishes untouched.
         finished = await running
         assert finished.reason == "LENGTH" and len(finished.tokens) == 900
         # Its owner can abort its own requests.

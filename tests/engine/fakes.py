@@ -14,7 +14,7 @@ land after outputs of steps already under way reached the request's stream.
 from __future__ import annotations
 
 import asyncio
-from collections import Counter, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -53,8 +53,8 @@ class FakeCapture:
         self.backlog_rows_dropped = 0
         self.recomputed_rows_discarded = 0  # duplicates of delivered rows (after a preemption)
         # What the next drain reports as dropped past a worker's backlog bound:
-        # rows per request, and the errors that name the bound.
-        self.dropped_rows: Counter[str] = Counter()
+        # positions of rows per (request, point), and the errors that name the bound.
+        self.dropped_rows: dict[tuple[str, str], list[int]] = defaultdict(list)
         self.request_errors: dict[str, str] = {}
         self.drains = 0
         self.drain_error: BaseException | None = None  # raised by the next drain()
@@ -115,7 +115,7 @@ class FakeCapture:
     async def drain(self) -> list[Block]:
         await asyncio.sleep(0)  # a collective_rpc never answers synchronously
         self.drains += 1
-        self.backlog_rows_dropped += sum(self.dropped_rows.values())  # what pop_dropped_rows returns next
+        self.backlog_rows_dropped += sum(map(len, self.dropped_rows.values()))  # what pop_dropped_rows returns next
         if self.drain_error is not None:
             error, self.drain_error = self.drain_error, None
             raise error
@@ -126,8 +126,8 @@ class FakeCapture:
         errors, self.request_errors = self.request_errors, {}
         return errors
 
-    def pop_dropped_rows(self) -> Counter[str]:
-        dropped, self.dropped_rows = self.dropped_rows, Counter()
+    def pop_dropped_rows(self) -> dict[tuple[str, str], list[int]]:
+        dropped, self.dropped_rows = self.dropped_rows, defaultdict(list)
         return dropped
 
 

@@ -3,9 +3,11 @@
 import pytest
 
 from common.capture_spec import Scope
-from common.errors import InvalidArgument, NotFound
+from common.errors import FailedPrecondition, InvalidArgument, NotFound
 from engine_service.request import validation as reqs
-from engine_service.request.active import TokenGate
+from engine_service.request.gate import TokenGate
+from engine_service.link.assignment import Wanted, choose_home, pin_versions
+from engine_service.request import bindings as pins
 from engine_service.request.probe_points import check_client_point_names, probe_points
 from common.capture_spec import ExtractionPoint
 from undercurrent.v1 import undercurrent_pb2 as pb
@@ -49,32 +51,69 @@ def probe(name, layers, scope=pb.TokenSelector.SCOPE_GENERATED, tensor_type=pb.T
                         tokens=pb.TokenSelector(scope=scope))
 
 
-def catalog_of(names: list[str], action=pb.PROBE_ACTION_OBSERVE) -> dict[str, pb.ProbeInfo]:
-    return {n: pb.ProbeInfo(name=n, tensor_type=pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=[0], action=action)
-            for n in names}
+def catalog_of(names: list[str], action=pb.PROBE_ACTION_OBSERVE, version="1") -> dict[str, pb.ProbeInfo]:
+    return {n: pb.ProbeInfo(name=n, tensor_type=pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=[0], action=action,
+                            version=version, digest=f"{n}@{version}") for n in names}
 
 
-def test_bindings_resolve_policy_and_action_and_name_a_probe_no_router_loaded():
+def test_bindings_resolve_policy_and_action_and_pin_the_home_replicas_versions():
     catalog = {**catalog_of(["watch"]), **catalog_of(["guard"], pb.PROBE_ACTION_ABORT)}
-    bindings, infos = reqs.bind_probes(
-        [pb.ProbeBinding(probe="watch"), pb.ProbeBinding(probe="guard"),
-         pb.ProbeBinding(probe="watch", failure_policy=pb.FAILURE_POLICY_FAIL_OPEN, action=pb.PROBE_ACTION_ABORT)],
-        catalog, pb.FAILURE_POLICY_FAIL_CLOSED)
-    assert [(b.probe, b.failure_policy, b.action) for b in bindings] == [
-        ("watch", pb.FAILURE_POLICY_FAIL_CLOSED, pb.PROBE_ACTION_OBSERVE),  # the engine's default, the probe's own
-        ("guard", pb.FAILURE_POLICY_FAIL_CLOSED, pb.PROBE_ACTION_ABORT),
-        ("watch", pb.FAILURE_POLICY_FAIL_OPEN, pb.PROBE_ACTION_ABORT),  # the client's choices win
+    asked = [pb.ProbeBinding(probe="watch"), pb.ProbeBinding(probe="guard", failure_policy=pb.FAILURE_POLICY_FAIL_OPEN,
+                                                             action=pb.PROBE_ACTION_OBSERVE)]
+    wanted = pins.wanted(asked, pb.FAILURE_POLICY_FAIL_CLOSED)
+    assert wanted == [Wanted("watch", None, True), Wanted("guard", None, False)]
+    infos = pin_versions("req", {"r1": catalog}, wanted)
+    bindings = pins.pinned(asked, infos, pb.FAILURE_POLICY_FAIL_CLOSED)
+    assert [(b.probe, b.failure_policy, b.action, b.digest) for b in bindings] == [
+        ("watch", pb.FAILURE_POLICY_FAIL_CLOSED, pb.PROBE_ACTION_OBSERVE, "watch@1"),  # the engine's default, the probe's own
+        ("guard", pb.FAILURE_POLICY_FAIL_OPEN, pb.PROBE_ACTION_OBSERVE, "guard@1"),  # the client's choices win
     ]
-    assert infos == [catalog["watch"], catalog["guard"], catalog["watch"]]
+
+
+def test_a_probe_bound_twice_or_unnamed_is_refused_naming_the_binding():
+    with pytest.raises(InvalidArgument, match=r"probes\[1\]\.probe: 'watch' is bound twice \(also probes\[0\]\)"):
+        pins.wanted([pb.ProbeBinding(probe="watch"), pb.ProbeBinding(probe="watch")], 0)
+    with pytest.raises(InvalidArgument, match=r"probes\[0\]\.probe: empty"):
+        pins.wanted([pb.ProbeBinding()], 0)
+
+
+def test_a_request_lives_on_a_replica_that_serves_its_bindings_at_their_versions():
+    both = {**catalog_of(["guard"]), **catalog_of(["observer"])}
+    catalogs = {"a": both, "b": catalog_of(["guard"]), "c": catalog_of(["guard"], version="2")}
+    guard, observer = Wanted("guard", None, True), Wanted("observer", None, False)
+    # Only "a" serves both: every request lives there, whatever its id.
+    assert {choose_home(f"req-{i}", catalogs, [guard, observer]) for i in range(50)} == {"a"}
+    # The guard alone: spread over the replicas, by id.
+    assert {choose_home(f"req-{i}", catalogs, [guard]) for i in range(50)} == {"a", "b", "c"}
+    # Pinned to version 1: never the replica that has version 2.
+    pinned = Wanted("guard", "guard@1", True)
+    assert {choose_home(f"req-{i}", catalogs, [pinned]) for i in range(50)} == {"a", "b"}
+    # No replica serves both: the one that serves every fail_closed binding; failing that, any.
+    assert {choose_home(f"req-{i}", {"b": catalogs["b"], "d": catalog_of(["observer"])}, [guard, observer])
+            for i in range(20)} == {"b"}
+    # An unloading version serves no new request.
+    unloading = {"guard": pb.ProbeInfo(name="guard", digest="guard@1", unloading=True)}
+    assert {choose_home(f"req-{i}", {"a": both, "u": unloading}, [guard]) for i in range(50)} == {"a"}
+
+
+def test_pinning_names_a_probe_no_replica_serves_and_fail_closed_probes_no_replica_serves_together():
+    catalogs = {"a": catalog_of(["guard"]), "b": catalog_of(["other_guard", "observer"])}
     with pytest.raises(NotFound, match=r"probes\[1\]\.probe: 'gone' is not loaded in any reachable router "
-                                       r"\(loaded: guard, watch\)"):
-        reqs.bind_probes([pb.ProbeBinding(probe="watch"), pb.ProbeBinding(probe="gone")], catalog, 0)
+                                       r"\(loaded: guard, observer, other_guard\)"):
+        pin_versions("req", catalogs, [Wanted("guard", None, True), Wanted("gone", None, False)])
+    with pytest.raises(FailedPrecondition, match=r"no router replica serves every fail_closed probe of the "
+                                                 r"request together \(guard, other_guard\): a has guard; b has other_guard"):
+        pin_versions("req", catalogs, [Wanted("guard", None, True), Wanted("other_guard", None, True)])
+    # A fail_open binding the home lacks is pinned to another replica's version (that home refuses it).
+    infos = pin_versions("req", catalogs, [Wanted("guard", None, True), Wanted("observer", None, False)])
+    assert [i.digest for i in infos] == ["guard@1", "observer@1"]
 
 
 def test_open_requests_bindings_give_the_garbage_collector_nothing_to_walk():
     """A request's bindings live while it runs, on the service's event loop: one
     object each would make every full collection walk requests x probes of them
-    (517,170 objects and a 57-59 ms full collection at 256 requests of 1000 probes)."""
+    (517,170 objects and a 57-59 ms full collection were measured at 256 requests
+    of 1000 probes with an object per binding)."""
     import gc
 
     from engine_service.link import RouterLink, RouterLinkConfig
@@ -89,13 +128,14 @@ def test_open_requests_bindings_give_the_garbage_collector_nothing_to_walk():
     gc.collect()
     before = len(gc.get_objects())
     for i, message in enumerate(messages):
-        bindings, _ = reqs.bind_probes(message.probes, catalog, pb.FAILURE_POLICY_FAIL_OPEN)
-        ledger = RequestLedger(1, {b.probe: b.failure_policy for b in bindings})
+        infos = [catalog[n] for n in names]
+        bindings = pins.pinned(message.probes, infos, pb.FAILURE_POLICY_FAIL_OPEN)
+        ledger = RequestLedger(1, pins.for_ledger(bindings, infos))
         link.start_request(message.request_id, i + 1, bindings, 1, ledger)
         kept.append((bindings, ledger))
     gc.collect()
     added = len(gc.get_objects()) - before
-    assert added < 20 * 20, f"{added} objects for 20 requests of 200 bindings"  # one per binding: over 4,000
+    assert added < 20 * 40, f"{added} objects for 20 requests of 200 bindings"  # one per binding: over 4,000
     assert [len(b) for b, _ in kept] == [200] * 20
 
 

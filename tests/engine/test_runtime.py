@@ -20,7 +20,7 @@ from common.errors import Unavailable
 from engine_service.link import RouterLinkConfig
 from engine_service.service.runtime import EngineRuntime, EngineSettings
 from tests.engine_link.helpers import FAST, until
-from tools.router_double import PROBE, RouterDouble
+from tools.router_double import PROBE, RouterDouble, of_client as of
 
 from .fakes import FakeCapture, FakeEngine
 
@@ -95,6 +95,11 @@ def request(rid: str, policy: int | None = CLOSED, max_tokens: int = 40, gate: b
     return message
 
 
+def ran(keys, client_id: str) -> bool:
+    """Whether a run of the client's request id is among these run keys."""
+    return any(k.rsplit("#", 1)[0] == client_id for k in keys)
+
+
 class Outcome:
     def __init__(self) -> None:
         self.responses: list[pb.GenerateResponse] = []
@@ -159,7 +164,7 @@ async def test_a_silent_router_ends_fail_closed_within_the_timeout_and_shows_no_
     assert len(outcome.tokens) == verdict.token_position - len(PROMPT)
     assert max(outcome.scored_positions) >= verdict.token_position - 1
     assert finished.generated_tokens > len(outcome.tokens) and finished.unprobed_tokens > 0
-    assert "closed" in s.llm.aborted
+    assert ran(s.llm.aborted, "closed")
 
 
 async def test_a_silent_router_lets_fail_open_finish_and_counts_what_it_missed(stack, caplog):
@@ -176,7 +181,7 @@ async def test_a_silent_router_lets_fail_open_finish_and_counts_what_it_missed(s
     finished = outcome.finished
     assert finished.finish_reason == pb.FINISH_REASON_LENGTH, finished
     assert len(outcome.tokens) == 80
-    captured = s.capture.captured["open"]
+    captured = of(s.capture.captured, "open")
     missed = len(captured - outcome.scored_positions)
     assert missed > 10
     # A position whose scores arrived but whose ack was cut off counts as unprobed too.
@@ -184,7 +189,7 @@ async def test_a_silent_router_lets_fail_open_finish_and_counts_what_it_missed(s
     assert "tokens unprobed (fail_open)" in finished.message
     # Said once at WARNING, not at every step whose rows expire.
     said = [r for r in caplog.records
-            if "request open continues with unprobed tokens" in r.getMessage() and r.levelno == logging.WARNING]
+            if "continues with unprobed rows (fail_open)" in r.getMessage() and "open#" in r.getMessage() and r.levelno == logging.WARNING]
     assert len(said) == 1
 
 
@@ -206,7 +211,7 @@ async def test_a_batch_level_router_error_ends_fail_closed_and_counts_for_fail_o
         int(p)
         for block in failed.blocks
         for r, p in zip(block.request_index, block.token_positions)
-        if failed.request_ids[r] == "closed"
+        if failed.request_ids[r].rsplit("#", 1)[0] == "closed"
     }
     assert positions and len(closed.tokens) == min(positions) - len(PROMPT)
     assert opened.finished.finish_reason == pb.FINISH_REASON_LENGTH
@@ -223,7 +228,7 @@ async def test_rejected_rows_end_fail_closed_before_any_token_is_shown(stack):
     assert closed.tokens == [] and closed.finished.verdict.token_position == 0
     opened = await run(s.runtime, request("open", OPEN, max_tokens=30))
     assert opened.finished.finish_reason == pb.FINISH_REASON_LENGTH
-    assert opened.finished.unprobed_tokens == len(s.capture.captured["open"]) == len(PROMPT) + 29
+    assert opened.finished.unprobed_tokens == len(of(s.capture.captured, "open")) == len(PROMPT) + 29
 
 
 async def test_a_refused_request_start_ends_fail_closed(stack):
@@ -235,7 +240,7 @@ async def test_a_refused_request_start_ends_fail_closed(stack):
     assert closed.tokens == []
     opened = await run(s.runtime, request("open", OPEN, max_tokens=30))
     assert opened.finished.finish_reason == pb.FINISH_REASON_LENGTH
-    assert opened.finished.unprobed_tokens == len(s.capture.captured["open"])
+    assert opened.finished.unprobed_tokens == len(of(s.capture.captured, "open"))
 
 
 async def test_a_killed_router_ends_fail_closed_at_its_first_unacknowledged_position(stack):
@@ -275,26 +280,29 @@ async def test_a_late_verdict_of_an_earlier_run_does_not_touch_a_new_run_of_the_
     s = await stack(step_s=0.01)
     first = await run(s.runtime, request("same", max_tokens=5))
     assert first.finished.finish_reason == pb.FINISH_REASON_LENGTH
-    old = s.router.incarnations["same"]
-    # Scores reach the client without the Session's incarnation, with the router named.
-    assert {(sc.incarnation, sc.router) for sc in first.scores} == {(0, s.router.address)}
+    [old_key] = s.router.incarnations
+    old = s.router.incarnations[old_key]
+    # Scores reach the client under its own id, without the Session's incarnation, with the router named.
+    assert {(sc.request_id, sc.incarnation, sc.router) for sc in first.scores} == {("same", 0, s.router.address)}
 
     progress = Outcome()
     second = asyncio.create_task(run(s.runtime, request("same", max_tokens=60), progress))
-    await until(lambda: s.router.incarnations["same"] != old)
-    s.router.push(pb.SessionResponse(abort=pb.Verdict(request_id="same", incarnation=old, reason="late")))
+    await until(lambda: len(s.router.incarnations) == 2)
+    [key] = set(s.router.incarnations) - {old_key}  # the new run's key differs from the old one's
+    s.router.push(pb.SessionResponse(abort=pb.Verdict(request_id=old_key, incarnation=old, reason="late")))
+    s.router.push(pb.SessionResponse(abort=pb.Verdict(request_id=key, incarnation=old, reason="late")))
     await wait_for(progress, lambda: len(progress.tokens) >= 10)  # it went on
-    ignored = s.runtime.metrics.registry.get_sample_value(
-        "undercurrent_router_link_ignored_messages_total", {"reason": "stale_incarnation"}
-    )
-    assert ignored == 1
-    current = s.router.incarnations["same"]
+    ignored = s.runtime.metrics.registry.get_sample_value
+    assert ignored("undercurrent_router_link_ignored_messages_total", {"reason": "unknown_request"}) == 1
+    assert ignored("undercurrent_router_link_ignored_messages_total", {"reason": "stale_incarnation"}) == 1
+    current = s.router.incarnations[key]
     s.router.push(
-        pb.SessionResponse(abort=pb.Verdict(request_id="same", incarnation=current, reason="now", token_position=50))
+        pb.SessionResponse(abort=pb.Verdict(request_id=key, incarnation=current, reason="now", token_position=50))
     )
     outcome = await second
     assert outcome.finished.finish_reason == pb.FINISH_REASON_PROBE_ABORT
     assert outcome.finished.verdict.reason == "now" and outcome.finished.verdict.incarnation == 0
+    assert outcome.finished.verdict.request_id == "same"
     assert len(outcome.tokens) <= 50 - len(PROMPT)
 
 
@@ -382,14 +390,17 @@ async def test_a_failed_delivery_ends_the_requests_it_concerned_and_the_loop_goe
 
 async def test_rows_a_worker_dropped_past_its_backlog_bound_are_counted_in_the_requests_finish(stack):
     """A worker past --capture-backlog-bytes reports the rows it dropped per
-    request: the request ends with the error, and finished.dropped_records and
-    the engine's metric count exactly those rows."""
+    request and point: the request ends with the error, and
+    finished.dropped_records and the engine's metric count exactly those rows
+    (rows of a client point here; probe rows it drops never reach the ledger,
+    which counts them as lost, once: tests/engine/test_request_ledger.py)."""
     s = await stack()
     progress = Outcome()
     running = asyncio.create_task(run(s.runtime, request("starved", OPEN, max_tokens=5000), progress))
     await wait_for(progress, lambda: len(progress.tokens) >= 3)
-    s.capture.request_errors["starved"] = "capture: rank 0 dropped 7 rows of this request (--capture-backlog-bytes)"
-    s.capture.dropped_rows["starved"] = 7
+    [key] = s.runtime.runs
+    s.capture.request_errors[key] = "capture: rank 0 dropped 7 rows of this request (--capture-backlog-bytes)"
+    s.capture.dropped_rows[(key, "rows_for_the_client")] = list(range(7))
     outcome = await running
     finished = outcome.finished
     assert finished.finish_reason == pb.FINISH_REASON_ERROR
@@ -484,4 +495,4 @@ async def test_an_abort_before_vllm_runs_the_request_ends_it_and_vllm_never_runs
     outcome = await asyncio.wait_for(running, 10)
     assert outcome.finished.finish_reason == pb.FINISH_REASON_CLIENT_ABORT
     assert outcome.tokens == [] and outcome.finished.generated_tokens == 0
-    assert "early" not in s.llm.running and "early" not in s.llm.aborted[1:]
+    assert not ran(s.llm.running, "early") and not ran(s.llm.aborted[1:], "early")

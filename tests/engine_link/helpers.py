@@ -10,7 +10,10 @@ from undercurrent.v1 import undercurrent_pb2 as pb
 
 from common.activations import Block
 from engine_service.link import LinkEvent, RouterLink
+from engine_service.request import bindings as pins
 from engine_service.request.ledger import RequestLedger
+from engine_service.request.probe_points import point_name
+from tools.router_double import PROBE
 
 FAIL_OPEN = [pb.ProbeBinding(probe="first_element", failure_policy=pb.FAILURE_POLICY_FAIL_OPEN)]
 FAIL_CLOSED = [pb.ProbeBinding(probe="first_element", failure_policy=pb.FAILURE_POLICY_FAIL_CLOSED)]
@@ -67,7 +70,7 @@ def step(
     rows[:, 0] = [first.get(r, 0.0) for r in request_ids] if isinstance(first, dict) else first
     rows[:, 1] = positions
     return Block(
-        "p",
+        point_name("residual_stream", layer),
         pb.TENSOR_TYPE_RESIDUAL_STREAM,
         layer,
         rows,
@@ -86,13 +89,20 @@ def start(
     bindings=None,
     prompt_length: int = 1,
     incarnation: int | None = None,
+    layers: tuple[int, ...] = (0,),
 ) -> RequestLedger:
-    """Starts a request on the link as the engine does: a fresh incarnation and
-    a ledger the link keeps current. Returns the ledger."""
+    """Starts a request on the link as the engine does: a fresh incarnation,
+    bindings pinned to the router double's probe version (a probe it does not
+    have is pinned to no version), reading `layers`, and a ledger the link keeps
+    current. Returns the ledger; the test says what the model computed
+    (`computed_below`), as the engine does when tokens come."""
     bindings = list(bindings if bindings is not None else FAIL_OPEN)
-    ledger = RequestLedger(prompt_length, {b.probe: b.failure_policy for b in bindings})
+    infos = [pb.ProbeInfo(name=b.probe, tensor_type=PROBE.tensor_type, layers=layers,
+                          digest=PROBE.digest if b.probe == PROBE.name else "") for b in bindings]
+    pinned = pins.pinned(bindings, infos, pb.FAILURE_POLICY_FAIL_CLOSED)
+    ledger = RequestLedger(prompt_length, pins.for_ledger(pinned, infos))
     incarnation = next(_incarnations) if incarnation is None else incarnation
-    link.start_request(request_id, incarnation, bindings, prompt_length, ledger)
+    link.start_request(request_id, incarnation, pinned, prompt_length, ledger)
     return ledger
 
 

@@ -23,18 +23,19 @@ async def test_the_ack_of_the_first_part_of_a_split_step_settles_no_row_of_a_lat
     link, events = links(router.address, max_message_bytes=16_000)
     await link.start()
     await link.wait_ready(timeout=10)
-    ledger = start(link, "big", FAIL_CLOSED, prompt_length=100)
+    ledger = start(link, "big", FAIL_CLOSED, prompt_length=100, layers=(0, 1))
     # One step, two layers, every position in both: too big for one message, so
     # layer 0 and layer 1 of the same positions travel in different parts.
     router.withhold_ack = lambda step: step > 1
     link.send_step([step({"big": list(range(60))}, layer=0, hidden=64),
                     step({"big": list(range(60))}, layer=1, hidden=64)])
+    ledger.computed_below(60)
     await router.wait_for(lambda: len(router.batches) >= 2 and router.withheld)
     await events.wait_for(lambda: events.of(Processed, "big"))
     first = router.batches[0]
     assert {b.layer for b in first.blocks} == {0}  # part 0 holds layer 0 only
     # Its ack settled layer-0 rows, yet no position: every one has a layer-1 row in flight.
-    assert ledger.releasable_through() == -1 and ledger.first_unsettled() == 0
+    assert ledger.releasable_through() == -1 and ledger.first_unscored() == 0
     assert ledger.in_flight() > 0
     router.release_acks()
     await until(lambda: ledger.in_flight() == 0)
@@ -51,13 +52,15 @@ async def test_a_batch_error_naming_only_its_step_concerns_every_request_in_it(r
     link.send_step([step({"a": [0], "b": [0], "c": [0]})])
     link.send_step([step({"a": [1], "b": [1]})])  # step 2: a and b only
     link.send_step([step({"a": [2], "b": [2], "c": [1]})])
+    for r, computed in zip("abc", (3, 3, 2)):
+        ledgers[r].computed_below(computed)
     await until(lambda: all(ledger.in_flight() == 0 for ledger in ledgers.values()))
     assert sorted(e.request_id for e in events.of(Unscored)) == ["a", "b"]
     assert all(
         e.failure.fail_closed and "INTERNAL: scoring the batch failed" in e.failure.reason
         for e in events.of(Unscored)
     )
-    assert [ledgers[r].first_unsettled() for r in "abc"] == [1, 1, 2]
+    assert [ledgers[r].first_unscored() for r in "abc"] == [1, 1, 2]
     assert [ledgers[r].releasable_through() for r in "abc"] == [0, 0, 1]
     assert [ledgers[r].unprobed_tokens() for r in "abc"] == [1, 1, 0]
     assert metric(link, "router_errors_total", code="INTERNAL") == 1
@@ -77,12 +80,13 @@ async def test_rows_left_unacknowledged_past_the_router_timeout_expire_while_the
     router.silent = True
     sent = time.monotonic()
     link.send_step([step({"r": [1]})])
+    ledger.computed_below(2)
     await events.wait_for(lambda: events.of(Unscored, "r"), timeout=5)
     waited = time.monotonic() - sent
     assert 0.3 <= waited < 0.3 + 0.5
     [expired] = events.of(Unscored, "r")
     assert expired.failure.fail_closed and "acknowledged no rows for 0.3 s" in expired.failure.reason
-    assert (ledger.releasable_through(), ledger.first_unsettled()) == (0, 1)
+    assert (ledger.releasable_through(), ledger.first_unscored()) == (0, 1)
     assert link.replicas_up() == [router.address]  # the heartbeat timeout is still far
 
 
@@ -110,14 +114,13 @@ async def test_messages_from_a_replica_that_does_not_own_the_request_are_ignored
     assert events.of(Scores, on_a) == [] and events.of(Unscored, on_a) == []
 
 
-async def test_a_router_that_echoes_incarnations_is_not_trusted_without_one(routers, links):
+async def test_a_router_message_without_the_runs_incarnation_is_not_trusted(routers, links):
     router = await routers()
     link, events = links(router.address)
     await link.start()
     await link.wait_ready(timeout=10)
     start(link, "r")
-    link.send_step([step({"r": [0]})])
-    await events.wait_for(lambda: events.of(Scores, "r"))  # echoed: the session is known to echo
+    # Its first message, before any echoed one: still not about the live run.
     router.push(pb.SessionResponse(abort=pb.Verdict(request_id="r")))  # incarnation 0
     await until(lambda: metric(link, "ignored_messages_total", reason="stale_incarnation") == 1)
     assert events.of(Abort) == []
@@ -135,10 +138,11 @@ async def test_a_router_that_reads_every_batch_but_acks_none_does_not_keep_their
     link, events = links(router.address, router_timeout_s=30.0)
     await link.start()
     await link.wait_ready(timeout=10)
-    ledger = start(link, "r", FAIL_CLOSED, prompt_length=4)
+    ledger = start(link, "r", FAIL_CLOSED, prompt_length=4, layers=(0, 1))
     blocks = [step({"r": list(range(4))}, layer=layer, hidden=4096) for layer in (0, 1)]
     sent_rows = [weakref.ref(block.rows) for block in blocks]
     link.send_step(blocks)
+    ledger.computed_below(4)
     del blocks
     await router.wait_for(lambda: router.withheld == [1])
     gc.collect()

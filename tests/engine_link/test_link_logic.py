@@ -151,24 +151,30 @@ def test_split_by_size_leaves_a_small_step_whole():
 
 
 def test_split_by_size_refuses_a_row_over_the_limit():
-    with pytest.raises(batching.RowTooLarge, match="p@0"):
+    with pytest.raises(batching.RowTooLarge, match="probe.residual_stream.0@0"):
         batching.split_by_size([step({"a": [0]})], 100)
 
 
-def test_rows_per_position():
-    blocks = [step({"a": [3, 4], "b": [9]}), step({"a": [3, 4]}, layer=1)]
-    assert batching.rows_by_position(blocks) == {"a": {3: 2, 4: 2}, "b": {9: 1}}
+def test_rows_per_point():
+    blocks = [step({"a": [3, 4], "b": [9]}), step({"a": [3, 4]}, layer=1), step({"a": [5]}, layer=1)]
+    assert batching.rows_by_point(blocks) == {
+        "a": {"probe.residual_stream.0": [3, 4], "probe.residual_stream.1": [3, 4, 5]},
+        "b": {"probe.residual_stream.0": [9]},
+    }
 
 
 def test_blocks_sharing_key_objects_are_routed_and_counted_as_separate_blocks():
     """Blocks of one step share key objects (decode_parts); the per-key-set work done
     once for them must still count, route and size every block's rows."""
     first = step({"a": [3, 4], "b": [9]})
-    shared = [first] + [Block("p", first.tensor_type, layer, first.rows + layer, first.request_ids,
-                              first.token_positions, first.is_generated) for layer in (1, 2)]
+    shared = [first] + [Block(f"probe.residual_stream.{layer}", first.tensor_type, layer, first.rows + layer,
+                              first.request_ids, first.token_positions, first.is_generated) for layer in (1, 2)]
     other = step({"a": [5]}, layer=3)
     blocks = shared + [other]
-    assert batching.rows_by_position(blocks) == {"a": {3: 3, 4: 3, 5: 1}, "b": {9: 3}}
+    assert batching.rows_by_point(blocks) == {
+        "a": {**{f"probe.residual_stream.{layer}": [3, 4] for layer in (0, 1, 2)}, "probe.residual_stream.3": [5]},
+        "b": {f"probe.residual_stream.{layer}": [9] for layer in (0, 1, 2)},
+    }
     parts = batching.partition_by_owner(blocks, owner_of={"a": "r1", "b": "r2"}.get)
     assert [(b.layer, b.request_ids, b.token_positions.tolist(), b.rows[:, 0].tolist()) for b in parts["r1"]] == [
         (layer, ["a", "a"], [3, 4], (first.rows[:2, 0] + layer).tolist()) for layer in (0, 1, 2)

@@ -37,7 +37,7 @@ def engine_metrics_port() -> int:
 async def engine_service(tiny_llama_path, proxy, engine_metrics_port):
     service = stack.processes.engine(
         tiny_llama_path, proxy.address, "--router-timeout", str(harness.ROUTER_TIMEOUT_S),
-        "--max-num-seqs", "16", "--send-queue", str(SEND_QUEUE), "--overflow-policy", "drop_oldest",
+        "--router-heartbeat-timeout", str(harness.HEARTBEAT_TIMEOUT_S), "--max-num-seqs", "16", "--send-queue", str(SEND_QUEUE), "--overflow-policy", "drop_oldest",
         "--metrics-port", str(engine_metrics_port), max_model_len=1024,
     ).start()
     try:

@@ -21,6 +21,10 @@ WATCH_LAYER = 1
 # tokens while the router scored 97), and 5 s once in CI (a router just started
 # scored 2 rows while the engine generated 525).
 ROUTER_TIMEOUT_S = 10.0
+# The engine's --router-heartbeat-timeout here: far past the router timeout, so
+# a router that is silent but connected is found by the router timeout's
+# watchdog (rows unacknowledged), never first by the session's heartbeat check.
+HEARTBEAT_TIMEOUT_S = 30.0
 # Router state (live requests, sessions) is back to its resting value this
 # soon after the fault ends (the engine's session loss or RequestEnd reaches
 # the router in one round trip; 5 s covers a loaded machine).
@@ -61,6 +65,11 @@ def assert_true_counts(outcome: stack.Outcome) -> None:
     that fed it, so either count is true there."""
     scored = stack.scored_positions(outcome)
     assert len(scored) == len(set(scored)), "a position was scored twice"
+    # The watch probe reads one row a token: the binding's report counts the same
+    # rows scored and unprobed as the client saw scored and unprobed.
+    [report] = outcome.finished.bindings
+    assert (report.rows_scored, report.rows_unprobed) == (len(scored), outcome.finished.unprobed_tokens), (
+        report, len(scored), outcome.finished.unprobed_tokens)
     accounted = len(scored) + outcome.finished.unprobed_tokens
     fed = fed_positions(outcome)
     allowed = {fed} if outcome.reason in ("LENGTH", "STOP") else {fed, fed + 1}
@@ -69,8 +78,7 @@ def assert_true_counts(outcome: stack.Outcome) -> None:
         f"{fed} fed ({outcome.finished})")
 
 
-def ended_by_policy(outcome: stack.Outcome) -> bool:
-    return outcome.reason in ("ROUTER_UNAVAILABLE", "ERROR")
+
 
 
 async def metrics(port: int) -> dict[str, float]:

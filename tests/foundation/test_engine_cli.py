@@ -78,6 +78,21 @@ def test_the_send_queue_bounds_reach_the_router_link():
     assert (config.queue_max_batches, config.queue_max_bytes) == (5, 4096)
 
 
+def test_the_router_timeouts_reach_the_router_link_and_are_checked():
+    from engine_service.__main__ import build_parser
+    from engine_service.service.app import link_config
+
+    args = build_parser().parse_args(["--model", "m", "--router", "127.0.0.1:1"])
+    config = link_config(args, None)
+    assert (config.router_timeout_s, config.heartbeat_timeout_s) == (3.0, 6.0)
+    args = build_parser().parse_args(["--model", "m", "--router", "127.0.0.1:1", "--router-timeout", "10",
+                                      "--router-heartbeat-timeout", "30"])
+    config = link_config(args, None)
+    assert (config.router_timeout_s, config.heartbeat_timeout_s) == (10.0, 30.0)
+    result = run_engine("--model", str(EMBEDDED_MODELS["tiny-llama"]), "--router-heartbeat-timeout", "1")
+    assert_one_line_error(result, "--router-heartbeat-timeout must exceed the 2 s between heartbeats")
+
+
 def node_args(*flags: str):
     from argparse import Namespace
 

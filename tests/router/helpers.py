@@ -67,6 +67,12 @@ class SessionClient(session_client.SessionClient):
         return await super().open(model or model_info(), accepts_replies)
 
 
+def bound(registry, *probes, **fields) -> list[pb.SessionBinding]:
+    """request_start bindings of these probes at the versions `registry` holds."""
+    loaded = {p.name: p.digest for p in registry.probes()}
+    return [pb.SessionBinding(probe=p, digest=loaded.get(p, ""), **fields) for p in probes]
+
+
 def kinds(messages) -> list[str]:
     return [m.WhichOneof("message") for m in messages]
 

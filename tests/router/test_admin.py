@@ -95,7 +95,7 @@ async def test_forced_unload_detaches_running_requests_with_an_error(make_router
     await client.close()
 
 
-async def test_replace_keeps_running_requests_on_the_old_version(make_router, tmp_path):
+async def test_replace_keeps_running_requests_on_the_old_version_and_refuses_it_to_new_ones(make_router, tmp_path):
     linear_probe(tmp_path, "p", E0, kind="linear", threshold=0.0, action="observe")
     router = await make_router(tmp_path)
     stub = admin(router)
@@ -107,13 +107,21 @@ async def test_replace_keeps_running_requests_on_the_old_version(make_router, tm
         await stub.LoadProbe(pb.LoadProbeRequest(inline=inline("p", E0 * 10, version="2")))
     assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
     assert "probe 'p' is already loaded (version '1'); set replace" in err.value.details()
+    old_digest = client.digests["p"]
     info = (await stub.LoadProbe(pb.LoadProbeRequest(inline=inline("p", E0 * 10, version="2"), replace=True))).probe
-    assert info.version == "2"
+    assert info.version == "2" and info.digest != old_digest
+    assert (await client.until("catalog")).catalog.probes[0].digest == info.digest
     client.start("new", "p", prompt_length=0)
-    rows = np.ones((2, HIDDEN))
-    replies = await client.until_ack(client.batch(block(rows, ["old", "new"], [0, 0])))
+    # A request pinned to the version that was replaced is refused, naming the probe and both versions.
+    client.start("late", "p", prompt_length=0, digests={"p": old_digest})
+    rows = np.ones((3, HIDDEN))
+    replies = await client.until_ack(client.batch(block(rows, ["old", "new", "late"], [0, 0, 0])))
     assert {m.scores.request_id: m.scores.scores[0] for m in replies if m.scores.probe} == {
         "old": 1.0, "new": 10.0}
+    refusal = next(m.error for m in replies if m.error.request_id == "late" and not m.error.step)
+    assert (refusal.code, refusal.probe) == (pb.STATUS_CODE_FAILED_PRECONDITION, "p")
+    assert refusal.message == (f"request_start.bindings[0]: probe 'p' is version '2' ({info.digest}) on this "
+                               f"router; the request was bound to {old_digest}")
     await client.close()
 
 

@@ -34,6 +34,9 @@ IN_BAND = {pb.STATUS_CODE_INVALID_ARGUMENT, pb.STATUS_CODE_NOT_FOUND, pb.STATUS_
 MAX_MESSAGE_BYTES = 1024 * 1024
 REQUEST_IDS = ("r1", "r2", "r3")
 PROBES = ("watch", "stop", "absent")
+# The digests of the probes the live router loaded (filled by its fixture): a
+# request_start may name a probe at its version, at another, or at none.
+LOADED_DIGESTS: dict[str, str] = {}
 CASES = {"session": 0, "session_bytes": 0, "admin": 0}
 
 
@@ -83,6 +86,7 @@ def live(tmp_path_factory):
     linear_probe(probes, "stop", np.eye(HIDDEN)[1], kind="linear", threshold=1.0, action="abort",
                  tokens={"scope": "all"}, layers=[1])
     router = LiveRouter(probes)
+    LOADED_DIGESTS.update({p.name: p.digest for p in router.router.registry.probes()})
     yield router
     router.close()
     print(f"\nrouter fuzz cases run: {CASES} (total {sum(CASES.values())})")
@@ -133,10 +137,12 @@ def session_messages() -> st.SearchStrategy[pb.SessionRequest]:
     start = st.builds(
         lambda rid, incarnation, bindings, prompt: pb.SessionRequest(request_start=pb.RequestStart(
             request_id=rid, incarnation=incarnation, prompt_length=prompt,
-            probes=[pb.ProbeBinding(probe=name, failure_policy=policy, action=action)
-                    for name, policy, action in bindings])),
+            bindings=[pb.SessionBinding(probe=name, failure_policy=policy, action=action,
+                                        digest=LOADED_DIGESTS.get(name, "") if version == "loaded" else version)
+                      for name, policy, action, version in bindings])),
         st.sampled_from(REQUEST_IDS + ("",)), st.integers(0, 3),
-        st.lists(st.tuples(st.sampled_from(PROBES), st.integers(-1, 4), st.integers(-1, 4)), max_size=3),
+        st.lists(st.tuples(st.sampled_from(PROBES), st.integers(-1, 4), st.integers(-1, 4),
+                           st.sampled_from(("loaded", "", "sha256:another"))), max_size=3),
         st.integers(-2, 8))
     end = st.builds(lambda rid, incarnation: pb.SessionRequest(request_end=pb.RequestEnd(
         request_id=rid, incarnation=incarnation)), st.sampled_from(REQUEST_IDS), st.integers(0, 3))
@@ -232,7 +238,8 @@ def test_oversized_messages_are_resource_exhausted_and_the_router_still_serves(l
                             np.array([True]))], step=1)
     replies = read_session(stub.Session(iter([
         hello(),
-        pb.SessionRequest(request_start=pb.RequestStart(request_id="ok", probes=[pb.ProbeBinding(probe="watch")])),
+        pb.SessionRequest(request_start=pb.RequestStart(request_id="ok", bindings=[
+            pb.SessionBinding(probe="watch", digest=LOADED_DIGESTS["watch"])])),
         pb.SessionRequest(batch=batch),
         pb.SessionRequest(request_end=pb.RequestEnd(request_id="ok")),
     ]), timeout=20))

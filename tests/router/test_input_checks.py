@@ -27,9 +27,10 @@ def probes_dir(tmp_path):
     return tmp_path
 
 
-def start(client: SessionClient, rid: str, incarnation: int, *bindings: pb.ProbeBinding) -> None:
-    client.send(request_start=pb.RequestStart(
-        request_id=rid, incarnation=incarnation, probes=list(bindings) or [pb.ProbeBinding(probe="watch")]))
+def start(client: SessionClient, rid: str, incarnation: int, *bindings: pb.SessionBinding) -> None:
+    """request_start of these bindings, or of "watch" at the version the router listed."""
+    bindings = list(bindings) or [pb.SessionBinding(probe="watch", digest=client.digests["watch"])]
+    client.send(request_start=pb.RequestStart(request_id=rid, incarnation=incarnation, bindings=bindings))
 
 
 def scored(replies) -> dict[str, list[tuple[int, float]]]:
@@ -167,12 +168,12 @@ async def test_unknown_enum_values_in_request_start_are_refused_naming_the_field
     router = await make_router(probes_dir)
     client = SessionClient(router)
     await client.open()
-    start(client, "r", 8, pb.ProbeBinding(probe="watch", failure_policy=9),
-          pb.ProbeBinding(probe="watch", action=5))
+    start(client, "r", 8, pb.SessionBinding(probe="watch", failure_policy=9, digest=client.digests["watch"]),
+          pb.SessionBinding(probe="watch", action=5, digest=client.digests["watch"]))
     replies = await client.sync()
     assert [(e.request_id, e.incarnation, e.code, e.message) for e in errors(replies)] == [
-        ("r", 8, pb.STATUS_CODE_INVALID_ARGUMENT, "request_start.probes[0].failure_policy: 9 is not a FailurePolicy"),
-        ("r", 8, pb.STATUS_CODE_INVALID_ARGUMENT, "request_start.probes[1].action: 5 is not a ProbeAction"),
+        ("r", 8, pb.STATUS_CODE_INVALID_ARGUMENT, "request_start.bindings[0].failure_policy: 9 is not a FailurePolicy"),
+        ("r", 8, pb.STATUS_CODE_INVALID_ARGUMENT, "request_start.bindings[1].action: 5 is not a ProbeAction"),
     ]
     await client.close()
 

@@ -13,7 +13,7 @@ from router_service import session as session_state
 from router_service.probes import ProjectionPlan
 from router_service.servicers import INLINE_SCORING_BYTES, LiveSession, row_bytes
 from tests.router.helpers import (
-    HIDDEN, SessionClient, block, errors, kinds, linear_probe, manifest, model_info,
+    HIDDEN, SessionClient, block, bound, errors, kinds, linear_probe, manifest, model_info,
 )
 from undercurrent.v1 import undercurrent_pb2 as pb
 
@@ -576,9 +576,9 @@ async def test_an_internal_failure_still_acks_the_step_and_keeps_the_session(mak
     router = await make_router(probes_dir)
     client = SessionClient(router)
     await client.open()
-    client.send(request_start=pb.RequestStart(request_id="r", probes=[pb.ProbeBinding(probe="tox")],
+    client.send(request_start=pb.RequestStart(request_id="r", bindings=bound(router.registry, "tox"),
                                               incarnation=7))
-    client.send(request_start=pb.RequestStart(request_id="q", probes=[pb.ProbeBinding(probe="tox")],
+    client.send(request_start=pb.RequestStart(request_id="q", bindings=bound(router.registry, "tox"),
                                               incarnation=8))
 
     def broken(*args):

@@ -336,6 +336,7 @@ def run_session(probes: list[ProbeSpec], requests: list[Request], steps: int, di
         registry.load(load_probe_path(directory / probe.name))
     metrics = RouterMetrics()
     state = SessionState(registry, model_info(HIDDEN, LAYERS, TENSOR_TYPES.values()), metrics)
+    digests = {p.name: p.digest for p in registry.probes()}
     replies = []
     for step in range(steps + 1):
         for r in requests:
@@ -345,7 +346,8 @@ def run_session(probes: list[ProbeSpec], requests: list[Request], steps: int, di
             if r.start == step:
                 assert state.start(pb.RequestStart(
                     request_id=r.request_id, incarnation=r.incarnation, prompt_length=r.prompt_length,
-                    probes=[pb.ProbeBinding(probe=p.name, action=a) for p, a in r.bindings])) == []
+                    bindings=[pb.SessionBinding(probe=p.name, action=a, digest=digests[p.name])
+                              for p, a in r.bindings])) == []
         if step < steps:
             out = state.batch(batch_of(requests, step, rng))
             kinds = [m.WhichOneof("message") for m in out]

@@ -10,7 +10,7 @@ from router_service.metrics import RouterMetrics
 from router_service.probe_files import load_probe_path
 from router_service.registry import ProbeRegistry
 from router_service.session import SessionState
-from tests.router.helpers import HIDDEN, block, linear_probe, model_info
+from tests.router.helpers import HIDDEN, block, bound, linear_probe, model_info
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 
@@ -24,7 +24,7 @@ def state(tmp_path):
 
 def start(state, rid, incarnation, **binding):
     return state.start(pb.RequestStart(request_id=rid, incarnation=incarnation,
-                                       probes=[pb.ProbeBinding(probe="watch", **binding)]))
+                                       bindings=bound(state.registry, "watch", **binding)))
 
 
 def rows(*values):
@@ -45,6 +45,20 @@ def test_a_batch_that_fails_whole_names_each_request_with_its_incarnation_and_st
     replies = state.batch_failed(batch, RuntimeError("boom"))
     assert summary(replies) == [("error", "a", 1, 9), ("error", "b", 2, 9), ("ack", "", 0, 9)]
     assert {m.error.code for m in replies[:2]} == {pb.STATUS_CODE_INTERNAL}
+
+
+def test_rows_of_a_refused_request_start_are_refused_naming_its_incarnation(state):
+    """A router that refused a run (draining, full) says so about each of its
+    later batches with the run's incarnation, so the engine fails the right run's
+    rows, not an earlier or later one's."""
+    start(state, "a", 1)
+    start(state, "b", 2)
+    [full] = start(state, "c", 3)  # the state holds two requests
+    assert (full.error.code, full.error.incarnation) == (pb.STATUS_CODE_RESOURCE_EXHAUSTED, 3)
+    replies = state.batch(to_batch([block(rows(1.0, 2.0), ["a", "c"], [0, 0])], step=5))
+    assert summary(replies) == [("error", "c", 3, 5), ("scores", "a", 1, 0), ("ack", "", 0, 5)]
+    assert replies[0].error.message == ("blocks[0] (p@1): records for request 'c', whose request_start this "
+                                        "session refused; not scored")
 
 
 def test_an_overflowing_block_is_refused_alone(state):
@@ -69,7 +83,7 @@ def test_negative_positions_are_refused_and_the_other_rows_scored(state):
 def test_unknown_enums_and_the_request_limit(state):
     [refused] = start(state, "a", 1, failure_policy=9)
     assert (refused.error.request_id, refused.error.incarnation, refused.error.message) == (
-        "a", 1, "request_start.probes[0].failure_policy: 9 is not a FailurePolicy")
+        "a", 1, "request_start.bindings[0].failure_policy: 9 is not a FailurePolicy")
     assert start(state, "b", 2) == []
     [over] = start(state, "c", 3)
     assert (over.error.code, over.error.request_id, over.error.incarnation) == (
@@ -99,7 +113,7 @@ def test_probes_reading_the_same_rows_keep_their_own_rules_and_state(tmp_path):
     }
     order = {rid: ["low", "mid", "high"] for rid in values} | {"g": ["mid", "high", "low"]}
     for rid, names in order.items():
-        assert state.start(pb.RequestStart(request_id=rid, probes=[pb.ProbeBinding(probe=p) for p in names])) == []
+        assert state.start(pb.RequestStart(request_id=rid, bindings=bound(state.registry, *names))) == []
     verdicts = {}
     for step, first in enumerate(range(0, 6, 2), 1):  # two positions per request and batch
         ids = [rid for rid in values for _ in (0, 1)]
@@ -137,7 +151,7 @@ def test_rule_state_survives_the_grid_growing_and_freed_cells_start_clean(tmp_pa
     state = SessionState(registry, model_info(), RouterMetrics())
 
     def bind(rid, *probes):
-        assert state.start(pb.RequestStart(request_id=rid, probes=[pb.ProbeBinding(probe=p) for p in probes])) == []
+        assert state.start(pb.RequestStart(request_id=rid, bindings=bound(state.registry, *probes))) == []
 
     def aborts(step, ids, positions, values):
         replies = state.batch(to_batch([block(rows(*values), ids, positions)], step=step))
@@ -189,8 +203,7 @@ def test_open_bindings_give_the_garbage_collector_nothing_to_walk(tmp_path):
 
     def open_requests(first, count):
         for i in range(first, first + count):
-            assert state.start(pb.RequestStart(request_id=f"r{i}", probes=[pb.ProbeBinding(probe=n)
-                                                                          for n in names])) == []
+            assert state.start(pb.RequestStart(request_id=f"r{i}", bindings=bound(state.registry, *names))) == []
         gc.collect()
         return len(gc.get_objects())
 

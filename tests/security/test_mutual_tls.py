@@ -133,7 +133,7 @@ async def test_the_engine_link_connects_only_to_replicas_whose_certificate_names
         assert host == "router.test"
         return addresses
 
-    args = SimpleNamespace(router=f"dns:router.test:{good.port}", router_timeout=1.0, send_queue=8,
+    args = SimpleNamespace(router=f"dns:router.test:{good.port}", router_timeout=1.0, router_heartbeat_timeout=6.0, send_queue=8,
                            send_queue_bytes=1 << 20,
                            overflow_policy="drop_oldest", max_message_bytes=MAX_MESSAGE_BYTES)
     config = link_config(args, ClientTLS(pki.files("engine")))

@@ -331,7 +331,7 @@ class ProbeEvent(_message.Message):
     def __init__(self, scores: _Optional[_Union[ProbeScores, _Mapping]] = ...) -> None: ...
 
 class GenerateFinished(_message.Message):
-    __slots__ = ("finish_reason", "verdict", "prompt_tokens", "generated_tokens", "unprobed_tokens", "dropped_records", "message")
+    __slots__ = ("finish_reason", "verdict", "prompt_tokens", "generated_tokens", "unprobed_tokens", "dropped_records", "message", "bindings")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     VERDICT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -339,6 +339,7 @@ class GenerateFinished(_message.Message):
     UNPROBED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_RECORDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    BINDINGS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     verdict: Verdict
     prompt_tokens: int
@@ -346,7 +347,30 @@ class GenerateFinished(_message.Message):
     unprobed_tokens: int
     dropped_records: int
     message: str
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., unprobed_tokens: _Optional[int] = ..., dropped_records: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    bindings: _containers.RepeatedCompositeFieldContainer[BindingReport]
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., unprobed_tokens: _Optional[int] = ..., dropped_records: _Optional[int] = ..., message: _Optional[str] = ..., bindings: _Optional[_Iterable[_Union[BindingReport, _Mapping]]] = ...) -> None: ...
+
+class BindingReport(_message.Message):
+    __slots__ = ("probe", "version", "digest", "failure_policy", "action", "rows_scored", "rows_unprobed", "state_restarts", "message")
+    PROBE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    ROWS_SCORED_FIELD_NUMBER: _ClassVar[int]
+    ROWS_UNPROBED_FIELD_NUMBER: _ClassVar[int]
+    STATE_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    probe: str
+    version: str
+    digest: str
+    failure_policy: FailurePolicy
+    action: ProbeAction
+    rows_scored: int
+    rows_unprobed: int
+    state_restarts: int
+    message: str
+    def __init__(self, probe: _Optional[str] = ..., version: _Optional[str] = ..., digest: _Optional[str] = ..., failure_policy: _Optional[_Union[FailurePolicy, str]] = ..., action: _Optional[_Union[ProbeAction, str]] = ..., rows_scored: _Optional[int] = ..., rows_unprobed: _Optional[int] = ..., state_restarts: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("started", "tokens", "probe_event", "activations", "finished")
@@ -394,19 +418,31 @@ class SessionHello(_message.Message):
     accepts_replies: bool
     def __init__(self, engine_id: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., accepts_replies: _Optional[bool] = ...) -> None: ...
 
+class SessionBinding(_message.Message):
+    __slots__ = ("probe", "failure_policy", "action", "digest")
+    PROBE_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    probe: str
+    failure_policy: FailurePolicy
+    action: ProbeAction
+    digest: str
+    def __init__(self, probe: _Optional[str] = ..., failure_policy: _Optional[_Union[FailurePolicy, str]] = ..., action: _Optional[_Union[ProbeAction, str]] = ..., digest: _Optional[str] = ...) -> None: ...
+
 class RequestStart(_message.Message):
-    __slots__ = ("request_id", "probes", "prompt_length", "state_reset", "incarnation")
+    __slots__ = ("request_id", "prompt_length", "state_reset", "incarnation", "bindings")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    PROBES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     STATE_RESET_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    BINDINGS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    probes: _containers.RepeatedCompositeFieldContainer[ProbeBinding]
     prompt_length: int
     state_reset: bool
     incarnation: int
-    def __init__(self, request_id: _Optional[str] = ..., probes: _Optional[_Iterable[_Union[ProbeBinding, _Mapping]]] = ..., prompt_length: _Optional[int] = ..., state_reset: _Optional[bool] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    bindings: _containers.RepeatedCompositeFieldContainer[SessionBinding]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_length: _Optional[int] = ..., state_reset: _Optional[bool] = ..., incarnation: _Optional[int] = ..., bindings: _Optional[_Iterable[_Union[SessionBinding, _Mapping]]] = ...) -> None: ...
 
 class RequestEnd(_message.Message):
     __slots__ = ("request_id", "finish_reason", "incarnation")
@@ -439,7 +475,7 @@ class SessionRequest(_message.Message):
     def __init__(self, hello: _Optional[_Union[SessionHello, _Mapping]] = ..., request_start: _Optional[_Union[RequestStart, _Mapping]] = ..., batch: _Optional[_Union[ActivationBatch, _Mapping]] = ..., request_end: _Optional[_Union[RequestEnd, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
 
 class ProbeInfo(_message.Message):
-    __slots__ = ("name", "kind", "tensor_type", "layers", "hidden_size", "dtype", "action", "threshold", "version", "tokens", "active_requests", "unloading")
+    __slots__ = ("name", "kind", "tensor_type", "layers", "hidden_size", "dtype", "action", "threshold", "version", "tokens", "active_requests", "unloading", "digest", "stateful")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     TENSOR_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -452,6 +488,8 @@ class ProbeInfo(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     UNLOADING_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    STATEFUL_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     tensor_type: TensorType
@@ -464,7 +502,9 @@ class ProbeInfo(_message.Message):
     tokens: TokenSelector
     active_requests: int
     unloading: bool
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., tensor_type: _Optional[_Union[TensorType, str]] = ..., layers: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., action: _Optional[_Union[ProbeAction, str]] = ..., threshold: _Optional[float] = ..., version: _Optional[str] = ..., tokens: _Optional[_Union[TokenSelector, _Mapping]] = ..., active_requests: _Optional[int] = ..., unloading: _Optional[bool] = ...) -> None: ...
+    digest: str
+    stateful: bool
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., tensor_type: _Optional[_Union[TensorType, str]] = ..., layers: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., action: _Optional[_Union[ProbeAction, str]] = ..., threshold: _Optional[float] = ..., version: _Optional[str] = ..., tokens: _Optional[_Union[TokenSelector, _Mapping]] = ..., active_requests: _Optional[int] = ..., unloading: _Optional[bool] = ..., digest: _Optional[str] = ..., stateful: _Optional[bool] = ...) -> None: ...
 
 class RouterHello(_message.Message):
     __slots__ = ("router_id", "probes")

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections import Counter
+from collections import Counter, defaultdict
 from typing import Any
 
 from common.activations import Block, decode_parts
@@ -171,7 +171,7 @@ class CaptureController:
         self._delivered = DeliveredPositions()
         self._gate = ForwardOrderGate()
         self._request_errors: dict[str, str] = {}
-        self._dropped_rows: Counter[str] = Counter()
+        self._dropped_rows: dict[tuple[str, str], list[int]] = defaultdict(list)
         self._sink: Sink | None = None
         self._rpc_drained = True  # some shipping rank does not push (another host)
         self._barrier: dict[int, int] = {}  # rank -> push sequence every ending row is within
@@ -307,9 +307,12 @@ class CaptureController:
             shipments += await self.engine.collective_rpc("undercurrent_drain")
         errors = [f"rank {s['rank']}: {e}" for s in shipments for e in s["errors"]]
         for shipment in shipments:
-            for request_id, rows in shipment.get("dropped", ()):
-                self.backlog_rows_dropped += rows
-                self._dropped_rows[request_id] += rows
+            dropped = Counter()
+            for request_id, point, positions in shipment.get("dropped", ()):
+                self.backlog_rows_dropped += len(positions)
+                self._dropped_rows[(request_id, point)].extend(positions)
+                dropped[request_id] += len(positions)
+            for request_id, rows in dropped.items():
                 self._request_errors.setdefault(
                     request_id,
                     f"capture: rank {shipment['rank']} dropped {rows} rows of this request: the engine "
@@ -358,8 +361,9 @@ class CaptureController:
         errors, self._request_errors = self._request_errors, {}
         return errors
 
-    def pop_dropped_rows(self) -> Counter[str]:
-        """Rows per request that workers dropped past their backlog bound since the
-        last call (each such request also has an error); its finish counts them."""
-        dropped, self._dropped_rows = self._dropped_rows, Counter()
+    def pop_dropped_rows(self) -> dict[tuple[str, str], list[int]]:
+        """The positions of rows per (request, point) that workers dropped past
+        their backlog bound since the last call (each such request also has an
+        error); its finish counts them."""
+        dropped, self._dropped_rows = self._dropped_rows, defaultdict(list)
         return dropped

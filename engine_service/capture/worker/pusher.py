@@ -7,7 +7,7 @@ Runs in each vLLM worker process.
 from __future__ import annotations
 
 import logging
-from collections import Counter, deque
+from collections import defaultdict, deque
 from dataclasses import dataclass
 
 import msgspec
@@ -16,8 +16,10 @@ import zmq
 from engine_service.capture.channel import (
     DEFAULT_BACKLOG_BYTES,
     ReadProgress,
+    dropped_in,
+    dropped_positions,
+    dropped_report,
     node_identity,
-    rows_per_request,
     shipment_frames,
 )
 
@@ -60,7 +62,8 @@ class Pusher:
         self._unsent: deque[_Waiting] = deque()
         self._unsent_bytes = 0
         self._keeping_logged = False  # the worker keeps shipments, and said so
-        self._dropped: Counter[str] = Counter()  # rows per request, not yet reported
+        # Positions of rows dropped per (request, point), not yet reported.
+        self._dropped: dict[tuple[str, str], list[int]] = defaultdict(list)
         self.dropped_rows = 0  # every row this worker ever dropped
 
     @staticmethod
@@ -106,9 +109,11 @@ class Pusher:
                 self._keeping(f"it has not read {self._in_flight_bytes} bytes handed to the socket")
                 return
             if self._dropped:  # the report rides the next shipment that goes out
-                carried = Counter(dict(head.header.get("dropped", ()))) + self._dropped
-                head.header["dropped"] = sorted(carried.items())
-                self._dropped = Counter()
+                carried = dropped_in(head.header.get("dropped", ()))
+                for key, positions in self._dropped.items():
+                    carried[key].extend(positions)
+                head.header["dropped"] = dropped_report(carried)
+                self._dropped = defaultdict(list)
                 head.data = None
             if head.data is None:
                 head.data = msgspec.msgpack.encode(head.header)
@@ -144,9 +149,11 @@ class Pusher:
         while self._in_flight_bytes + self._unsent_bytes > self.backlog_bytes and len(self._unsent) > 1:
             oldest = self._unsent.popleft()
             self._unsent_bytes -= oldest.nbytes
-            rows = rows_per_request(oldest.header)
+            rows = dropped_positions(oldest.header)
+            for key, positions in [*rows.items(), *dropped_in(oldest.header.get("dropped", ())).items()]:
+                self._dropped[key].extend(positions)
+            rows = {key: len(positions) for key, positions in rows.items()}
             self.dropped_rows += sum(rows.values())
-            self._dropped += rows + Counter(dict(oldest.header.get("dropped", ())))
             successor = self._unsent[0]
             successor.header = {
                 **successor.header,

@@ -1,21 +1,13 @@
-"""Per-request bookkeeping on the engine: what the client is owed and why a
-request ended. Plain logic, no vLLM or gRPC, so the rules are testable alone.
-"""
+"""What a gated request's client may see, and when: the token gate and the
+probe scores held until the ledger counts their rows scored. Plain logic."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 from engine_service.request.ledger import RequestLedger
-
-if TYPE_CHECKING:
-    from engine_service.request.client_stream import ClientStream
 
 
 @dataclass
@@ -76,31 +68,35 @@ class HeldScores:
     as well would count a position both scored and unprobed. So the client sees
     a score only at a position the ledger settled, never at one it counts
     unprobed, and the scores it sees plus `unprobed_tokens` add up to the rows
-    the request fed.
+    the request fed. A score also waits for the token at its position to reach
+    the engine (the model computes a position before the engine has its token),
+    so the client never sees a score about a token it will never get.
     """
 
     held: list[pb.ProbeScores] = field(default_factory=list)
 
-    def add(self, scores: pb.ProbeScores, ledger: RequestLedger) -> list[pb.ProbeScores]:
+    def add(self, scores: pb.ProbeScores, ledger: RequestLedger, received_below: int) -> list[pb.ProbeScores]:
         """Takes a message from the router: returns the part of it at settled
-        positions and holds the rest. Only this message is read: the ledger has
-        not moved since the last release(), which the engine calls whenever it
-        does, so every held message waits as it did then. (Reading them all at
-        each message was quadratic in the probes bound: a router sends a message
-        per binding and step: 100 bindings cost 11 ms per request and step.)"""
-        ready, waiting = _split(scores, ledger, final=False, below=None)
+        positions of tokens the client already has (below `received_below`) and
+        holds the rest. Only this message is read: the ledger has not moved since
+        the last release(), which the engine calls whenever it or the tokens do,
+        so every held message waits as it did then. (Reading them all at each
+        message was quadratic in the probes bound: a router sends a message per
+        binding and step: 100 bindings cost 11 ms per request and step.)"""
+        ready, waiting = _split(scores, ledger, received_below, final=False)
         if waiting is not None:
             self.held.append(waiting)
         return [] if ready is None else [ready]
 
-    def release(self, ledger: RequestLedger, below: int | None = None) -> list[pb.ProbeScores]:
-        """After the ledger moved: every held score at a settled position, in arrival
-        order; scores at failed positions are withheld for good. `below` ends the
-        request: every score still held, and any at or past `below`, is withheld."""
+    def release(self, ledger: RequestLedger, received_below: int, final: bool = False) -> list[pb.ProbeScores]:
+        """After the ledger or the tokens moved: every held score at a settled
+        position below `received_below`, in arrival order; scores at failed
+        positions are withheld for good. `final` ends the request: every score
+        still held is withheld."""
         shown: list[pb.ProbeScores] = []
         still_held: list[pb.ProbeScores] = []
         for message in self.held:
-            ready, waiting = _split(message, ledger, final=below is not None, below=below)
+            ready, waiting = _split(message, ledger, received_below, final)
             if ready is not None:
                 shown.append(ready)
             if waiting is not None:
@@ -110,19 +106,20 @@ class HeldScores:
 
 
 def _split(
-    message: pb.ProbeScores, ledger: RequestLedger, final: bool, below: int | None
+    message: pb.ProbeScores, ledger: RequestLedger, below: int, final: bool
 ) -> tuple[pb.ProbeScores | None, pb.ProbeScores | None]:
     """(the scores to show now, the scores still waiting) of one message.
 
     A message mostly scores one token (one position, a score per layer read), so
     each distinct position's outcome is read once, and a message whose positions
     all settle alike is returned whole, not rebuilt score by score."""
-    outcomes = {position: ledger.outcome_at(position) for position in set(message.token_positions)}
-    shown = {position: bool(outcome) and (below is None or position < below)
-             for position, outcome in outcomes.items()}
+    probe = message.probe
+    outcomes = {position: ledger.outcome_at(probe, position) for position in set(message.token_positions)}
+    shown = {position: bool(outcome) and position < below for position, outcome in outcomes.items()}
     if all(shown.values()):
         return (message if shown else None), None
-    held = {position: outcome is None and not final for position, outcome in outcomes.items()}
+    held = {position: not final and (outcome is None or (outcome and position >= below))
+            for position, outcome in outcomes.items()}
     if not any(shown.values()):
         return None, (message if all(held.values()) else _with_scores(message, held))
     return _with_scores(message, shown), _with_scores(message, held)
@@ -142,47 +139,3 @@ def _with_scores(message: pb.ProbeScores, taken: dict[int, bool]) -> pb.ProbeSco
     part.token_positions.extend(p for p, _ in pairs)
     part.scores.extend(s for _, s in pairs)
     return part
-
-
-@dataclass
-class ActiveRequest:
-    request_id: str
-    # This run of request_id, unique in the engine process: router messages and
-    # link events about another run of the same id are not about this one.
-    incarnation: int
-    prompt_len: int
-    # Resolved against the routers' catalog (requests.bind_probes): one message's
-    # repeated field, so the garbage collector has one object to walk, not one per binding.
-    probes: Sequence[pb.ProbeBinding]
-    gate: TokenGate | None
-    events: "ClientStream"  # pb.GenerateResponse items for the client stream
-    # Where every probe row of this request stands; None without probes.
-    ledger: RequestLedger | None = None
-    # Set whenever the ledger moved (acks, failures); the end of the request waits on it.
-    ledger_changed: asyncio.Event = field(default_factory=asyncio.Event)
-    # Router scores waiting for the ledger to settle their positions.
-    scores: HeldScores = field(default_factory=HeldScores)
-    captures: bool = False  # registered extraction points (client or probe)
-    generated: int = 0
-    finish_reason: int = pb.FINISH_REASON_UNSPECIFIED  # set when we end it
-    verdict: pb.Verdict | None = None
-    message: str = ""
-    # time.monotonic() when its Generate call arrived, and whether a token reached
-    # the client stream yet (the engine's latency histograms read both).
-    accepted_at: float = field(default_factory=time.monotonic)
-    tokens_sent: bool = False
-    said_unprobed: bool = False  # logged that it continues unprobed (fail_open): once, not per step
-    backlog_dropped_records: int = 0  # rows a worker dropped past --capture-backlog-bytes
-    # (generated, settled_below) when last seen to change, and when (--max-tokens-ahead's watch).
-    progress: tuple[int, int] = (0, 0)
-    progress_at: float = field(default_factory=time.monotonic)
-
-    def fail_closed(self) -> bool:
-        return any(p.failure_policy == pb.FAILURE_POLICY_FAIL_CLOSED for p in self.probes)
-
-    def end(self, reason: int, verdict: pb.Verdict | None = None, message: str = "") -> bool:
-        """Records the first reason the engine stopped this request; False if already ended."""
-        if self.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-            return False
-        self.finish_reason, self.verdict, self.message = reason, verdict, message
-        return True
