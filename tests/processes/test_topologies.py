@@ -4,6 +4,7 @@ processes): the probe fires at the same token, and only there."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -90,3 +91,46 @@ async def test_abort_lands_promptly_after_the_engine_idles(armed):
 
     latencies = await until_within(IDLE_ABORT_BOUND, after_idle)
     assert min(latencies) <= IDLE_ABORT_BOUND, latencies
+
+
+def norm_probe(name: str, layer: int, action: str, threshold: float, scope: str, min_tokens: int = 0) -> str:
+    return json.dumps({"name": name, "version": "1", "kind": "norm", "tensor_type": "residual_stream",
+                       "layers": [layer], "hidden_size": 128, "dtype": "float32", "threshold": threshold,
+                       "action": action, "tokens": {"scope": scope}, "rule": {"min_tokens": min_tokens}})
+
+
+GATE_MIN_TOKENS = 6  # the late guard fires at generated index GATE_MIN_TOKENS - 1
+
+
+async def test_gated_tokens_wait_for_every_stage_and_every_fail_closed_probe(topology_stack, armed):
+    """Under pipeline parallelism the first stage's rows at a position can be
+    scored before the last stage computed it. Gated requests bind a fail_closed
+    observer of layer 0 (first stage) and a fail_closed guard of the last layer
+    (last stage) that fires at generated index 5: no client may see that token or
+    any after it, and every token shown was scored by both probes."""
+    name, _, router = topology_stack
+    if name != "pp2":
+        pytest.skip("the stages only differ under pipeline parallelism")
+    async with stack.channel(router.address) as admin_channel:
+        admin = pb_grpc.ProbeAdminServiceStub(admin_channel)
+        for manifest in (norm_probe("early_watch", 0, "observe", 1e9, "all"),
+                         norm_probe("late_guard", 3, "abort", 0.0, "generated", min_tokens=GATE_MIN_TOKENS)):
+            await admin.LoadProbe(pb.LoadProbeRequest(inline=pb.InlineProbe(manifest_json=manifest)))
+    await stack.wait_for_probe(armed.engine, "late_guard")
+    outcomes = await asyncio.gather(*[stack.generate(armed.engine, request(
+        PROMPTS[i % 2], f"pp-gated-{i}", gate_tokens=True, probes=[
+            pb.ProbeBinding(probe="early_watch", failure_policy=pb.FAILURE_POLICY_FAIL_CLOSED),
+            pb.ProbeBinding(probe="late_guard", failure_policy=pb.FAILURE_POLICY_FAIL_CLOSED)]))
+        for i in range(12)])
+    for outcome in outcomes:
+        finished = outcome.finished
+        trigger = finished.prompt_tokens + GATE_MIN_TOKENS - 1
+        assert outcome.reason == "PROBE_ABORT", finished
+        assert (finished.verdict.probe, finished.verdict.token_position) == ("late_guard", trigger)
+        assert len(outcome.tokens) == GATE_MIN_TOKENS - 1, (outcome.request_id, len(outcome.tokens))
+        early = {p for event in outcome.scores if event.probe == "early_watch" for p in event.token_positions}
+        shown = set(range(finished.prompt_tokens, finished.prompt_tokens + len(outcome.tokens)))
+        assert shown <= early, f"tokens shown at {sorted(shown - early)} early_watch never scored"
+        reports = {b.probe: b for b in finished.bindings}
+        assert reports["late_guard"].rows_scored >= GATE_MIN_TOKENS and reports["late_guard"].rows_unprobed == 0
+        assert reports["early_watch"].rows_unprobed == 0
