@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import InitVar, dataclass, field
 
@@ -245,8 +246,16 @@ class RequestLedger:
         self._capture = ExpectedRows([p.tokens for p in self.points], self.prompt_len) if self.points else None
         self._capture_expected: dict[int, int] = {}
         self._capture_arrived: dict[int, int] = {}
-        # Rows a worker reported dropping (past its backlog bound), per position, not yet counted.
-        self._capture_reported: dict[int, int] = {}
+        # Rows a worker reported dropping (past its backlog bound) that never arrived
+        # since, as (point, position): a preempted request may report the same row
+        # again, or deliver it when recomputed. Those counted are kept, so none is
+        # counted twice.
+        self._capture_reported: set[tuple[str, int]] = set()
+        self._capture_reported_counted: set[tuple[str, int]] = set()
+        # point -> the highest position a row of it arrived at. The driver drops a
+        # recomputed row at or below it (engine_service.capture.driver.merge), so a
+        # report of dropping one loses nothing.
+        self._arrived_through: dict[str, int] = {}
         self._computed = 0  # positions below it have their expectations
         # Rows of a binding acknowledged but never scored for it (refused, errored):
         # binding -> position -> rows.
@@ -280,6 +289,11 @@ class RequestLedger:
             num_rows += len(positions)
             for position in positions:
                 arrived[position] = arrived.get(position, 0) + 1
+            if positions:
+                through = self._arrived_through
+                through[point] = max(through.get(point, -1), max(positions))
+            if self._capture_reported:
+                self._capture_reported.difference_update((point, position) for position in positions)
             for s in self._readers.get(point, ()):
                 read_set = self._sets[s]
                 counts = per_set[s]
@@ -447,12 +461,13 @@ class RequestLedger:
         """Whether a stateful binding's state holds rows of this request on `replica`."""
         return replica in self._state_on
 
-    def capture_dropped(self, positions: Sequence[int]) -> None:
-        """A worker reported dropping probe rows at these positions (one per row):
-        counted as dropped once, whether or not a binding was owed them."""
-        reported = self._capture_reported
-        for position in positions:
-            reported[position] = reported.get(position, 0) + 1
+    def capture_dropped(self, point: str, positions: Sequence[int]) -> None:
+        """A worker reported dropping rows of a probe point at these positions:
+        each row counts as dropped once, whether or not a binding was owed it,
+        unless it arrives after all, or had arrived before (either way, recomputed
+        after a preemption)."""
+        through = self._arrived_through.get(point, -1)
+        self._capture_reported.update((point, position) for position in positions if position > through)
 
     def capture_lost(self) -> Failure | None:
         """Call when the request's last rows were drained: rows owed at a computed
@@ -475,7 +490,10 @@ class RequestLedger:
             self._capture_arrived[position] = expected
         # Reported rows at positions that owed them are among the missing ones;
         # those where nothing was owed are counted on their own.
-        reported, self._capture_reported = self._capture_reported, {}
+        newly = self._capture_reported - self._capture_reported_counted
+        self._capture_reported_counted |= newly
+        self._capture_reported = set()
+        reported = Counter(p for _point, p in newly)
         unowed = sum(count for p, count in reported.items() if p not in self._capture_expected)
         self.dropped_records += unowed
         self.capture_lost_rows += max(0, rows - sum(min(count, physical[p][1] - physical[p][0])

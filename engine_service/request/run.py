@@ -192,10 +192,10 @@ class RequestRun:
             self.gate.close_at(self.prompt_len + self.gate.first_held_index)
         return Stop(pb.FINISH_REASON_ERROR)
 
-    def backlog_dropped(self, positions: list[int], probe_point: bool) -> None:
-        """A worker dropped rows of this run past its backlog bound, at these positions."""
+    def backlog_dropped(self, point: str, positions: list[int], probe_point: bool) -> None:
+        """A worker dropped rows of this run's `point` past its backlog bound, at these positions."""
         if probe_point and self.ledger is not None:
-            self.ledger.capture_dropped(positions)
+            self.ledger.capture_dropped(point, positions)
         else:
             self.backlog_dropped_client_rows += len(positions)
 

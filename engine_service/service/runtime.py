@@ -495,7 +495,7 @@ class EngineRuntime:
             for (key, point), positions in self.capture.pop_dropped_rows().items():
                 run = self.runs.get(key)
                 if run is not None:
-                    run.backlog_dropped(positions, probe_point=point.startswith(PROBE_POINT_PREFIX))
+                    run.backlog_dropped(point, positions, probe_point=point.startswith(PROBE_POINT_PREFIX))
             for key, error in self.capture.pop_request_errors().items():
                 run = self.runs.get(key)
                 if run is not None:

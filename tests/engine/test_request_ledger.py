@@ -548,12 +548,32 @@ def test_rows_a_worker_reported_dropping_count_once_whether_owed_or_not():
     led = expecting()
     led.computed_below(6)
     led.acknowledged(sent(led, "r", 1, prompt_and(4)))  # position 5 is owed 3 rows; none came
-    led.capture_dropped([5, 5, 9])  # a worker reported two of them, and one at 9 (nothing owed there yet)
+    led.capture_dropped(R0, [5, 9])  # a worker reported two of them, and one at 9 (nothing owed there yet)
+    led.capture_dropped(R1, [5])
     failure = led.capture_lost()
     assert (failure.rows, led.dropped_records) == (3, 4)
     assert led.capture_lost_rows == 1  # the one row nobody reported
-    led.capture_dropped([9])
+    led.capture_dropped(R1, [9])
     assert led.capture_lost() is None and led.dropped_records == 5
+
+
+def test_a_row_dropped_again_when_recomputed_counts_once_and_one_delivered_when_recomputed_not_at_all():
+    led = expecting()
+    led.capture_dropped(R0, [8, 9])  # no stage but the first computed them yet
+    # Preempted and recomputed: the row at 8 is dropped again, the one at 9 arrives.
+    led.capture_dropped(R0, [8])
+    led.acknowledged(sent(led, "r", 1, {R0: [9]}))
+    led.capture_lost()
+    assert led.dropped_records == 1
+
+
+def test_a_report_of_dropping_a_recomputed_row_that_had_arrived_counts_nothing():
+    led = expecting()
+    led.acknowledged(sent(led, "r", 1, {R0: [8, 9]}))
+    led.capture_dropped(R0, [9])  # preempted: the recomputed copy was dropped, not the row
+    led.capture_dropped(R0, [10])
+    led.capture_lost()
+    assert led.dropped_records == 1
 
 
 def test_rows_two_bindings_read_count_once_when_capture_loses_them():
