@@ -21,10 +21,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from undercurrent.v1 import undercurrent_pb2 as pb
 
+from common.activations import Block
 from common.enum_names import short_name
 from engine_service.link import events
 from engine_service.request.client_stream import ClientStream
@@ -125,6 +126,12 @@ class RequestRun:
             return
         self.gate.hold(first, token_ids)
         self._release()
+
+    def activations(self, blocks: list[Block]) -> None:
+        """Rows of the client's own extraction points, captured under the run's
+        key: the client sees them under its request id."""
+        ids = [self.request_id]
+        self.stream.put_activations([replace(block, request_ids=ids * block.num_rows) for block in blocks])
 
     def link_event(self, event: events.LinkEvent) -> Stop | None:
         """The router link's news about this run (checked to be about this run)."""

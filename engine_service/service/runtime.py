@@ -564,7 +564,7 @@ class EngineRuntime:
         for key, parts in partition_by_owner(blocks, owner_of=lambda key: key).items():
             run = self.runs.get(key)
             if run is not None:
-                run.stream.put_activations(parts)
+                run.activations(parts)
 
     def _count_undelivered_rows(self) -> None:
         """Rows capture did not deliver: those workers dropped past their backlog bound

@@ -473,6 +473,9 @@ async def test_client_only_capture_finishes_after_the_last_rows_arrived(stack):
         )
         # The prompt and every fed-back token: the last sampled token is never computed.
         assert positions == list(range(len(PROMPT) + 7)), attempt
+        # Under the client's own request id, not the run's internal key.
+        assert {i for r in outcome.responses if r.HasField("activations")
+                for i in r.activations.request_ids} == {f"client-{attempt}"}
 
 
 async def test_an_abort_before_vllm_runs_the_request_ends_it_and_vllm_never_runs_it(stack):
