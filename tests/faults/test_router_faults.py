@@ -113,12 +113,19 @@ async def test_silent_router(engine_service, engine, start_router, proxy, fault_
         fault.heal()
 
     # fail_closed: silence is found by the router timeout's watchdog (the session's
-    # heartbeat check would take harness.HEARTBEAT_TIMEOUT_S), and gating released
-    # nothing unscored.
+    # heartbeat check would take harness.HEARTBEAT_TIMEOUT_S), or sooner, when the
+    # fail_open request's later steps fill the send queue and drop_oldest drops the
+    # message holding the fail_closed rows: which comes first depends on how fast
+    # vLLM decodes. Either way the request ends with its own reason, and gating
+    # released nothing unscored.
     assert closed_outcome.reason == "ROUTER_UNAVAILABLE", closed_outcome.finished
-    assert "acknowledged no rows for 10 s (router timeout)" in closed_outcome.finished.message
-    assert ROUTER_TIMEOUT_S - 1 < ended_after < ROUTER_TIMEOUT_S + stack.END_SLACK_S, (
-        f"ended {ended_after:.2f} s after the fault")
+    message = closed_outcome.finished.message
+    if "rows dropped before reaching a router (drop_oldest)" in message:
+        assert ended_after < ROUTER_TIMEOUT_S + stack.END_SLACK_S, f"ended {ended_after:.2f} s after the fault"
+    else:
+        assert "acknowledged no rows for 10 s (router timeout)" in message, message
+        assert ROUTER_TIMEOUT_S - 1 < ended_after < ROUTER_TIMEOUT_S + stack.END_SLACK_S, (
+            f"ended {ended_after:.2f} s after the fault")
     assert ROUTER_TIMEOUT_S + stack.END_SLACK_S < harness.HEARTBEAT_TIMEOUT_S
     stack.assert_released_tokens_were_scored(closed_outcome)
     harness.assert_true_counts(closed_outcome)
