@@ -33,7 +33,11 @@ Steps, each timed and reported:
      ROUTER_UNAVAILABLE within the engine's router timeout plus slack, with no
      token released that a router did not score; after `unpause` a request is
      scored again;
-  10. `docker compose down -v`, and the daemon stopped if it was started here.
+  10. the stack down, then the attacks on a compose stack of their own
+     (tests/security/test_attack_compose.py, which `make test` skips as no
+     daemon runs yet): what each container holds, a compromised engine or
+     router reaching for the others, health checks, published ports;
+  11. `docker compose down -v`, and the daemon stopped if it was started here.
 Exits 0 only if every check passed; prints a table of step times.
 """
 
@@ -73,6 +77,7 @@ from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 
 REPLICAS_UP = "undercurrent_router_link_replicas_up"
 VLLM_SERIES = ("vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count")
+ATTACKS = "tests/security/test_attack_compose.py"
 # compose.yaml's engine runs with the default --router-timeout; a request whose
 # routers fell silent ends this soon after, plus the slack the fault tests allow
 # (the watchdog's tick, one scheduler step, the finished message on a loaded host).
@@ -273,6 +278,23 @@ def check_abort_latencies(latencies: list[int]) -> str:
     return summary
 
 
+def attacks_on_the_stack() -> str:
+    """tests/security/test_attack_compose.py brings up a stack of its own and
+    attacks it. `make test` runs before any daemon does and skips it, so it
+    runs here, where the daemon and the images are ready; a skip is a failure.
+    pytest's lines are echoed as they come."""
+    command = [sys.executable, "-m", "pytest", ATTACKS, "-v", "-rs", "-p", "no:cacheprovider"]
+    lines = []
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as run:
+        for line in run.stdout:
+            lines.append(line.rstrip())
+            log("   | " + lines[-1])
+    summary = lines[-1] if lines else ""
+    if run.returncode or "skipped" in summary or "passed" not in summary:
+        raise Failure(f"{ATTACKS}: {summary or 'no output'}")
+    return f"{ATTACKS}: {summary.strip('= ')}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base-image", help=f"base for both images (default: {PUBLIC_BASE}, "
@@ -343,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
         with steps.step("routers frozen: a gated fail_closed request"):
             log("   " + asyncio.run(frozen_routers_fail_closed(stack, credentials)))
             log("   thawed: " + asyncio.run(scored_again(stack, credentials, args.max_tokens)))
+        with steps.step("the attacks on the stack"):
+            stack.compose("down", "--volumes", "--remove-orphans", "--timeout", "30", check=False)
+            log("   " + attacks_on_the_stack())
         ok = True
     except (Failure, subprocess.TimeoutExpired) as err:
         log(f"FAILED: {err}")
