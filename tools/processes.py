@@ -25,10 +25,20 @@ from tools.dev_security import DevSecurity
 LOGS = Path(__file__).resolve().parent.parent / ".cache" / "logs"
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now and not handed out before by this process. The
+    kernel may give two binds in a row the same port, and a service told to
+    listen on both (health and metrics) then fails to start."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 @dataclass

@@ -2,7 +2,9 @@
 
 import os
 import signal
+import socket
 
+from tools import processes
 from tools.processes import Service
 
 
@@ -19,3 +21,15 @@ def test_a_service_shares_the_launchers_session_in_a_process_group_of_its_own():
     finally:
         service.kill()
     assert service.process.returncode == -signal.SIGKILL
+
+
+def test_free_port_never_hands_out_a_port_twice(monkeypatch):
+    """The kernel may return the same ephemeral port to two binds in a row."""
+    kernel_ports = iter([1001, 1001, 1001, 1002])
+
+    class Socket(socket.socket):
+        def getsockname(self):
+            return ("127.0.0.1", next(kernel_ports))
+
+    monkeypatch.setattr(processes.socket, "socket", Socket)
+    assert [processes.free_port(), processes.free_port()] == [1001, 1002]
