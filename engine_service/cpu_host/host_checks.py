@@ -4,15 +4,15 @@ On a CPU host vLLM's workers compute on the same cores as the engine service,
 the router and the clients, and wait for each step spinning on `sched_yield`.
 With the kernel's scheduler autogroup on, every session (each `setsid`: a
 terminal, a service manager's unit, a launcher that starts each process in a
-session of its own) is scheduled as one group; a session holding the engine
-then kept processes of other sessions (a router, a client, a plain 10 ms
-sleeper) from both cores of a 2-core host for up to 3.3 s at a time, and a
-router went silent 7 s, long enough for the engine to drop its session.
-In one session the router waited at most 11 ms
-per request; in separate ones with autogroup off, no stall came either.
-Containers are outside autogroup, but in control groups that the kernel
-schedules the same way: there a higher CPU weight for the router is the
-remedy measured (`compose.yaml`). Plain logic: the setting's path is passed in.
+session of its own) is scheduled as one group; a session holding the engine then
+kept processes of other sessions (a router, a client, a plain 10 ms sleeper)
+from both cores of a 2-core host for up to 3.3 s at a time, and a router went
+silent 7 s, long enough for the engine to drop its session. In one session the
+router waited at most 11 ms per request; in separate ones with autogroup off, no
+stall came either. Containers are outside autogroup, but in control groups that
+the kernel schedules the same way: there a higher CPU weight for the router is
+the remedy measured (`compose.yaml`). Plain logic: the setting's path is
+passed in.
 """
 
 from __future__ import annotations

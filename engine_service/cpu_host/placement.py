@@ -4,19 +4,18 @@
 On a CPU host vLLM binds each worker's compute threads to cores of their own
 (`VLLM_CPU_OMP_THREADS_BIND`, `auto` by default) and reserves the rest for other
 processes, but nothing keeps those other processes off the workers' cores. A
-pinned worker that loses its core stalls, and with several workers it stalls
-the others at the next all-reduce. A router can be
-kept off them from outside (`taskset`, a container cpuset); the engine service
-cannot, because vLLM's processes inherit the cores of the process that starts
-them: it moves itself once its workers are bound. Its own engine core stays
-where it started: moved with the service it took the service's core and the run
-lost (every type at every layer ran about 10% slower). Where workers are not bound (GPU hosts, `nobind`) their cores
+pinned worker that loses its core stalls, and with several workers it stalls the
+others at the next all-reduce. A router can be kept off them from outside
+(`taskset`, a container cpuset); the engine service cannot, because vLLM's
+processes inherit the cores of the process that starts them: it moves itself
+once its workers are bound. Its own engine core stays where it started: moved
+with the service it took the service's core, and every type at every layer ran
+about 10% slower. Where workers are not bound (GPU hosts, `nobind`) their cores
 are every core the service may use, and nothing moves.
 
 Off by default because it has not been shown to pay: on the 2-core bench host
 with one worker, alternating round by round, every type at every layer ran at
-0.99-1.02 of the unplaced service's speed, the router placed too at 0.97-1.01
-(alternating round by round on the same host).
+0.99-1.02 of the unplaced service's speed, the router placed too at 0.97-1.01.
 
 Plain logic: the caller passes the workers' cores; `move_process` acts on any pid
 (the benchmarks place a router the same way an operator would with `taskset`).
