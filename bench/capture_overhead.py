@@ -30,7 +30,7 @@ from pathlib import Path
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from router_service.probe_files import write_probe  # noqa: E402
+from common.probe_format.files import write_probe  # noqa: E402
 from tools import processes  # noqa: E402
 from undercurrent.v1 import undercurrent_pb2 as pb  # noqa: E402
 

@@ -85,7 +85,7 @@ from common.gc_heap import freeze_startup_heap  # noqa: E402
 from engine_service.engine_core.wait import MODES as ENGINE_CORE_WAITS  # noqa: E402
 from engine_service.link.assignment import pick_replica  # noqa: E402
 from engine_service.cpu_host.placement import core_list, cores_off_workers, move_process  # noqa: E402
-from router_service.probe_files import write_probe  # noqa: E402
+from common.probe_format.files import write_probe  # noqa: E402
 from tools import processes  # noqa: E402
 from undercurrent.v1 import undercurrent_pb2 as pb  # noqa: E402
 

@@ -24,8 +24,8 @@ import numpy as np  # noqa: E402
 
 from bench import results_file  # noqa: E402
 from common import tensor_codec  # noqa: E402
-from router_service import probes  # noqa: E402
-from router_service.manifest import manifest_from_dict  # noqa: E402
+from common.probe_format import probes  # noqa: E402
+from common.probe_format.manifest import manifest_from_dict  # noqa: E402
 
 PROBES = 10
 # name -> (blocks, rows per block, hidden)

@@ -24,7 +24,7 @@ import numpy as np
 import psutil
 
 from bench import results_file
-from router_service.probe_files import write_probe
+from common.probe_format.files import write_probe
 from tools import processes
 from tools.process_memory import tree_memory
 from tools.session_client import SessionClient

@@ -29,7 +29,7 @@ import numpy as np
 from bench.gc_watch import open_requests_main, open_requests_round
 from common.gc_heap import freeze_startup_heap
 from router_service.metrics import RouterMetrics
-from router_service.probe_files import load_probe_path, write_probe
+from common.probe_format.files import load_probe_path, write_probe
 from router_service.registry import ProbeRegistry
 from router_service.session import SessionState
 from undercurrent.v1 import undercurrent_pb2 as pb

@@ -137,7 +137,7 @@ async def engine(args) -> tuple[float, float, Collections, int]:
 
 def router(args) -> float:
     from router_service.metrics import RouterMetrics
-    from router_service.probe_files import load_probe_path, write_probe
+    from common.probe_format.files import load_probe_path, write_probe
     from router_service.registry import ProbeRegistry
     from router_service.session import SessionState
 

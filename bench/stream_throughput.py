@@ -50,8 +50,8 @@ from bench import results_file
 from common import tensor_codec
 from common.activations import Block
 from common.grpc_server import SERVICE_FULL_NAMES, channel_options, start_server
-from router_service.probe_files import load_probe_path, probe_paths, write_probe
-from router_service.probes import ProjectionPlan
+from common.probe_format.files import load_probe_path, probe_paths, write_probe
+from common.probe_format.probes import ProjectionPlan
 from tools.processes import free_port
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc

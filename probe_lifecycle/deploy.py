@@ -27,8 +27,8 @@ import grpc
 from probe_lifecycle.cli import OneLineParser, fail
 from probe_lifecycle import connect
 from probe_lifecycle.dataset import MODEL_IDENTITY, model_to_dict
-from router_service.manifest import ManifestError
-from router_service.probe_files import MANIFEST_FILE, WEIGHTS_FILE, ProbeFileError, load_probe_bytes
+from common.probe_format.manifest import ManifestError
+from common.probe_format.files import MANIFEST_FILE, WEIGHTS_FILE, ProbeFileError, load_probe_bytes
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
 

@@ -35,8 +35,8 @@ from probe_lifecycle.training import (
     AGGREGATIONS, KINDS, Evaluation, TrainingError, evaluate, example_scores, fit_logistic,
     fit_mean_difference, rows_of, split_by_example,
 )
-from router_service.manifest import ManifestError
-from router_service.probe_files import (
+from common.probe_format.manifest import ManifestError
+from common.probe_format.files import (
     MANIFEST_FILE, WEIGHTS_FILE, ProbeFileError, encode_safetensors, load_probe_bytes, write_probe,
 )
 from undercurrent.v1 import undercurrent_pb2 as pb

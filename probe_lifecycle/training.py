@@ -1,7 +1,7 @@
 """Probe training on a captured dataset: the fits, the split and the calibration.
 
 Plain numpy and scikit-learn, no files and no gRPC. Held-out scores are computed
-with the router's own probe code (`router_service.probes`) from the probe as it
+with the router's own probe code (`common.probe_format.probes`) from the probe as it
 will be loaded, and reduced per example the way the router's decision rule
 fires (any scored row at or above the threshold), so the threshold picked here
 is the one that holds live.
@@ -16,7 +16,7 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import roc_auc_score
 
 from probe_lifecycle.dataset import Features
-from router_service.probes import Probe, ProjectionPlan
+from common.probe_format.probes import Probe, ProjectionPlan
 
 KINDS = ("logistic", "mean_difference", "trajectory")
 AGGREGATIONS = ("ema", "rolling_mean", "max_rolling_mean")

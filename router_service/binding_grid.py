@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from router_service.probes import Probe
+from common.probe_format.probes import Probe
 
 
 class BindingGrid:

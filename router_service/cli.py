@@ -29,7 +29,7 @@ from common.security.config import (
     router_security,
 )
 from router_service import logs
-from router_service.probe_files import (
+from common.probe_format.files import (
     DEFAULT_MAX_INLINE_PROBE_BYTES,
     DEFAULT_MAX_PROBE_FILE_BYTES,
     ProbeFileError,

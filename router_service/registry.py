@@ -12,7 +12,7 @@ import logging
 from typing import Callable
 
 from common.errors import AlreadyExists, FailedPrecondition, NotFound
-from router_service.probes import Probe
+from common.probe_format.probes import Probe
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from pathlib import Path
 from common.grpc_server import MAX_MESSAGE_BYTES, SERVICE_FULL_NAMES, PortLimits, ServerHandle, start_server
 from common.security.config import ServerSecurity
 from router_service.metrics import RouterMetrics
-from router_service.probe_files import DEFAULT_MAX_INLINE_PROBE_BYTES, ProbeRoot, load_probe_path, probe_paths
+from common.probe_format.files import DEFAULT_MAX_INLINE_PROBE_BYTES, ProbeRoot, load_probe_path, probe_paths
 from router_service.registry import ProbeRegistry
 from router_service.servicers import AdminServicer, LiveSession, SessionServicer
 from router_service.session import DEFAULT_MAX_REQUESTS_PER_SESSION

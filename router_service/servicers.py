@@ -19,8 +19,8 @@ from common import tensor_codec
 from common.enum_checks import check_enums
 from common.errors import InvalidArgument, ResourceExhausted
 from common.log_limits import RateLimitedLog
-from router_service.probe_files import ProbeFileError, check_inline_size, load_probe_bytes
-from router_service.manifest import ManifestError
+from common.probe_format.files import ProbeFileError, check_inline_size, load_probe_bytes
+from common.probe_format.manifest import ManifestError
 from router_service.session import SessionState, error
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc

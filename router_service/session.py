@@ -26,7 +26,7 @@ from common.enum_checks import unknown_enum
 from common.errors import UndercurrentError, status_code_value
 from router_service.binding_grid import BindingGrid
 from router_service.metrics import RouterMetrics
-from router_service.probes import Probe, ProjectionPlan, first_firing_segments
+from common.probe_format.probes import Probe, ProjectionPlan, first_firing_segments
 from router_service.registry import ProbeRegistry
 from undercurrent.v1 import undercurrent_pb2 as pb
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from router_service.probe_files import write_probe
+from common.probe_format.files import write_probe
 
 DEMO_PROBE = "residual_norm"
 

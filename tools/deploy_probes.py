@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from common.embedded_model import ARCHITECTURES
-from router_service.probe_files import write_probe_file
+from common.probe_format.files import write_probe_file
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOYED_ARCH = "tiny-llama"

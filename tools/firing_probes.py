@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from common.activations import from_batch
-from router_service.probe_files import encode_safetensors, write_probe
+from common.probe_format.files import encode_safetensors, write_probe
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 LAYER = 3

@@ -10,7 +10,7 @@ from safetensors import SafetensorError, safe_open
 
 from common.capture_spec import TENSOR_TYPES, tensor_type_to_proto
 from common.enum_names import from_short_name
-from common.probe_layout import MANIFEST_FILE, METADATA_KEY, WEIGHTS_FILE
+from common.probe_format.layout import MANIFEST_FILE, METADATA_KEY, WEIGHTS_FILE
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 

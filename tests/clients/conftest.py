@@ -1,6 +1,6 @@
 import pytest
 
-from router_service.probe_files import ProbeRoot
+from common.probe_format.files import ProbeRoot
 from tests.router.helpers import start_router
 
 

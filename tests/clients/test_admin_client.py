@@ -7,7 +7,7 @@ import grpc
 import numpy as np
 import pytest
 
-from router_service.probe_files import write_probe, write_probe_file
+from common.probe_format.files import write_probe, write_probe_file
 from tests.router.helpers import HIDDEN, manifest
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent_client import AsyncProbeAdminClient, ProbeAdminClient, RpcError, inline_probe

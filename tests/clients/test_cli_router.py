@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from router_service.probe_files import write_probe
+from common.probe_format.files import write_probe
 from tests.router.helpers import HIDDEN, manifest
 
 CLI = [sys.executable, "-m", "undercurrent_client"]

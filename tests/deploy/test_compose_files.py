@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from common.embedded_model import ARCHITECTURES
-from router_service.probe_files import load_probe_path, probe_paths
+from common.probe_format.files import load_probe_path, probe_paths
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILES = ["compose.yaml", "compose.gpu.yaml", "compose.multinode.yaml"]

@@ -17,7 +17,7 @@ import pytest
 from google.protobuf.json_format import MessageToDict
 
 from common.activations import Block, from_batch, to_batch
-from router_service.probe_files import write_probe
+from common.probe_format.files import write_probe
 from tests.e2e import node_live
 from tools import firing_probes, stack
 from tools.dev_security import DevSecurity

@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 import pytest
 
-from router_service.probe_files import write_probe
+from common.probe_format.files import write_probe
 from tools import stack
 from undercurrent.v1 import undercurrent_pb2 as pb
 

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from router_service.probe_files import write_probe
+from common.probe_format.files import write_probe
 from tools import stack
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc

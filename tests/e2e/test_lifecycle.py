@@ -28,7 +28,7 @@ from probe_lifecycle.deploy import DeployError, deploy
 from probe_lifecycle.live import generate_with_probe
 from probe_lifecycle.train import TrainOptions, train_probe
 from probe_lifecycle.training import example_scores
-from router_service.probe_files import load_probe_path
+from common.probe_format.files import load_probe_path
 from tests.lifecycle import synthetic
 from tools import stack
 from undercurrent.v1 import undercurrent_pb2 as pb

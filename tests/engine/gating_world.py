@@ -41,8 +41,8 @@ from engine_service.link.send_queue import QueuedBatch
 from engine_service.link.session import ReplicaSession
 from engine_service.request.probe_points import point_name
 from router_service.metrics import RouterMetrics
-from router_service.probe_files import encode_safetensors, load_probe_bytes
-from router_service.probes import Probe
+from common.probe_format.files import encode_safetensors, load_probe_bytes
+from common.probe_format.probes import Probe
 from router_service.registry import ProbeRegistry
 from router_service.session import SessionState
 

@@ -7,7 +7,7 @@ import asyncio
 import time
 from pathlib import Path
 
-from router_service.probe_files import write_probe
+from common.probe_format.files import write_probe
 from tools import stack
 from undercurrent.v1 import undercurrent_pb2 as pb
 

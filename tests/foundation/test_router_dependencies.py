@@ -25,8 +25,8 @@ def test_router_starts_without_vllm_or_torch(tmp_path):
 
 
 def test_router_modules_import_without_vllm_or_torch():
-    modules = ["router_service.server", "router_service.session", "router_service.probes",
-               "router_service.probe_files", "common.activations", "common.capture_spec"]
+    modules = ["router_service.server", "router_service.session", "common.probe_format.probes",
+               "common.probe_format.files", "common.activations", "common.capture_spec"]
     code = BLOCK_HEAVY_IMPORTS + "\n".join(f"import {m}" for m in modules)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

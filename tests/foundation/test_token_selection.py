@@ -12,7 +12,7 @@ import pytest
 from common.activations import Block
 from common.capture_spec import ExtractionPoint, Scope, TokenSelector
 from engine_service.capture.worker.row_mapping import Registration, RowMapper
-from router_service.probe_files import write_probe
+from common.probe_format.files import write_probe
 from tests.router.helpers import HIDDEN, SessionClient, manifest, start_router
 from undercurrent.v1 import undercurrent_pb2 as pb
 

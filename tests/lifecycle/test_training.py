@@ -11,8 +11,8 @@ from common.capture_spec import Scope
 from probe_lifecycle.deploy import DeployError, check_against_engine
 from probe_lifecycle.train import TrainOptions, check_same_model, train_probe
 from probe_lifecycle.training import TrainingError, threshold_for_fpr
-from router_service.manifest import parse_manifest
-from router_service.probe_files import load_probe_path
+from common.probe_format.manifest import parse_manifest
+from common.probe_format.files import load_probe_path
 from tests.lifecycle import synthetic
 
 

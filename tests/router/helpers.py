@@ -8,7 +8,7 @@ import grpc
 import numpy as np
 
 from common.activations import Block
-from router_service.probe_files import write_probe
+from common.probe_format.files import write_probe
 from router_service.server import Router, RouterConfig
 from tools import session_client
 from undercurrent.v1 import undercurrent_pb2 as pb

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from router_service.probe_files import ProbeRoot, encode_safetensors
+from common.probe_format.files import ProbeRoot, encode_safetensors
 from tests.router.helpers import HIDDEN, SessionClient, block, channel, errors, kinds, linear_probe, manifest
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc

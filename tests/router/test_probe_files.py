@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from router_service.probe_files import (
+from common.probe_format.files import (
     ProbeFileError, load_probe_bytes, load_probe_path, probe_paths, write_probe, write_probe_file,
 )
 from tests.router.helpers import HIDDEN, manifest

@@ -8,9 +8,9 @@ import pytest
 from sklearn.linear_model import LogisticRegression
 
 from common import tensor_codec
-from router_service import probes as probes_module
-from router_service.manifest import manifest_from_dict
-from router_service.probes import ProjectionPlan, build_probe, first_firing_segments
+from common.probe_format import probes as probes_module
+from common.probe_format.manifest import manifest_from_dict
+from common.probe_format.probes import ProjectionPlan, build_probe, first_firing_segments
 from tests.router.helpers import manifest
 from undercurrent.v1 import undercurrent_pb2 as pb
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from common.activations import to_batch
-from router_service.probe_files import write_probe
+from common.probe_format.files import write_probe
 from router_service import session as session_state
-from router_service.probes import ProjectionPlan
+from common.probe_format.probes import ProjectionPlan
 from router_service.servicers import INLINE_SCORING_BYTES, LiveSession, row_bytes
 from tests.router.helpers import (
     HIDDEN, SessionClient, block, bound, errors, kinds, linear_probe, manifest, model_info,

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from common import tensor_codec
 from common.activations import Block, to_batch
 from router_service.metrics import RouterMetrics
-from router_service.probe_files import load_probe_path, write_probe
+from common.probe_format.files import load_probe_path, write_probe
 from router_service.registry import ProbeRegistry
 from router_service.session import SessionState
 from tests.router.helpers import model_info

@@ -7,7 +7,7 @@ import pytest
 
 from common.activations import to_batch
 from router_service.metrics import RouterMetrics
-from router_service.probe_files import load_probe_path
+from common.probe_format.files import load_probe_path
 from router_service.registry import ProbeRegistry
 from router_service.session import SessionState
 from tests.router.helpers import HIDDEN, block, bound, linear_probe, model_info

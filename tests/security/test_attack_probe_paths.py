@@ -20,7 +20,7 @@ import grpc
 import numpy as np
 import pytest
 
-from router_service.probe_files import write_probe_file
+from common.probe_format.files import write_probe_file
 from tests.router.helpers import HIDDEN, linear_probe, manifest
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc

@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 import pytest
 
-from router_service.probe_files import ProbeFileError, load_probe_path
+from common.probe_format.files import ProbeFileError, load_probe_path
 from tests.conftest import REPO
 from tests.router.helpers import HIDDEN, channel, manifest
 from tests.router.test_admin import inline

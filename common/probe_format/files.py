@@ -1,6 +1,6 @@
 """Probe files on disk and inline: a JSON manifest plus safetensors weights.
 
-`load_probe_path` accepts the layouts of common/probe_layout.py.
+`load_probe_path` accepts the layouts of common/probe_format/layout.py.
 Probes are data only: JSON and safetensors, never pickle (nothing here unpickles,
 so loading a probe cannot run code; tests/security/test_probe_data.py checks it).
 `--probes DIR` loads DIR itself if it holds a manifest.json, else every such
@@ -28,10 +28,10 @@ import safetensors
 
 from common import tensor_codec
 from common.errors import ResourceExhausted
-from common.probe_layout import MANIFEST_FILE, METADATA_KEY, WEIGHTS_FILE
+from common.probe_format.layout import MANIFEST_FILE, METADATA_KEY, WEIGHTS_FILE
+from common.probe_format.manifest import ManifestError, manifest_from_dict, parse_manifest
+from common.probe_format.probes import Probe, build_probe
 from undercurrent.v1 import undercurrent_pb2 as pb
-from router_service.manifest import ManifestError, manifest_from_dict, parse_manifest
-from router_service.probes import Probe, build_probe
 
 DEFAULT_MAX_INLINE_PROBE_BYTES = 32 * 1024 * 1024
 DEFAULT_MAX_PROBE_FILE_BYTES = 256 * 1024 * 1024

@@ -18,7 +18,7 @@ import numpy as np
 from scipy.signal import lfilter
 
 from common import tensor_codec
-from router_service.manifest import AggregationSpec, Manifest, ManifestError, ScorerSpec
+from common.probe_format.manifest import AggregationSpec, Manifest, ManifestError, ScorerSpec
 
 
 @dataclass(frozen=True)
