@@ -57,7 +57,7 @@ from engine_service.service.runtime import EngineSettings
 from tools import aborts
 from tools import stack as e2e_stack
 from tools.compose_stack import TAG, Stack
-from tools.deploy_probes import PROBE_NAME
+from tools.shipped_probe import PROBE_NAME
 from tools.docker_host import (
     PUBLIC_BASE,
     WORK,

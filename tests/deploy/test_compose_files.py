@@ -185,7 +185,7 @@ def test_shipped_probe_fits_the_embedded_model_and_is_current():
     shape = ARCHITECTURES["tiny-llama"]
     assert manifest.hidden_size == shape["hidden_size"]
     assert list(manifest.layers) == [shape["num_hidden_layers"] - 1]
-    result = subprocess.run([sys.executable, "-m", "tools.deploy_probes", "--check"], cwd=REPO,
+    result = subprocess.run([sys.executable, "-m", "tools.shipped_probe", "--check"], cwd=REPO,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from tests.deploy.kustomize_render import UnsupportedKustomization, render
-from tools.deploy_probes import CONFIGMAP_NAME, PROBE_FILE
+from tools.shipped_probe import CONFIGMAP_NAME, PROBE_FILE
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
