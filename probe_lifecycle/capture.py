@@ -32,7 +32,7 @@ from probe_lifecycle.cli import OneLineParser, fail
 from common.enum_names import short_name
 from probe_lifecycle import connect
 from probe_lifecycle.dataset import (
-    POOLINGS, SCOPES, CaptureSpec, DatasetError, DatasetWriter, ExampleRows, feature_key,
+    POOLINGS, SCOPES, DatasetError, DatasetSpec, DatasetWriter, ExampleRows, feature_key,
 )
 from probe_lifecycle.examples import Example, InputError, check_examples, read_examples
 from undercurrent.v1 import undercurrent_pb2 as pb
@@ -54,7 +54,7 @@ ATTEMPTS = 3
 generated row missing); a dataset never holds an example with rows missing."""
 
 
-def expected_positions(spec: CaptureSpec, prompt_tokens: int, generated_tokens: int) -> np.ndarray:
+def expected_positions(spec: DatasetSpec, prompt_tokens: int, generated_tokens: int) -> np.ndarray:
     """The positions the extraction points select for a finished request. The last
     sampled token is never fed back, so generated rows stop one short of the count."""
     end = prompt_tokens + max(generated_tokens - 1, 0)
@@ -73,7 +73,7 @@ class CaptureResult:
     retried: list[str]  # why each incomplete attempt was run again
 
 
-async def capture_example(stub: pb_grpc.EngineServiceStub, example: Example, spec: CaptureSpec,
+async def capture_example(stub: pb_grpc.EngineServiceStub, example: Example, spec: DatasetSpec,
                           keys: list[str], source: str, timeout: float,
                           retried: list[str] | None = None) -> ExampleRows:
     """Runs one example and returns its pooled rows, retrying an incomplete capture
@@ -89,7 +89,7 @@ async def capture_example(stub: pb_grpc.EngineServiceStub, example: Example, spe
     raise AssertionError("unreachable")
 
 
-async def _capture_once(stub: pb_grpc.EngineServiceStub, example: Example, spec: CaptureSpec,
+async def _capture_once(stub: pb_grpc.EngineServiceStub, example: Example, spec: DatasetSpec,
                         keys: list[str], source: str, timeout: float) -> ExampleRows:
     where = f"{source}:{example.line} (id {example.id!r})"
     request = pb.GenerateRequest(
@@ -126,7 +126,7 @@ async def _capture_once(stub: pb_grpc.EngineServiceStub, example: Example, spec:
     return _assemble(example, parts, spec, prompt_tokens, generated_tokens, where)
 
 
-def _assemble(example: Example, parts: dict, spec: CaptureSpec, prompt_tokens: int,
+def _assemble(example: Example, parts: dict, spec: DatasetSpec, prompt_tokens: int,
               generated_tokens: int, where: str) -> ExampleRows:
     """Orders each key's rows by position, checks every key saw the same positions, pools."""
     features, positions, generated = {}, None, None
@@ -165,7 +165,7 @@ def _assemble(example: Example, parts: dict, spec: CaptureSpec, prompt_tokens: i
                        positions.astype(np.int64), generated.astype(bool))
 
 
-async def run_capture(engine: str, input_path: str | Path, out: str | Path, spec: CaptureSpec,
+async def run_capture(engine: str, input_path: str | Path, out: str | Path, spec: DatasetSpec,
                       concurrency: int = 4, shard_bytes: int = 64 << 20,
                       show_progress: bool = True, timeout: float = 300) -> CaptureResult:
     summary = check_examples(input_path)  # before any file is written
@@ -191,7 +191,7 @@ async def run_capture(engine: str, input_path: str | Path, out: str | Path, spec
 
 
 async def _capture_remaining(stub: pb_grpc.EngineServiceStub, writer: DatasetWriter,
-                             input_path: str | Path, spec: CaptureSpec, total: int,
+                             input_path: str | Path, spec: DatasetSpec, total: int,
                              concurrency: int, show_progress: bool, timeout: float,
                              retried: list[str]) -> int:
     """Captures the examples the writer has not committed, `concurrency` in flight,
@@ -258,7 +258,7 @@ def parse_args(argv: list[str] | None) -> tuple:
     if args.shard_mb <= 0:
         parser.error(f"--shard-mb: {args.shard_mb} is not positive")
     max_tokens = args.max_tokens or (1 if args.tokens == "prompt" else 16)
-    spec = CaptureSpec(
+    spec = DatasetSpec(
         tuple(t.strip() for t in args.tensor_type.split(",") if t.strip()), layers, args.tokens,
         args.pooling, max_tokens,
     )

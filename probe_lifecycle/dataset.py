@@ -56,8 +56,9 @@ def feature_key(tensor_type: str, layer: int) -> str:
 
 
 @dataclass(frozen=True)
-class CaptureSpec:
-    """What is captured for every example, and how its rows are pooled."""
+class DatasetSpec:
+    """What a dataset captures for every example, and how its rows are pooled (not
+    common.capture_spec, the extraction points of one request: this builds them)."""
 
     tensor_types: tuple[str, ...]
     layers: tuple[int, ...]
@@ -123,7 +124,7 @@ class CaptureSpec:
         return {**asdict(self), "tensor_types": list(self.tensor_types), "layers": list(self.layers)}
 
     @classmethod
-    def from_dict(cls, data: dict) -> "CaptureSpec":
+    def from_dict(cls, data: dict) -> "DatasetSpec":
         return cls(
             tuple(data["tensor_types"]), tuple(data["layers"]), data["scope"], data["pooling"],
             int(data["max_tokens"]),
@@ -179,7 +180,7 @@ class DatasetWriter:
         self._buffer_bytes = 0
 
     @classmethod
-    def open(cls, directory: str | Path, spec: CaptureSpec, model: pb.ModelInfo, source: dict,
+    def open(cls, directory: str | Path, spec: DatasetSpec, model: pb.ModelInfo, source: dict,
              shard_bytes: int) -> "DatasetWriter":
         """Starts a dataset, or resumes one whose manifest agrees with this capture."""
         directory = Path(directory)

@@ -18,7 +18,7 @@ from pathlib import Path
 from common.enum_names import short_name
 from probe_lifecycle import connect, marker_set
 from probe_lifecycle.capture import run_capture
-from probe_lifecycle.dataset import CaptureSpec
+from probe_lifecycle.dataset import DatasetSpec
 from probe_lifecycle.deploy import deploy
 from probe_lifecycle.live import LiveOutcome, generate_with_probe
 from probe_lifecycle.train import TrainOptions, report, train_probe
@@ -43,7 +43,7 @@ async def lifecycle_demo(engine: str, routers: str, work_dir: Path, examples: in
 
     dataset = work_dir / "dataset"
     shutil.rmtree(dataset, ignore_errors=True)
-    spec = CaptureSpec(("residual_stream",), (layer,), "generated", "all", MAX_TOKENS)
+    spec = DatasetSpec(("residual_stream",), (layer,), "generated", "all", MAX_TOKENS)
     print(f"== 2. capture: residual_stream layer {layer}, every generated token, "
           f"{MAX_TOKENS} tokens per prompt", flush=True)
     result = await run_capture(engine, input_path, dataset, spec, concurrency=4)

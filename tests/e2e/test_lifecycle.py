@@ -23,7 +23,7 @@ import pytest
 
 from probe_lifecycle import marker_set
 from probe_lifecycle.capture import run_capture
-from probe_lifecycle.dataset import MANIFEST, PROGRESS, CaptureSpec, load_features, read_manifest
+from probe_lifecycle.dataset import MANIFEST, PROGRESS, DatasetSpec, load_features, read_manifest
 from probe_lifecycle.deploy import DeployError, deploy
 from probe_lifecycle.live import generate_with_probe
 from probe_lifecycle.train import TrainOptions, train_probe
@@ -38,7 +38,7 @@ pytestmark = pytest.mark.vllm
 
 LAYER = 2
 MAX_TOKENS = 8
-SPEC = CaptureSpec(("residual_stream",), (LAYER,), "generated", "all", MAX_TOKENS)
+SPEC = DatasetSpec(("residual_stream",), (LAYER,), "generated", "all", MAX_TOKENS)
 
 
 def capture_cli(engine: str, input_path, out, *extra: str) -> subprocess.Popen:

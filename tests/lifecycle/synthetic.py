@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from probe_lifecycle.dataset import CaptureSpec, DatasetWriter, ExampleRows
+from probe_lifecycle.dataset import DatasetSpec, DatasetWriter, ExampleRows
 from undercurrent.v1 import undercurrent_pb2 as pb
 
 HIDDEN = 16
@@ -20,8 +20,8 @@ def model_info(hidden: int = HIDDEN, name: str = "synthetic") -> pb.ModelInfo:
                         tensor_types=[pb.TENSOR_TYPE_RESIDUAL_STREAM, pb.TENSOR_TYPE_ATTN_OUT])
 
 
-def spec(pooling: str = "all", layers=(1, 2)) -> CaptureSpec:
-    return CaptureSpec(("residual_stream",), tuple(layers), "generated", pooling, TOKENS + 1)
+def spec(pooling: str = "all", layers=(1, 2)) -> DatasetSpec:
+    return DatasetSpec(("residual_stream",), tuple(layers), "generated", pooling, TOKENS + 1)
 
 
 def example_rows(i: int, label: int, rng: np.random.Generator, layers=(1, 2),

@@ -11,11 +11,11 @@ import pytest
 
 from common.activations import Block, to_batch
 from probe_lifecycle.capture import ATTEMPTS, CaptureError, capture_example
-from probe_lifecycle.dataset import CaptureSpec
+from probe_lifecycle.dataset import DatasetSpec
 from probe_lifecycle.examples import Example
 from undercurrent.v1 import undercurrent_pb2 as pb
 
-SPEC = CaptureSpec(("residual_stream",), (1,), "generated", "all", 4)
+SPEC = DatasetSpec(("residual_stream",), (1,), "generated", "all", 4)
 PROMPT = 5
 
 

@@ -48,7 +48,7 @@ def test_each_kind_trains_a_probe_the_router_loads_unchanged(tmp_path, kind):
 
 
 def test_last_prompt_token_pooling_deploys_as_that_token(tmp_path):
-    from probe_lifecycle.dataset import CaptureSpec
+    from probe_lifecycle.dataset import DatasetSpec
 
     dataset = synthetic.write_dataset(tmp_path / "ds", count=40, pooling="last")
     manifest = json.loads((dataset / "dataset.json").read_text())
@@ -57,7 +57,7 @@ def test_last_prompt_token_pooling_deploys_as_that_token(tmp_path):
     train_probe(dataset, tmp_path / "p", TrainOptions(name="last", layer=1))
     probe = parse_manifest((tmp_path / "p" / "manifest.json").read_text())
     assert probe.tokens.scope is Scope.PROMPT and probe.tokens.indexes == (-1,)
-    assert CaptureSpec.from_dict(manifest["capture"]).points()[0].tokens.indexes == [-1]
+    assert DatasetSpec.from_dict(manifest["capture"]).points()[0].tokens.indexes == [-1]
 
 
 @pytest.mark.parametrize("options, dataset_args, message", [
