@@ -22,23 +22,22 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import numpy as np
 from tqdm import tqdm
 
 from common.activations import from_batch
 from common.capture_spec import TENSOR_TYPES, tensor_type_from_proto
 from probe_lifecycle.cli import OneLineParser, fail
-from common.enum_names import short_name
-from probe_lifecycle import connect
 from probe_lifecycle.dataset import (
     POOLINGS, SCOPES, DatasetError, DatasetSpec, DatasetWriter, ExampleRows, feature_key,
 )
 from probe_lifecycle.examples import Example, InputError, check_examples, read_examples
 from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent_client import Activations, AsyncEngineClient, Finished, RpcError, Started
+from undercurrent_client.connection import from_env
 
-_FINISHED_OK = (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
+_FINISHED_OK = ("STOP", "LENGTH")
+MODEL_INFO_TIMEOUT = 30
 
 
 class CaptureError(RuntimeError):
@@ -73,14 +72,14 @@ class CaptureResult:
     retried: list[str]  # why each incomplete attempt was run again
 
 
-async def capture_example(stub: pb_grpc.EngineServiceStub, example: Example, spec: DatasetSpec,
-                          keys: list[str], source: str, timeout: float,
+async def capture_example(engine: AsyncEngineClient, example: Example, spec: DatasetSpec,
+                          keys: list[str], source: str,
                           retried: list[str] | None = None) -> ExampleRows:
     """Runs one example and returns its pooled rows, retrying an incomplete capture
     (each retry's reason is appended to `retried`)."""
     for attempt in range(1, ATTEMPTS + 1):
         try:
-            return await _capture_once(stub, example, spec, keys, source, timeout)
+            return await _capture_once(engine, example, spec, keys, source)
         except IncompleteCapture as err:
             if retried is not None:
                 retried.append(str(err))
@@ -89,8 +88,8 @@ async def capture_example(stub: pb_grpc.EngineServiceStub, example: Example, spe
     raise AssertionError("unreachable")
 
 
-async def _capture_once(stub: pb_grpc.EngineServiceStub, example: Example, spec: DatasetSpec,
-                        keys: list[str], source: str, timeout: float) -> ExampleRows:
+async def _capture_once(engine: AsyncEngineClient, example: Example, spec: DatasetSpec,
+                        keys: list[str], source: str) -> ExampleRows:
     where = f"{source}:{example.line} (id {example.id!r})"
     request = pb.GenerateRequest(
         text=example.text,
@@ -101,27 +100,23 @@ async def _capture_once(stub: pb_grpc.EngineServiceStub, example: Example, spec:
     prompt_tokens = generated_tokens = 0
     finished = None
     try:
-        async for response in stub.Generate(request, timeout=timeout):
-            kind = response.WhichOneof("event")
-            if kind == "started":
-                prompt_tokens = response.started.prompt_tokens
-            elif kind == "activations":
-                for block in from_batch(response.activations):
+        async for event in engine.generate(request):
+            if isinstance(event, Started):
+                prompt_tokens = event.prompt_tokens
+            elif isinstance(event, Activations):
+                for block in from_batch(event.batch):
                     key = feature_key(tensor_type_from_proto(block.tensor_type), block.layer)
                     if key not in parts:
                         raise CaptureError(f"{where}: the engine sent {key!r}, not asked for")
                     parts[key].append((block.token_positions, block.is_generated, block.rows))
-            elif kind == "finished":
-                finished = response.finished
-    except grpc.aio.AioRpcError as err:
-        raise CaptureError(f"{where}: the engine refused it: {err.code().name}: {err.details()}") from None
+            elif isinstance(event, Finished):
+                finished = event
+    except RpcError as err:
+        raise CaptureError(f"{where}: the engine refused it: {err.code.name}: {err.details}") from None
     if finished is None:
         raise CaptureError(f"{where}: the stream ended without a finished message")
-    if finished.finish_reason not in _FINISHED_OK:
-        raise CaptureError(
-            f"{where}: generation ended {short_name(pb.FinishReason, finished.finish_reason)}: "
-            f"{finished.message}"
-        )
+    if finished.reason not in _FINISHED_OK:
+        raise CaptureError(f"{where}: generation ended {finished.reason}: {finished.message}")
     generated_tokens = finished.generated_tokens
     return _assemble(example, parts, spec, prompt_tokens, generated_tokens, where)
 
@@ -169,12 +164,13 @@ async def run_capture(engine: str, input_path: str | Path, out: str | Path, spec
                       concurrency: int = 4, shard_bytes: int = 64 << 20,
                       show_progress: bool = True, timeout: float = 300) -> CaptureResult:
     summary = check_examples(input_path)  # before any file is written
-    async with connect.channel(engine) as channel:
-        stub = pb_grpc.EngineServiceStub(channel)
+    connection = from_env(engine)
+    async with AsyncEngineClient(connection, timeout=MODEL_INFO_TIMEOUT) as info:
         try:
-            model = (await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)).model
-        except grpc.aio.AioRpcError as err:
-            raise CaptureError(f"--engine {engine}: {err.code().name}: {err.details()}") from None
+            model = await info.model_info()
+        except RpcError as err:
+            raise CaptureError(f"--engine {engine}: {err.code.name}: {err.details}") from None
+    async with AsyncEngineClient(connection, timeout=timeout) as client:
         spec.check(model)
         source = {"path": str(input_path), "sha256": summary.sha256, "examples": summary.examples,
                   "positives": summary.positives, "negatives": summary.negatives}
@@ -182,18 +178,17 @@ async def run_capture(engine: str, input_path: str | Path, out: str | Path, spec
         retried: list[str] = []
         try:
             skipped = len(writer.done)
-            captured = await _capture_remaining(stub, writer, input_path, spec, summary.examples,
-                                                concurrency, show_progress, timeout, retried)
+            captured = await _capture_remaining(client, writer, input_path, spec, summary.examples,
+                                                concurrency, show_progress, retried)
             manifest = writer.finish()
         finally:
             writer.close()
     return CaptureResult(manifest, captured, skipped, retried)
 
 
-async def _capture_remaining(stub: pb_grpc.EngineServiceStub, writer: DatasetWriter,
+async def _capture_remaining(engine: AsyncEngineClient, writer: DatasetWriter,
                              input_path: str | Path, spec: DatasetSpec, total: int,
-                             concurrency: int, show_progress: bool, timeout: float,
-                             retried: list[str]) -> int:
+                             concurrency: int, show_progress: bool, retried: list[str]) -> int:
     """Captures the examples the writer has not committed, `concurrency` in flight,
     committing them in input order; returns how many it captured."""
     bar = tqdm(total=total, initial=len(writer.done), unit="req", disable=not show_progress,
@@ -215,8 +210,7 @@ async def _capture_remaining(stub: pb_grpc.EngineServiceStub, writer: DatasetWri
             if example.id in writer.done:
                 continue
             pending.append(asyncio.create_task(
-                capture_example(stub, example, spec, writer.keys, str(input_path), timeout,
-                                retried)))
+                capture_example(engine, example, spec, writer.keys, str(input_path), retried)))
             if len(pending) >= concurrency:
                 commit(await pending.popleft())
         while pending:

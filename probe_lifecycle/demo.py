@@ -16,14 +16,15 @@ import sys
 from pathlib import Path
 
 from common.enum_names import short_name
-from probe_lifecycle import connect, marker_set
+from probe_lifecycle import marker_set
 from probe_lifecycle.capture import run_capture
 from probe_lifecycle.dataset import DatasetSpec
 from probe_lifecycle.deploy import deploy
-from probe_lifecycle.live import LiveOutcome, generate_with_probe
+from probe_lifecycle.live import generate_with_probe
 from probe_lifecycle.train import TrainOptions, report, train_probe
 from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent_client import AsyncEngineClient, Event, Generation, ProbeScores
+from undercurrent_client.connection import from_env
 
 PROBE = "marker"
 SHADOW = "marker_scores"
@@ -32,8 +33,8 @@ MAX_TOKENS = 8
 
 async def lifecycle_demo(engine: str, routers: str, work_dir: Path, examples: int = 400,
                          shown: int = 8) -> None:
-    async with connect.channel(engine) as channel:
-        model = (await pb_grpc.EngineServiceStub(channel).GetModelInfo(pb.GetModelInfoRequest())).model
+    async with AsyncEngineClient(from_env(engine), timeout=30) as client:
+        model = await client.model_info()
     layer = model.num_layers // 2
     work_dir.mkdir(parents=True, exist_ok=True)
     input_path = marker_set.write_examples(
@@ -72,12 +73,11 @@ async def lifecycle_demo(engine: str, routers: str, work_dir: Path, examples: in
     mix += marker_set.marker_examples(2, seed=99, repeats=3, id_prefix="fresh")  # never captured
     print(f"== 5. generate with {PROBE!r} bound (abort) and {SHADOW!r} (observe: live scores)",
           flush=True)
-    async with connect.channel(engine) as channel:
-        stub = pb_grpc.EngineServiceStub(channel)
+    async with AsyncEngineClient(from_env(engine), timeout=120) as client:
         right = 0
         for row in mix:
-            outcome = await _show(stub, row)
-            if outcome.aborted == bool(row["label"]):
+            outcome = await _show(client, row)
+            if (outcome.reason == "PROBE_ABORT") == bool(row["label"]):
                 right += 1
             elif row["label"]:
                 print("   (missed: a positive the probe let through)", flush=True)
@@ -86,18 +86,18 @@ async def lifecycle_demo(engine: str, routers: str, work_dir: Path, examples: in
         print(f"== {right} of {len(mix)} requests ended as their label says", flush=True)
 
 
-async def _show(stub: pb_grpc.EngineServiceStub, row: dict) -> LiveOutcome:
+async def _show(engine: AsyncEngineClient, row: dict) -> Generation:
     print(f"-- [{row['id']}, label {row['label']}] {row['text']!r}\n   scores:", end="", flush=True)
 
-    def on_response(response: pb.GenerateResponse, outcome: LiveOutcome) -> None:
-        if response.WhichOneof("event") == "probe_event":
-            for score in response.probe_event.scores.scores:
+    def on_event(event: Event) -> None:
+        if isinstance(event, ProbeScores):
+            for score in event.scores:
                 print(f" {score:.3f}", end="", flush=True)
 
-    outcome = await generate_with_probe(stub, row["text"], [PROBE, SHADOW], MAX_TOKENS, on_response)
+    outcome = await generate_with_probe(engine, row["text"], [PROBE, SHADOW], MAX_TOKENS, on_event)
     done = outcome.finished
     print(f"\n   -> {outcome.reason} after {done.generated_tokens} token(s)", flush=True)
-    if outcome.aborted:
+    if done.verdict is not None:
         print(f"   verdict: {done.verdict.reason} (router {done.verdict.router})", flush=True)
     return outcome
 

@@ -6,11 +6,12 @@
 The probe is checked locally first (the router's own loader), then against the
 engine's model when --engine is given (hidden size, layers, tensor type: the
 router's compatibility rule), then shipped inline through
-ProbeAdminService.LoadProbe to every replica. If a replica refuses it, the
-replicas that had not held the probe before unload it again, so a failed
+ProbeAdminService.LoadProbe to every replica, with undercurrent_client (TLS and
+tokens from the environment, see common.security.client). If a replica refuses
+it, the replicas that had not held the probe before unload it again, so a failed
 deployment does not leave the probe on some replicas only. With --engine the
-command returns once the engine's router catalog offers the probe, so a
-Generate that binds it by name succeeds.
+command returns once the engine's router catalog offers the probe, so a Generate
+that binds it by name succeeds.
 """
 
 from __future__ import annotations
@@ -24,15 +25,18 @@ from pathlib import Path
 
 import grpc
 
-from probe_lifecycle.cli import OneLineParser, fail
-from probe_lifecycle import connect
-from probe_lifecycle.dataset import MODEL_IDENTITY, model_to_dict
+from common.probe_format.files import ProbeFileError, load_probe_bytes
 from common.probe_format.manifest import ManifestError
-from common.probe_format.files import MANIFEST_FILE, WEIGHTS_FILE, ProbeFileError, load_probe_bytes
+from common.router_targets import DnsTarget, parse_targets, resolve_dns
+from probe_lifecycle.cli import OneLineParser, fail
+from probe_lifecycle.dataset import MODEL_IDENTITY, model_to_dict
 from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent_client import AsyncEngineClient, AsyncProbeAdminClient, RpcError
+from undercurrent_client.connection import from_env
+from undercurrent_client.requests import inline_probe
 
 PROVENANCE_FILE = "provenance.json"
+CALL_TIMEOUT = 30
 
 
 class DeployError(RuntimeError):
@@ -46,14 +50,29 @@ class Deployed:
     replaced: bool  # the replica held a probe of this name before
 
 
-def read_probe(directory: str | Path) -> tuple[str, bytes]:
-    directory = Path(directory)
-    try:
-        manifest_json = (directory / MANIFEST_FILE).read_text()
-        weights = (directory / WEIGHTS_FILE).read_bytes()
-    except OSError as err:
-        raise DeployError(f"--probe {directory}: {err.strerror or err}") from None
-    return manifest_json, weights
+@dataclass(frozen=True)
+class Replicas:
+    """The router replicas a --routers value names. `server_name` is the DNS name
+    they were resolved from: with TLS each replica's certificate must carry that
+    name, not its address, as when the engine dials them."""
+
+    addresses: list[str]
+    server_name: str | None = None
+
+
+async def router_replicas(spec: str) -> Replicas:
+    """Every replica of "host:port[,host:port...]" or "dns:NAME:PORT" (resolved now),
+    parsed and resolved exactly as the engine finds its routers."""
+    target = parse_targets(spec)
+    if isinstance(target, DnsTarget):
+        try:
+            addresses = await resolve_dns(target.host, target.port)
+        except OSError as err:
+            raise ValueError(f"--routers {spec!r}: {target.host} does not resolve: {err}") from None
+        if not addresses:
+            raise ValueError(f"--routers {spec!r}: {target.host} resolves to no address")
+        return Replicas(addresses, server_name=target.host)
+    return Replicas(list(target.addresses))
 
 
 def check_against_engine(directory: Path, manifest, model: pb.ModelInfo) -> None:
@@ -89,68 +108,66 @@ async def deploy(probe_dir: str | Path, routers: str, engine: str | None = None,
                  replace: bool = True, wait: float = 60, name: str | None = None,
                  action: str | None = None) -> list[Deployed]:
     probe_dir = Path(probe_dir)
-    manifest_json, weights = read_probe(probe_dir)
+    try:
+        inline = inline_probe(probe_dir)
+    except ValueError as err:
+        raise DeployError(f"--probe {err}") from None
     try:
         if name or action:
-            manifest_json = renamed(manifest_json, name, action)
-        probe = load_probe_bytes(manifest_json, weights, source=str(probe_dir))
+            inline.manifest_json = renamed(inline.manifest_json, name, action)
+        probe = load_probe_bytes(inline.manifest_json, inline.weights_safetensors,
+                                 source=str(probe_dir))
     except (ManifestError, ProbeFileError, json.JSONDecodeError) as err:
         raise DeployError(f"--probe {probe_dir}: {err}") from None
     name = probe.name
     if engine:
-        async with connect.channel(engine) as channel:
-            model = await _model_info(pb_grpc.EngineServiceStub(channel), engine)
+        async with AsyncEngineClient(from_env(engine), timeout=CALL_TIMEOUT) as client:
+            try:
+                model = await client.model_info()
+            except RpcError as err:
+                raise DeployError(f"--engine {engine}: {err.code.name}: {err.details}") from None
         check_against_engine(probe_dir, probe.manifest, model)
     try:
-        replicas = await connect.router_replicas(routers)
+        replicas = await router_replicas(routers)
     except ValueError as err:
         raise DeployError(str(err)) from None
-    addresses, server_name = replicas.addresses, replicas.server_name
-    request = pb.LoadProbeRequest(
-        inline=pb.InlineProbe(manifest_json=manifest_json, weights_safetensors=weights),
-        replace=replace,
-    )
-    outcomes = await asyncio.gather(*(_load(a, server_name, name, request) for a in addresses))
-    failures = [(a, o) for a, o in zip(addresses, outcomes) if isinstance(o, str)]
-    if failures:
-        undone = [o.address for o in outcomes if isinstance(o, Deployed) and not o.replaced]
-        await asyncio.gather(*(_unload(a, server_name, name) for a in undone))
-        details = "; ".join(f"{a}: {message}" for a, message in failures)
-        raise DeployError(
-            f"probe {name!r} was refused by {len(failures)} of {len(addresses)} replica(s): "
-            f"{details}" + (f" (unloaded again from {undone})" if undone else "")
-        )
+    admins = [AsyncProbeAdminClient(from_env(a, admin=True, server_name=replicas.server_name),
+                                    timeout=CALL_TIMEOUT) for a in replicas.addresses]
+    try:
+        outcomes = await asyncio.gather(*(_load(admin, name, inline, replace) for admin in admins))
+        failures = [(admin, o) for admin, o in zip(admins, outcomes) if isinstance(o, str)]
+        if failures:
+            undone = [admin for admin, o in zip(admins, outcomes)
+                      if isinstance(o, Deployed) and not o.replaced]
+            await asyncio.gather(*(_unload(admin, name) for admin in undone))
+            details = "; ".join(f"{admin.connection.target}: {message}" for admin, message in failures)
+            raise DeployError(
+                f"probe {name!r} was refused by {len(failures)} of {len(admins)} replica(s): "
+                f"{details}" + (f" (unloaded again from {[a.connection.target for a in undone]})"
+                                if undone else "")
+            )
+    finally:
+        await asyncio.gather(*(admin.close() for admin in admins))
     if engine:
         await wait_until_offered(engine, name, wait)
     return list(outcomes)
 
 
-async def _model_info(stub: pb_grpc.EngineServiceStub, address: str) -> pb.ModelInfo:
+async def _load(admin: AsyncProbeAdminClient, name: str, inline: pb.InlineProbe,
+                replace: bool) -> Deployed | str:
     try:
-        return (await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)).model
-    except grpc.aio.AioRpcError as err:
-        raise DeployError(f"--engine {address}: {err.code().name}: {err.details()}") from None
+        before = await admin.list()
+        loaded = await admin.load(inline=inline, replace=replace)
+    except RpcError as err:
+        return f"{err.code.name}: {err.details}"
+    return Deployed(admin.connection.target, loaded, any(p.name == name for p in before))
 
 
-async def _load(address: str, server_name: str | None, name: str,
-                request: pb.LoadProbeRequest) -> Deployed | str:
-    async with connect.channel(address, server_name) as channel:
-        admin = pb_grpc.ProbeAdminServiceStub(channel)
-        try:
-            before = await admin.ListProbes(pb.ListProbesRequest(), timeout=30)
-            reply = await admin.LoadProbe(request, timeout=30)
-        except grpc.aio.AioRpcError as err:
-            return f"{err.code().name}: {err.details()}"
-    return Deployed(address, reply.probe, any(p.name == name for p in before.probes))
-
-
-async def _unload(address: str, server_name: str | None, name: str) -> None:
-    async with connect.channel(address, server_name) as channel:
-        admin = pb_grpc.ProbeAdminServiceStub(channel)
-        try:
-            await admin.UnloadProbe(pb.UnloadProbeRequest(name=name, force=True), timeout=30)
-        except grpc.aio.AioRpcError:
-            pass  # the failure being reported is the deployment's; this one is best effort
+async def _unload(admin: AsyncProbeAdminClient, name: str) -> None:
+    try:
+        await admin.unload(name, force=True)
+    except RpcError:
+        pass  # the failure being reported is the deployment's; this one is best effort
 
 
 async def wait_until_offered(engine: str, probe: str, timeout: float) -> None:
@@ -161,18 +178,17 @@ async def wait_until_offered(engine: str, probe: str, timeout: float) -> None:
     request.probes.add(probe=probe, failure_policy=pb.FAILURE_POLICY_FAIL_OPEN,
                        action=pb.PROBE_ACTION_OBSERVE)
     deadline = time.monotonic() + timeout
-    async with connect.channel(engine) as channel:
-        stub = pb_grpc.EngineServiceStub(channel)
+    async with AsyncEngineClient(from_env(engine), timeout=CALL_TIMEOUT) as client:
         while True:
             try:
-                async for _ in stub.Generate(request, timeout=30):
+                async for _ in client.generate(request):
                     pass
                 return
-            except grpc.aio.AioRpcError as err:
-                if err.code() != grpc.StatusCode.NOT_FOUND or time.monotonic() > deadline:
+            except RpcError as err:
+                if err.code != grpc.StatusCode.NOT_FOUND or time.monotonic() > deadline:
                     raise DeployError(
                         f"--engine {engine}: probe {probe!r} not offered after loading: "
-                        f"{err.code().name}: {err.details()}"
+                        f"{err.code.name}: {err.details}"
                     ) from None
             await asyncio.sleep(0.2)
 

@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from common.capture_spec import TENSOR_TYPES
+from probe_lifecycle import plots
 from probe_lifecycle.cli import OneLineParser, fail
-from probe_lifecycle import connect, plots
 from probe_lifecycle.dataset import (
     MANIFEST, MODEL_IDENTITY, DatasetError, feature_key, load_features, model_to_dict, read_manifest,
 )
@@ -40,6 +40,8 @@ from common.probe_format.files import (
     MANIFEST_FILE, WEIGHTS_FILE, ProbeFileError, encode_safetensors, load_probe_bytes, write_probe,
 )
 from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent_client import AsyncEngineClient, RpcError
+from undercurrent_client.connection import from_env
 
 PROVENANCE_FILE = "provenance.json"
 SCORES_PNG = "scores.png"
@@ -233,11 +235,8 @@ def _write_atomically(out: Path, force: bool, manifest: dict, tensors: dict, pro
 
 
 async def _engine_model(address: str) -> pb.ModelInfo:
-    from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
-
-    async with connect.channel(address) as channel:
-        stub = pb_grpc.EngineServiceStub(channel)
-        return (await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)).model
+    async with AsyncEngineClient(from_env(address), timeout=30) as engine:
+        return await engine.model_info()
 
 
 def _aggregation(text: str, parser) -> tuple[str, float]:
@@ -285,10 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         result = train_probe(args.dataset, args.out, options, engine_model, force=args.force)
     except (DatasetError, TrainingError, ManifestError, ProbeFileError) as err:
         fail(prog, str(err))
-    except Exception as err:  # e.g. the engine is unreachable
-        if type(err).__name__ == "AioRpcError":
-            fail(prog, f"--engine {args.engine}: {err.code().name}: {err.details()}")
-        raise
+    except RpcError as err:  # e.g. the engine is unreachable
+        fail(prog, f"--engine {args.engine}: {err.code.name}: {err.details}")
     print(report(result))
     return 0
 

@@ -2,11 +2,14 @@
 
 One `Connection` makes both kinds of channel (blocking and asyncio) with the
 same message-size limits and keepalive as the services (common.grpc_server),
-and the metadata every call carries.
+and the metadata every call carries. `from_env` builds one from the variables
+that tools and the lifecycle commands read (common.security.client).
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +17,8 @@ import grpc
 from grpc import aio
 
 from common.grpc_server import MAX_MESSAGE_BYTES, channel_options
+from common.security.client import ENV_ADMIN_TOKEN, ENV_CA, ENV_CERT, ENV_KEY, ENV_TOKEN, token_from_env
+from common.security.tls import dial_options
 
 
 class PlaintextToken(ValueError):
@@ -35,6 +40,8 @@ class Connection:
         connection unless `allow_token_over_plaintext` says otherwise (a
         development service on loopback).
     max_message_bytes: the largest message sent or received.
+    server_name: over TLS, the name the server's certificate must carry when it
+        is not the dialled host (an address a DNS name resolved to).
     """
 
     target: str
@@ -45,6 +52,7 @@ class Connection:
     token: str | None = None
     max_message_bytes: int = MAX_MESSAGE_BYTES
     allow_token_over_plaintext: bool = False
+    server_name: str | None = None
 
     def __post_init__(self) -> None:
         if self.token and not self.secure and not self.allow_token_over_plaintext:
@@ -68,16 +76,18 @@ class Connection:
         )
 
     def channel(self) -> grpc.Channel:
-        options = channel_options(self.max_message_bytes)
         if self.secure:
-            return grpc.secure_channel(self.target, self.credentials(), options=options)
-        return grpc.insecure_channel(self.target, options=options)
+            return grpc.secure_channel(self.target, self.credentials(), options=self._options())
+        return grpc.insecure_channel(self.target, options=self._options())
 
     def aio_channel(self) -> aio.Channel:
-        options = channel_options(self.max_message_bytes)
         if self.secure:
-            return aio.secure_channel(self.target, self.credentials(), options=options)
-        return aio.insecure_channel(self.target, options=options)
+            return aio.secure_channel(self.target, self.credentials(), options=self._options())
+        return aio.insecure_channel(self.target, options=self._options())
+
+    def _options(self) -> list[tuple[str, object]]:
+        options = channel_options(self.max_message_bytes)
+        return [*options, *dial_options(self.server_name)] if self.secure else options
 
 
 def connection(target: str | Connection, **options) -> Connection:
@@ -87,6 +97,21 @@ def connection(target: str | Connection, **options) -> Connection:
             raise TypeError("pass options either in the Connection or as keywords, not both")
         return target
     return Connection(target, **options)
+
+
+def from_env(target: str, *, admin: bool = False, server_name: str | None = None,
+             environ: Mapping[str, str] = os.environ) -> Connection:
+    """A Connection configured by the environment (common.security.client names the
+    variables): with UNDERCURRENT_TLS_CA, TLS with the client certificate of
+    UNDERCURRENT_TLS_CERT/_KEY and the caller's token (the admin token when `admin`,
+    for ProbeAdminService); without it, plaintext and no token."""
+    if not environ.get(ENV_CA):
+        return Connection(target)
+    path = (lambda name: Path(environ[name]) if environ.get(name) else None)
+    return Connection(target, root_certificates=path(ENV_CA), certificate_chain=path(ENV_CERT),
+                      private_key=path(ENV_KEY),
+                      token=token_from_env(ENV_ADMIN_TOKEN if admin else ENV_TOKEN, environ),
+                      server_name=server_name)
 
 
 def _pem(value: bytes | str | Path | None) -> bytes | None:

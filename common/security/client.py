@@ -1,5 +1,6 @@
 """Client credentials for tools that call the services (the lifecycle commands,
 scripts): TLS and bearer tokens from the environment, plaintext without them.
+`undercurrent_client.connection.from_env` reads these variables:
 
   UNDERCURRENT_TLS_CA                 CA the server's certificate must chain to (TLS when set)
   UNDERCURRENT_TLS_CERT, _TLS_KEY     client certificate and key (routers require one)
@@ -22,7 +23,6 @@ from pathlib import Path
 
 import grpc
 
-from common.security.tls import secure_channel
 
 ADMIN_SERVICE = "undercurrent.v1.ProbeAdminService"
 ENV_CA, ENV_CERT, ENV_KEY = "UNDERCURRENT_TLS_CA", "UNDERCURRENT_TLS_CERT", "UNDERCURRENT_TLS_KEY"
@@ -57,16 +57,3 @@ def tls_credentials(ca: Path, cert: Path | None, key: Path | None, client_token:
     )
     tokens = grpc.metadata_call_credentials(ServiceTokens(client_token, admin_token), "undercurrent-tokens")
     return grpc.composite_channel_credentials(tls, tokens)
-
-
-def channel_from_env(address: str, options: list, environ=os.environ,
-                     server_name: str | None = None) -> grpc.aio.Channel:
-    """A channel to address: TLS with tokens when UNDERCURRENT_TLS_CA is set, else
-    plaintext. `server_name`: the name the peer's certificate must carry when it
-    is not the dialled address (an address a DNS name resolved to)."""
-    if not environ.get(ENV_CA):
-        return grpc.aio.insecure_channel(address, options=options)
-    path = (lambda name: Path(environ[name]) if environ.get(name) else None)
-    credentials = tls_credentials(path(ENV_CA), path(ENV_CERT), path(ENV_KEY),
-                                  token_from_env(ENV_TOKEN, environ), token_from_env(ENV_ADMIN_TOKEN, environ))
-    return secure_channel(address, credentials, options, server_name)

@@ -33,6 +33,8 @@ from tests.lifecycle import synthetic
 from tools import stack
 from undercurrent.v1 import undercurrent_pb2 as pb
 from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent_client import AsyncEngineClient
+from undercurrent_client.connection import from_env
 
 pytestmark = pytest.mark.vllm
 
@@ -84,13 +86,14 @@ async def test_a_trained_probe_deployed_live_aborts_held_out_positives(
 
     limit = asyncio.Semaphore(4)
 
-    async def live(example_id: str):
+    async def live(client: AsyncEngineClient, example_id: str):
         async with limit:
-            return await generate_with_probe(engine, texts[example_id]["text"], "marker", MAX_TOKENS)
+            return await generate_with_probe(client, texts[example_id]["text"], "marker", MAX_TOKENS)
 
-    outcomes = await asyncio.gather(*(live(i) for i in held_ids))
+    async with AsyncEngineClient(from_env(engine_service.address), timeout=120) as client:
+        outcomes = await asyncio.gather(*(live(client, i) for i in held_ids))
     labels = np.array([texts[i]["label"] for i in held_ids])
-    aborted = np.array([o.aborted for o in outcomes])
+    aborted = np.array([o.reason == "PROBE_ABORT" for o in outcomes])
     assert {o.reason for o in outcomes} <= {"PROBE_ABORT", "LENGTH"}
     assert aborted[labels == 1].mean() >= 0.9, aborted[labels == 1].mean()
     assert aborted[labels == 0].mean() <= 0.1, aborted[labels == 0].mean()
@@ -100,7 +103,7 @@ async def test_a_trained_probe_deployed_live_aborts_held_out_positives(
     clear = np.abs(offline - held.threshold) > 1e-3
     np.testing.assert_array_equal(aborted[clear], (offline >= held.threshold)[clear])
     for outcome in outcomes:
-        if outcome.aborted:
+        if outcome.reason == "PROBE_ABORT":
             verdict = outcome.finished.verdict
             assert verdict.probe == "marker" and verdict.score >= held.threshold
             assert verdict.router in targets.split(",")

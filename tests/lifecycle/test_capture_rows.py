@@ -14,6 +14,7 @@ from probe_lifecycle.capture import ATTEMPTS, CaptureError, capture_example
 from probe_lifecycle.dataset import DatasetSpec
 from probe_lifecycle.examples import Example
 from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent_client.events import event_of
 
 SPEC = DatasetSpec(("residual_stream",), (1,), "generated", "all", 4)
 PROMPT = 5
@@ -32,20 +33,17 @@ def responses(positions: list[int]) -> list[pb.GenerateResponse]:
 
 
 class ScriptedEngine:
-    """Answers Generate with one scripted stream per call, in order."""
+    """Answers AsyncEngineClient.generate with one scripted stream per call, in order,
+    read into events by the client's own reader."""
 
     def __init__(self, *streams: list[pb.GenerateResponse]):
         self.streams = list(streams)
         self.requests: list[pb.GenerateRequest] = []
 
-    def Generate(self, request, timeout=None):  # noqa: N802 (the gRPC method name)
+    async def generate(self, request):
         self.requests.append(request)
-        stream = self.streams.pop(0)
-
-        async def replies():
-            for response in stream:
-                yield response
-        return replies()
+        for response in self.streams.pop(0):
+            yield event_of(response)
 
 
 EXAMPLE = Example("e1", "river stone", 1, 7)
@@ -54,7 +52,7 @@ COMPLETE = [5, 6, 7]  # generated 0..2 of 4: the last sampled token has no row
 
 async def test_a_complete_stream_becomes_one_example_in_position_order():
     engine = ScriptedEngine(responses([7, 5, 6]))
-    rows = await capture_example(engine, EXAMPLE, SPEC, ["residual_stream.1"], "in.jsonl", 5)
+    rows = await capture_example(engine, EXAMPLE, SPEC, ["residual_stream.1"], "in.jsonl")
     assert rows.positions.tolist() == COMPLETE
     assert rows.features["residual_stream.1"][:, 0].tolist() == [3.0, 6.0, 0.0]
     request = engine.requests[0]
@@ -65,7 +63,7 @@ async def test_a_complete_stream_becomes_one_example_in_position_order():
 async def test_a_missing_row_is_captured_again():
     retried: list[str] = []
     engine = ScriptedEngine(responses([5, 6]), responses(COMPLETE))
-    rows = await capture_example(engine, EXAMPLE, SPEC, ["residual_stream.1"], "in.jsonl", 5, retried)
+    rows = await capture_example(engine, EXAMPLE, SPEC, ["residual_stream.1"], "in.jsonl", retried)
     assert rows.positions.tolist() == COMPLETE
     assert retried == ["in.jsonl:7 (id 'e1'): the engine sent 2 of 3 selected rows "
                        "(missing positions [7], unexpected [])"]
@@ -74,10 +72,10 @@ async def test_a_missing_row_is_captured_again():
 async def test_an_example_never_complete_is_refused_not_written():
     engine = ScriptedEngine(*[responses([5, 6])] * ATTEMPTS)
     with pytest.raises(CaptureError, match=r"in\.jsonl:7 .* 2 of 3 selected rows .* \(in each of 3 attempts\)"):
-        await capture_example(engine, EXAMPLE, SPEC, ["residual_stream.1"], "in.jsonl", 5)
+        await capture_example(engine, EXAMPLE, SPEC, ["residual_stream.1"], "in.jsonl")
 
 
 async def test_a_position_sent_twice_is_refused():
     engine = ScriptedEngine(responses([5, 6, 6]))
     with pytest.raises(CaptureError, match="a token position arrived twice"):
-        await capture_example(engine, EXAMPLE, SPEC, ["residual_stream.1"], "in.jsonl", 5)
+        await capture_example(engine, EXAMPLE, SPEC, ["residual_stream.1"], "in.jsonl")

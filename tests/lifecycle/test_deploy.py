@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from probe_lifecycle import connect
-from probe_lifecycle.deploy import DeployError, deploy
+from probe_lifecycle.deploy import DeployError, Replicas, deploy, router_replicas
 from probe_lifecycle.train import TrainOptions, train_probe
 from tests.lifecycle import synthetic
 from tools import stack
@@ -42,12 +41,12 @@ async def listed(address: str) -> list[tuple[str, int]]:
 
 
 async def test_router_replicas_resolve_a_dns_name_to_every_address_and_keep_the_name():
-    found = await connect.router_replicas("dns:localhost:50061")
+    found = await router_replicas("dns:localhost:50061")
     assert "127.0.0.1:50061" in found.addresses and found.server_name == "localhost"
-    listed = await connect.router_replicas("10.0.0.1:1,10.0.0.2:2")
-    assert listed == connect.Replicas(["10.0.0.1:1", "10.0.0.2:2"], server_name=None)
+    listed = await router_replicas("10.0.0.1:1,10.0.0.2:2")
+    assert listed == Replicas(["10.0.0.1:1", "10.0.0.2:2"], server_name=None)
     with pytest.raises(ValueError, match="does not resolve"):
-        await connect.router_replicas("dns:no-such-host.invalid:50061")
+        await router_replicas("dns:no-such-host.invalid:50061")
 
 
 async def test_a_probe_reaches_every_replica_and_a_shadow_copy_observes(routers, probe_dir):

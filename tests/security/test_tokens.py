@@ -217,8 +217,8 @@ async def test_probe_admin_needs_an_admin_token_and_a_refused_call_changes_nothi
 
 
 async def test_tools_take_tls_and_tokens_from_the_environment(secure_router, pki):
-    from common.grpc_server import channel_options
-    from common.security.client import channel_from_env
+    from undercurrent_client import AsyncProbeAdminClient, RpcError
+    from undercurrent_client.connection import from_env
 
     router, _ = await secure_router()
     client = pki.files("engine")
@@ -226,12 +226,17 @@ async def test_tools_take_tls_and_tokens_from_the_environment(secure_router, pki
                "UNDERCURRENT_TLS_KEY": str(client.key), "UNDERCURRENT_TOKEN": CLIENT_TOKEN,
                "UNDERCURRENT_ADMIN_TOKEN": ADMIN_TOKEN}
     address = f"127.0.0.1:{router.port}"
-    async with channel_from_env(address, channel_options(), environ) as channel:
-        listed = await pb_grpc.ProbeAdminServiceStub(channel).ListProbes(pb.ListProbesRequest())
-    assert [p.name for p in listed.probes] == ["p"]
-    async with channel_from_env(address, channel_options(), {**environ, "UNDERCURRENT_ADMIN_TOKEN": ""}) as channel:
-        code, _ = await code_of(lambda: pb_grpc.ProbeAdminServiceStub(channel).ListProbes(pb.ListProbesRequest()))
-    async with channel_from_env(address, channel_options(), {}) as plaintext:
-        refused, _ = await code_of(lambda: pb_grpc.ProbeAdminServiceStub(plaintext).ListProbes(
-            pb.ListProbesRequest(), timeout=5))
-    assert (code, refused) == (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE)
+
+    async def list_with(environ: dict) -> list[str] | grpc.StatusCode:
+        async with AsyncProbeAdminClient(from_env(address, admin=True, environ=environ),
+                                         timeout=5) as admin:
+            try:
+                return [p.name for p in await admin.list()]
+            except RpcError as err:
+                return err.code
+
+    assert await list_with(environ) == ["p"]
+    assert await list_with({**environ, "UNDERCURRENT_ADMIN_TOKEN": ""}) == grpc.StatusCode.UNAUTHENTICATED
+    assert await list_with({}) == grpc.StatusCode.UNAVAILABLE
+    assert from_env(address, environ=environ).token == CLIENT_TOKEN
+    assert from_env(address, environ={"UNDERCURRENT_TOKEN": CLIENT_TOKEN}).token is None
