@@ -48,8 +48,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from bench import results_file  # noqa: E402
 from common.grpc_server import channel_options  # noqa: E402
 from tools import firing_probes, processes, stack  # noqa: E402
-from undercurrent.v1 import undercurrent_pb2 as pb  # noqa: E402
-from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc  # noqa: E402
+from undercurrent.v1 import engine_pb2 as engine_pb  # noqa: E402
+from undercurrent.v1 import types_pb2 as types_pb  # noqa: E402
+from undercurrent.v1 import admin_pb2_grpc as admin_pb_grpc  # noqa: E402
+from undercurrent.v1 import engine_pb2_grpc as engine_pb_grpc  # noqa: E402
 
 PROMPTS = ["The quick brown fox", "Hello, world! How are", "A probe is a small"]
 TOPOLOGIES = {
@@ -59,10 +61,10 @@ TOPOLOGIES = {
 }
 
 
-def request(prompt: str, rid: str, max_tokens: int, **fields) -> pb.GenerateRequest:
-    return pb.GenerateRequest(
+def request(prompt: str, rid: str, max_tokens: int, **fields) -> engine_pb.GenerateRequest:
+    return engine_pb.GenerateRequest(
         request_id=rid, text=prompt,
-        sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), **fields)
+        sampling=engine_pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), **fields)
 
 
 def runqueue_wait_ms(pids: list[int]) -> float | None:
@@ -212,10 +214,10 @@ async def measure(name: str, model: str, count: int, max_tokens: int, idle: floa
 
         async def load(probe: firing_probes.FiringProbe) -> None:
             async with stack.channel(router.address) as admin:
-                await pb_grpc.ProbeAdminServiceStub(admin).LoadProbe(probe.load_request())
+                await admin_pb_grpc.ProbeAdminServiceStub(admin).LoadProbe(probe.load_request())
 
         async with stack.channel(engine.address) as channel:
-            sampled = await sample(name, pb_grpc.EngineServiceStub(channel), load, count, max_tokens,
+            sampled = await sample(name, engine_pb_grpc.EngineServiceStub(channel), load, count, max_tokens,
                                    idle, idle_count, [router.process.pid], engine.process.pid,
                                    stall_dump)
     finally:
@@ -247,13 +249,13 @@ async def measure_compose(count: int, max_tokens: int, idle: float, idle_count: 
     engine_pid = running.host_pid(running.containers("engine")[0])
     async with grpc.aio.secure_channel(f"127.0.0.1:{running.engine_port}", running.client_credentials(),
                                        options=channel_options()) as channel:
-        sampled = await sample("compose", pb_grpc.EngineServiceStub(channel), load, count, max_tokens,
+        sampled = await sample("compose", engine_pb_grpc.EngineServiceStub(channel), load, count, max_tokens,
                                idle, idle_count, router_pids, engine_pid)
     return {"topology": "compose", "router_replicas": len(routers),
             "router_cpu_shares": router_cpu_shares, **sampled}
 
 
-async def sample(name: str, stub: pb_grpc.EngineServiceStub, load, count: int, max_tokens: int,
+async def sample(name: str, stub: engine_pb_grpc.EngineServiceStub, load, count: int, max_tokens: int,
                  idle: float, idle_count: int, router_pids: list[int], engine_pid: int,
                  stall_dump: float | None = None) -> dict:
     """Builds a probe that fires at a known token of PROMPTS[0], loads it with `load`,
@@ -268,7 +270,7 @@ async def sample(name: str, stub: pb_grpc.EngineServiceStub, load, count: int, m
     await load(probe)
     await stack.wait_for_probe(stub, probe.name)
     trigger = probe.position - baseline[0].finished.prompt_tokens
-    binding = pb.ProbeBinding(probe=probe.name, failure_policy=pb.FAILURE_POLICY_FAIL_CLOSED)
+    binding = types_pb.ProbeBinding(probe=probe.name, failure_policy=types_pb.FAILURE_POLICY_FAIL_CLOSED)
     phases = {}
     roles = engine_processes(engine_pid)
     for phase, runs, gap in (("back_to_back", count, 0.0), ("after_idle", idle_count, idle)):
@@ -295,7 +297,7 @@ async def sample(name: str, stub: pb_grpc.EngineServiceStub, load, count: int, m
 
 
 def summarize(samples: list[dict], idle: float) -> dict:
-    aborted = [s for s in samples if s["reason"] == pb.FINISH_REASON_PROBE_ABORT]
+    aborted = [s for s in samples if s["reason"] == types_pb.FINISH_REASON_PROBE_ABORT]
     tokens = [s["after_trigger"] for s in aborted]
     ms = [round(s["ms"], 1) for s in aborted if s["ms"] is not None]
     load = [s["load_average_1min"] for s in samples]

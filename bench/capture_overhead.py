@@ -32,7 +32,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from common.probe_format.files import write_probe  # noqa: E402
 from tools import processes  # noqa: E402
-from undercurrent.v1 import undercurrent_pb2 as pb  # noqa: E402
+from undercurrent.v1 import engine_pb2 as engine_pb  # noqa: E402
+from undercurrent.v1 import types_pb2 as types_pb  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "capture_overhead.md"
 PROBE = "bench_norm"
@@ -49,16 +50,16 @@ def write_bench_probe(directory: Path, config: dict) -> None:
 def requests_for(mode: str, count: int, tokens: int, layers: int, round_index: int):
     out = []
     for i in range(count):
-        message = pb.GenerateRequest(
+        message = engine_pb.GenerateRequest(
             request_id=f"{mode}-{round_index}-{i}", text=f"benchmark prompt number {i}",
-            sampling=pb.SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True),
+            sampling=engine_pb.SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True),
         )
         if mode == "capture":
             message.extraction_points.add(
-                name="all", tensor_type=pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=list(range(layers)),
-                tokens=pb.TokenSelector(scope=pb.TokenSelector.SCOPE_GENERATED), stream_to_client=True)
+                name="all", tensor_type=types_pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=list(range(layers)),
+                tokens=types_pb.TokenSelector(scope=types_pb.TokenSelector.SCOPE_GENERATED), stream_to_client=True)
         if mode.startswith("probe"):
-            message.probes.add(probe=PROBE, failure_policy=pb.FAILURE_POLICY_FAIL_OPEN)
+            message.probes.add(probe=PROBE, failure_policy=types_pb.FAILURE_POLICY_FAIL_OPEN)
             message.gate_tokens = mode == "probe+gate"
         out.append(message)
     return out
@@ -97,7 +98,7 @@ async def main_async(args) -> str:
         model=args.model, dtype="float32", max_model_len=1024, disable_log_stats=True)))
     runtime = EngineRuntime(llm, CaptureController(llm),
                             link_config=RouterLinkConfig(targets=router.address),
-                            settings=EngineSettings(default_failure_policy=pb.FAILURE_POLICY_FAIL_OPEN))
+                            settings=EngineSettings(default_failure_policy=types_pb.FAILURE_POLICY_FAIL_OPEN))
     await runtime.start()
     await runtime.link.wait_ready(timeout=30)
     await asyncio.sleep(0.5)  # the router's catalog reaches the link after hello

@@ -33,32 +33,34 @@ from engine_service.request.client_stream import ClientStream
 from engine_service.request.ledger import RequestLedger
 from engine_service.request.probe_points import probe_points
 from engine_service.request.run import RequestRun, run_key
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import router_session_pb2 as session_pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 HIDDEN = 64
 PROMPT = 16
 
 
-def link_with_one_replica(probes: int) -> tuple[RouterLink, ReplicaSession, dict[str, pb.ProbeInfo]]:
+def link_with_one_replica(probes: int) -> tuple[RouterLink, ReplicaSession, dict[str, types_pb.ProbeInfo]]:
     catalog = {
-        f"probe_{i}": pb.ProbeInfo(name=f"probe_{i}", tensor_type=pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=[0],
-                                   action=pb.PROBE_ACTION_ABORT, digest=f"sha256:probe-{i}")
+        f"probe_{i}": types_pb.ProbeInfo(name=f"probe_{i}", tensor_type=types_pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=[0],
+                                   action=types_pb.PROBE_ACTION_ABORT, digest=f"sha256:probe-{i}")
         for i in range(probes)
     }
-    model = pb.ModelInfo(model="bench", hidden_size=HIDDEN, num_layers=8, dtype="bfloat16",
-                         tensor_types=[pb.TENSOR_TYPE_RESIDUAL_STREAM])
+    model = types_pb.ModelInfo(model="bench", hidden_size=HIDDEN, num_layers=8, dtype="bfloat16",
+                         tensor_types=[types_pb.TENSOR_TYPE_RESIDUAL_STREAM])
     address = "127.0.0.1:1"
     link = RouterLink(RouterLinkConfig(targets=address, engine_id="bench"), model, lambda event: None)
     replica = ReplicaSession(address, link.config, link._hello, link, link._metrics)
     link._replicas[address] = replica
-    replica._mark_up(pb.RouterHello(router_id="bench", probes=list(catalog.values())))
+    replica._mark_up(session_pb.RouterHello(router_id="bench", probes=list(catalog.values())))
     return link, replica, catalog
 
 
-def start(link: RouterLink, replica: ReplicaSession, message: pb.GenerateRequest, incarnation: int) -> RequestRun:
+def start(link: RouterLink, replica: ReplicaSession, message: engine_pb.GenerateRequest, incarnation: int) -> RequestRun:
     """A request's probe bookkeeping, as `EngineRuntime.generate` and `_run` do it."""
     key = run_key(message.request_id, incarnation)
-    policy = pb.FAILURE_POLICY_FAIL_CLOSED
+    policy = types_pb.FAILURE_POLICY_FAIL_CLOSED
     infos = link.pin(key, pins.wanted(message.probes, policy))
     bindings = pins.pinned(message.probes, infos, policy)
     run = RequestRun(key, message.request_id, incarnation, PROMPT, bindings, infos, gate_tokens=False,
@@ -74,8 +76,8 @@ def start(link: RouterLink, replica: ReplicaSession, message: pb.GenerateRequest
 def prepare(args):
     """The link and the requests' messages; returns the function that measures one round."""
     link, replica, catalog = link_with_one_replica(args.probes)
-    messages = [pb.GenerateRequest(request_id=f"req-{i}",
-                                   probes=[pb.ProbeBinding(probe=name) for name in catalog])
+    messages = [engine_pb.GenerateRequest(request_id=f"req-{i}",
+                                   probes=[types_pb.ProbeBinding(probe=name) for name in catalog])
                 for i in range(args.requests)]
     freeze_startup_heap()
     active: dict[str, RequestRun] = {}
@@ -88,7 +90,7 @@ def prepare(args):
 
     def end_all() -> None:
         for key in list(active):
-            link.end_request(key, pb.FINISH_REASON_STOP)
+            link.end_request(key, types_pb.FINISH_REASON_STOP)
             del active[key]
         while replica.queue:
             replica.queue.pop()

@@ -23,7 +23,7 @@ from common.capture_spec import TokenSelector
 from engine_service.request.gate import HeldScores
 from engine_service.request.ledger import LedgerBinding, RequestLedger
 from engine_service.request.probe_points import point_name
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 PROMPT = 16
 LAYERS = 8  # the bench model's: a probe over every layer scores 8 rows a token
@@ -41,7 +41,7 @@ def step_ms(probes: int, steps: int) -> float:
         message = ledger.queued("router", {point: [position] for point in points}, 0.0)
         ledger.sent(message, step)
         for name in names:
-            shown += len(held.add(pb.ProbeScores(request_id="r", probe=name, token_positions=[position] * LAYERS,
+            shown += len(held.add(types_pb.ProbeScores(request_id="r", probe=name, token_positions=[position] * LAYERS,
                                                  scores=[0.5] * LAYERS), ledger, position + 1))
         ledger.acknowledged(message)
         shown += len(held.release(ledger, position + 1))

@@ -67,8 +67,9 @@ from tools import processes  # noqa: E402
 from tools.process_memory import MemorySampler, Phase, process_name, tree_memory  # noqa: E402
 from tools.router_double import RouterDouble  # noqa: E402
 from tools.stack import scrape, wait_for_probe  # noqa: E402
-from undercurrent.v1 import undercurrent_pb2 as pb  # noqa: E402
-from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc  # noqa: E402
+from undercurrent.v1 import engine_pb2 as engine_pb  # noqa: E402
+from undercurrent.v1 import types_pb2 as types_pb  # noqa: E402
+from undercurrent.v1 import engine_pb2_grpc as engine_pb_grpc  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 MIB = 1024 * 1024
@@ -80,13 +81,13 @@ def say(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def double_probes(config: dict) -> list[pb.ProbeInfo]:
+def double_probes(config: dict) -> list[types_pb.ProbeInfo]:
     """What the router process offers for bench.overhead's all_* probes."""
     layers = list(range(config["num_hidden_layers"]))
-    return [pb.ProbeInfo(name=f"all_{name}", kind="norm", tensor_type=tensor_type,
+    return [types_pb.ProbeInfo(name=f"all_{name}", kind="norm", tensor_type=tensor_type,
                          layers=[] if name == "final_norm" else layers, hidden_size=config["hidden_size"],
-                         dtype="float32", action=pb.PROBE_ACTION_OBSERVE, threshold=1e30, version="1",
-                         tokens=pb.TokenSelector(scope=pb.TokenSelector.SCOPE_ALL))
+                         dtype="float32", action=types_pb.PROBE_ACTION_OBSERVE, threshold=1e30, version="1",
+                         tokens=types_pb.TokenSelector(scope=types_pb.TokenSelector.SCOPE_ALL))
             for name, tensor_type in TENSOR_TYPES]
 
 
@@ -119,7 +120,7 @@ class Engine:
         await self.service.wait_health(timeout=300)
         # Stalled clients get HTTP/2's initial window alone, like the stalled router.
         self.channel = grpc.aio.insecure_channel(self.service.address, options=NO_BDP)
-        self.stub = pb_grpc.EngineServiceStub(self.channel)
+        self.stub = engine_pb_grpc.EngineServiceStub(self.channel)
         self.sampler = MemorySampler(self.service.process.pid, self.args.interval).__enter__()
         root = self.service.process.pid
         self.names = {pid: "engine_service" if pid == root else process_name(pid)
@@ -136,8 +137,8 @@ class Engine:
     def metrics(self) -> dict[str, float]:
         return dropped_by_reason(scrape(self.metrics_port))
 
-    async def one(self, message: pb.GenerateRequest, read_after: float = 0.0,
-                  backlog_drops: bool = False) -> pb.GenerateFinished:
+    async def one(self, message: engine_pb.GenerateRequest, read_after: float = 0.0,
+                  backlog_drops: bool = False) -> engine_pb.GenerateFinished:
         """One request to its end; with read_after, the stream is left unread that long first.
         backlog_drops: the request may end early because a worker dropped its rows
         at --capture-backlog-bytes (what the service_stalled phase provokes)."""
@@ -181,8 +182,8 @@ class Engine:
         return phase
 
 
-def ended_by_backlog_bound(finished: pb.GenerateFinished) -> bool:
-    return finished.finish_reason == pb.FINISH_REASON_ERROR and "--capture-backlog-bytes" in finished.message
+def ended_by_backlog_bound(finished: engine_pb.GenerateFinished) -> bool:
+    return finished.finish_reason == types_pb.FINISH_REASON_ERROR and "--capture-backlog-bytes" in finished.message
 
 
 def summary(phase: Phase, idle: Phase, before: Phase | None = None, names: dict[int, str] | None = None) -> dict:

@@ -87,7 +87,8 @@ from engine_service.link.assignment import pick_replica  # noqa: E402
 from engine_service.cpu_host.placement import core_list, cores_off_workers, move_process  # noqa: E402
 from common.probe_format.files import write_probe  # noqa: E402
 from tools import processes  # noqa: E402
-from undercurrent.v1 import undercurrent_pb2 as pb  # noqa: E402
+from undercurrent.v1 import engine_pb2 as engine_pb  # noqa: E402
+from undercurrent.v1 import types_pb2 as types_pb  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 MODELS = {"embedded": "tiny-llama", "bench": "bench-llama"}
@@ -95,10 +96,10 @@ MODES = ("vllm_default", "vllm_eager", "uc_off", "uc_one_layer", "uc_all_router"
 OPTIONAL_MODES = ("uc_many_probes",)  # run only when named in --modes
 MANY_PROBES = 100
 TENSOR_TYPES = (
-    ("residual_stream", pb.TENSOR_TYPE_RESIDUAL_STREAM),
-    ("attn_out", pb.TENSOR_TYPE_ATTN_OUT),
-    ("mlp_out", pb.TENSOR_TYPE_MLP_OUT),
-    ("final_norm", pb.TENSOR_TYPE_FINAL_NORM),
+    ("residual_stream", types_pb.TENSOR_TYPE_RESIDUAL_STREAM),
+    ("attn_out", types_pb.TENSOR_TYPE_ATTN_OUT),
+    ("mlp_out", types_pb.TENSOR_TYPE_MLP_OUT),
+    ("final_norm", types_pb.TENSOR_TYPE_FINAL_NORM),
 )
 # Who keeps off the Undercurrent worker's cores in a uc_* run: (engine service, router).
 PLACEMENTS = {"none": (False, False), "service": (True, False), "service+router": (True, True)}
@@ -144,25 +145,25 @@ def request_ids(tag: str, count: int) -> list[str]:
     return [f"{tag}-" + hashlib.blake2b(f"{tag}-{i}".encode(), digest_size=8).hexdigest() for i in range(count)]
 
 
-def generate_request(mode: str, request_id: str, prompt: list[int], tokens: int, layers: int) -> pb.GenerateRequest:
-    message = pb.GenerateRequest(
-        request_id=request_id, token_ids=pb.TokenIds(ids=prompt),
-        sampling=pb.SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True),
+def generate_request(mode: str, request_id: str, prompt: list[int], tokens: int, layers: int) -> engine_pb.GenerateRequest:
+    message = engine_pb.GenerateRequest(
+        request_id=request_id, token_ids=engine_pb.TokenIds(ids=prompt),
+        sampling=engine_pb.SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True),
     )
     if mode == "uc_one_layer":
-        message.probes.add(probe="one_layer", failure_policy=pb.FAILURE_POLICY_FAIL_OPEN)
+        message.probes.add(probe="one_layer", failure_policy=types_pb.FAILURE_POLICY_FAIL_OPEN)
     elif mode == "uc_many_probes":
         for i in range(MANY_PROBES):
-            message.probes.add(probe=f"many_{i}", failure_policy=pb.FAILURE_POLICY_FAIL_OPEN)
+            message.probes.add(probe=f"many_{i}", failure_policy=types_pb.FAILURE_POLICY_FAIL_OPEN)
     elif mode == "uc_all_router":
         for name, _ in TENSOR_TYPES:
-            message.probes.add(probe=f"all_{name}", failure_policy=pb.FAILURE_POLICY_FAIL_OPEN)
+            message.probes.add(probe=f"all_{name}", failure_policy=types_pb.FAILURE_POLICY_FAIL_OPEN)
     elif mode == "uc_all_client":
         for name, tensor_type in TENSOR_TYPES:
             message.extraction_points.add(
                 name=name, tensor_type=tensor_type,
                 layers=[] if name == "final_norm" else list(range(layers)),
-                tokens=pb.TokenSelector(scope=pb.TokenSelector.SCOPE_ALL), stream_to_client=True)
+                tokens=types_pb.TokenSelector(scope=types_pb.TokenSelector.SCOPE_ALL), stream_to_client=True)
     return message
 
 
@@ -271,7 +272,7 @@ class Engines:
         self.runtime = EngineRuntime(
             self.uc_llm, CaptureController(self.uc_llm),
             link_config=RouterLinkConfig(targets=",".join(targets)),
-            settings=EngineSettings(default_failure_policy=pb.FAILURE_POLICY_FAIL_OPEN),
+            settings=EngineSettings(default_failure_policy=types_pb.FAILURE_POLICY_FAIL_OPEN),
         )
         await self._learn_cores()
         await self.runtime.start()
@@ -352,7 +353,7 @@ class Engines:
             got += len(output.outputs[0].token_ids)
         return got
 
-    async def _uc_one(self, message: pb.GenerateRequest, mode: str) -> int:
+    async def _uc_one(self, message: engine_pb.GenerateRequest, mode: str) -> int:
         got = rows = scores = 0
         finished = None
         async for response in self.runtime.generate(message):
@@ -364,7 +365,7 @@ class Engines:
                 scores += len(response.probe_event.scores.scores)
             elif response.HasField("finished"):
                 finished = response.finished
-        if finished.finish_reason != pb.FINISH_REASON_LENGTH or finished.unprobed_tokens or finished.dropped_records:
+        if finished.finish_reason != types_pb.FINISH_REASON_LENGTH or finished.unprobed_tokens or finished.dropped_records:
             raise RuntimeError(f"{mode} {message.request_id}: finished {finished}")
         if mode == "uc_all_client":
             layers = self.config["num_hidden_layers"]

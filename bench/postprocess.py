@@ -26,14 +26,14 @@ from common.activations import Block, decode_parts, encode_part, to_batch
 from engine_service.link import batching
 from engine_service.link.assignment import pick_replica
 from engine_service.capture.driver.merge import DeliveredPositions, ForwardOrderGate, merge_blocks
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 def worker_parts(ids: list[str], layers: int, hidden: int, step: int) -> list[dict]:
     rng = np.random.default_rng(step)
     requests = len(ids)
     positions = np.full(requests, 100 + step, dtype=np.int64)
     return [
-        encode_part(Block(f"probe.residual_stream.{layer}", pb.TENSOR_TYPE_RESIDUAL_STREAM, layer,
+        encode_part(Block(f"probe.residual_stream.{layer}", types_pb.TENSOR_TYPE_RESIDUAL_STREAM, layer,
                           rng.integers(0, 2**16, size=(requests, hidden), dtype=np.uint16), ids, positions,
                           np.ones(requests, dtype=bool), "bfloat16"))
         for layer in range(layers)

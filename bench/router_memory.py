@@ -28,7 +28,7 @@ from common.probe_format.files import write_probe
 from tools import processes
 from tools.process_memory import tree_memory
 from tools.session_client import SessionClient
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 HIDDEN = 1024
 
@@ -58,8 +58,8 @@ async def run(args) -> dict:
         try:
             await router.wait_health(timeout=120)
             client = SessionClient(router.port)
-            await client.open(pb.ModelInfo(model="bench-model", hidden_size=HIDDEN, num_layers=4, dtype="bfloat16",
-                                           tensor_types=[pb.TENSOR_TYPE_RESIDUAL_STREAM]))
+            await client.open(types_pb.ModelInfo(model="bench-model", hidden_size=HIDDEN, num_layers=4, dtype="bfloat16",
+                                           tensor_types=[types_pb.TENSOR_TYPE_RESIDUAL_STREAM]))
             await client.sync()
             rows = [{"open_requests": 0, "rss_kib": rss_kib(router.process.pid)}]
             opened = 0

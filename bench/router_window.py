@@ -22,8 +22,8 @@ from pathlib import Path
 from grpc import aio
 
 from tools.router_double import RouterDouble
-from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent.v1 import router_session_pb2 as session_pb
+from undercurrent.v1 import router_session_pb2_grpc as session_pb_grpc
 
 RESULTS = Path(__file__).resolve().parent / "results" / "router_window.json"
 MODES = {"bdp_probing": [], "fixed_window": [("grpc.http2.bdp_probe", 0)]}
@@ -35,8 +35,8 @@ async def absorbed_bytes(transport_options, message_bytes: int, block_s: float, 
     await router.start()
     router.reading.clear()
     channel = aio.insecure_channel(router.address)
-    call = pb_grpc.ProbeRouterServiceStub(channel).Session()
-    message = pb.SessionRequest()
+    call = session_pb_grpc.ProbeRouterServiceStub(channel).Session()
+    message = session_pb.SessionRequest()
     message.batch.step = 1
     message.batch.blocks.add().rows.data = b"\0" * message_bytes
     size, written, started = message.ByteSize(), 0, time.monotonic()

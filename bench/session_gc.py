@@ -32,7 +32,8 @@ from router_service.metrics import RouterMetrics
 from common.probe_format.files import load_probe_path, write_probe
 from router_service.registry import ProbeRegistry
 from router_service.session import SessionState
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import router_session_pb2 as session_pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 HIDDEN = 64
 
@@ -48,8 +49,8 @@ def session(probes: int, requests: int) -> tuple[SessionState, list[str]]:
                 "action": "abort"}, {"weight": rng.normal(size=HIDDEN), "bias": np.array([-8.0])})
             registry.load(load_probe_path(str(Path(tmp) / name)))
             names.append(name)
-    model = pb.ModelInfo(model="bench", hidden_size=HIDDEN, num_layers=32, dtype="bfloat16",
-                         tensor_types=[pb.TENSOR_TYPE_RESIDUAL_STREAM])
+    model = types_pb.ModelInfo(model="bench", hidden_size=HIDDEN, num_layers=32, dtype="bfloat16",
+                         tensor_types=[types_pb.TENSOR_TYPE_RESIDUAL_STREAM])
     return SessionState(registry, model, RouterMetrics(), max_requests=requests + 1), names
 
 
@@ -57,10 +58,10 @@ def prepare(args):
     """The session, warmed; returns the function that measures one round."""
     state, names = session(args.probes, args.requests)
     digests = {p.name: p.digest for p in state.registry.probes()}
-    starts = [pb.RequestStart(request_id=f"req-{i}", prompt_length=1,
-                              bindings=[pb.SessionBinding(probe=n, digest=digests[n]) for n in names])
+    starts = [session_pb.RequestStart(request_id=f"req-{i}", prompt_length=1,
+                              bindings=[session_pb.SessionBinding(probe=n, digest=digests[n]) for n in names])
               for i in range(args.requests)]
-    ends = [pb.RequestEnd(request_id=f"req-{i}") for i in range(args.requests)]
+    ends = [session_pb.RequestEnd(request_id=f"req-{i}") for i in range(args.requests)]
     freeze_startup_heap()
     state.start(starts[0])  # warm: every probe's grid column made once
     state.end(ends[0])

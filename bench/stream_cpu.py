@@ -57,7 +57,8 @@ from bench.gc_watch import Collections  # noqa: E402
 from common import tensor_codec  # noqa: E402
 from common.gc_heap import freeze_startup_heap  # noqa: E402
 from common.activations import Block, decode_parts, encode_part, session_request_bytes, to_batch  # noqa: E402
-from undercurrent.v1 import undercurrent_pb2 as pb  # noqa: E402
+from undercurrent.v1 import router_session_pb2 as session_pb  # noqa: E402
+from undercurrent.v1 import types_pb2 as types_pb  # noqa: E402
 
 from engine_service.request.probe_points import point_name  # noqa: E402
 
@@ -71,7 +72,7 @@ def rows(args) -> np.ndarray:
 
 def step_blocks(args, bits: np.ndarray, request_ids: list[str], step: int) -> list[Block]:
     positions, flags = np.full(args.rows, step, np.int64), np.ones(args.rows, bool)
-    return [Block(point_name("residual_stream", layer), pb.TENSOR_TYPE_RESIDUAL_STREAM, layer, bits, request_ids,
+    return [Block(point_name("residual_stream", layer), types_pb.TENSOR_TYPE_RESIDUAL_STREAM, layer, bits, request_ids,
                   positions, flags, "bfloat16")
             for layer in range(args.blocks)]
 
@@ -86,20 +87,20 @@ async def engine(args) -> tuple[float, float, Collections, int]:
     from common.capture_spec import TokenSelector
     from engine_service.request.ledger import LedgerBinding, RequestLedger
 
-    model = pb.ModelInfo(model="bench", hidden_size=args.hidden, num_layers=max(32, args.blocks), dtype="bfloat16",
-                         tensor_types=[pb.TENSOR_TYPE_RESIDUAL_STREAM])
+    model = types_pb.ModelInfo(model="bench", hidden_size=args.hidden, num_layers=max(32, args.blocks), dtype="bfloat16",
+                         tensor_types=[types_pb.TENSOR_TYPE_RESIDUAL_STREAM])
     address = "127.0.0.1:1"
     link = RouterLink(RouterLinkConfig(targets=address, engine_id="bench", queue_max_batches=64), model,
                       lambda event: None)
     replica = ReplicaSession(address, link.config, link._hello, link, link._metrics)
     link._replicas[address] = replica
-    replica._mark_up(pb.RouterHello(router_id="bench"))
+    replica._mark_up(session_pb.RouterHello(router_id="bench"))
     request_ids = [f"req-{i}" for i in range(args.rows)]
     # One fail_open binding per request reading every block's layer.
     reads = LedgerBinding("p", False, False, tuple(point_name("residual_stream", layer) for layer in range(args.blocks)),
                           TokenSelector())
     for request_id in request_ids:
-        link.start_request(request_id, 1, [pb.SessionBinding(probe="p", failure_policy=pb.FAILURE_POLICY_FAIL_OPEN)],
+        link.start_request(request_id, 1, [session_pb.SessionBinding(probe="p", failure_policy=types_pb.FAILURE_POLICY_FAIL_OPEN)],
                            1, RequestLedger(1, [reads]))
     while replica.queue:
         replica.queue.pop()
@@ -127,7 +128,7 @@ async def engine(args) -> tuple[float, float, Collections, int]:
             session_request_bytes(item.batch_bytes, number)
             in_flight.append(number)
             if len(in_flight) >= WINDOW:
-                replica._on_message(pb.SessionResponse(ack=pb.StepAck(step=in_flight.pop(0))))
+                replica._on_message(session_pb.SessionResponse(ack=session_pb.StepAck(step=in_flight.pop(0))))
             drain_s += drained - started
             link_s += time.process_time() - drained
     if args.gc_freeze:
@@ -152,17 +153,17 @@ def router(args) -> float:
                         {"weight": rng.normal(size=args.hidden) / np.sqrt(args.hidden), "bias": np.array([-8.0])})
             registry.load(load_probe_path(str(Path(tmp) / name)))
             names.append(name)
-    model = pb.ModelInfo(model="bench", hidden_size=args.hidden, num_layers=max(32, args.blocks), dtype="bfloat16",
-                         tensor_types=[pb.TENSOR_TYPE_RESIDUAL_STREAM])
+    model = types_pb.ModelInfo(model="bench", hidden_size=args.hidden, num_layers=max(32, args.blocks), dtype="bfloat16",
+                         tensor_types=[types_pb.TENSOR_TYPE_RESIDUAL_STREAM])
     state = SessionState(registry, model, RouterMetrics(), max_requests=args.rows + 1)
     request_ids = [f"req-{i}" for i in range(args.rows)]
     for request_id in request_ids:
-        state.start(pb.RequestStart(request_id=request_id, prompt_length=1, bindings=[
-            pb.SessionBinding(probe=p.name, digest=p.digest) for p in registry.probes() if p.name in names]))
+        state.start(session_pb.RequestStart(request_id=request_id, prompt_length=1, bindings=[
+            session_pb.SessionBinding(probe=p.name, digest=p.digest) for p in registry.probes() if p.name in names]))
     bits, batches = rows(args), []
     for step in range(1, args.steps + 1):
-        wire = pb.SessionRequest(batch=to_batch(step_blocks(args, bits, request_ids, step), step)).SerializeToString()
-        batches.append(pb.SessionRequest.FromString(wire).batch)
+        wire = session_pb.SessionRequest(batch=to_batch(step_blocks(args, bits, request_ids, step), step)).SerializeToString()
+        batches.append(session_pb.SessionRequest.FromString(wire).batch)
     with ThreadPoolExecutor(1) as scoring:  # as the router scores batches over INLINE_SCORING_BYTES
         scoring.submit(state.batch, batches[0]).result()
         started = time.process_time()

@@ -53,30 +53,31 @@ from common.grpc_server import SERVICE_FULL_NAMES, channel_options, start_server
 from common.probe_format.files import load_probe_path, probe_paths, write_probe
 from common.probe_format.probes import ProjectionPlan
 from tools.processes import free_port
-from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc
+from undercurrent.v1 import router_session_pb2 as session_pb
+from undercurrent.v1 import types_pb2 as types_pb
+from undercurrent.v1 import router_session_pb2_grpc as session_pb_grpc
 
 REPO = Path(__file__).resolve().parent.parent
 LAYER = 16
 STALL_SECONDS = 30.0
 
 
-class AckOnly(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
+class AckOnly(session_pb_grpc.ProbeRouterServiceServicer):
     """The transport alone: hello answered, every batch acknowledged, nothing decoded."""
 
     router_id = "ack-only"
 
-    def process(self, batch: pb.ActivationBatch) -> None:
+    def process(self, batch: types_pb.ActivationBatch) -> None:
         """What the server does with a batch before its ack: nothing."""
 
     async def Session(self, request_iterator, context):
         async for message in request_iterator:
             kind = message.WhichOneof("message")
             if kind == "hello":
-                yield pb.SessionResponse(hello=pb.RouterHello(router_id=self.router_id))
+                yield session_pb.SessionResponse(hello=session_pb.RouterHello(router_id=self.router_id))
             elif kind == "batch":
                 self.process(message.batch)
-                yield pb.SessionResponse(ack=pb.StepAck(step=message.batch.step))
+                yield session_pb.SessionResponse(ack=session_pb.StepAck(step=message.batch.step))
 
 
 class ArithmeticOnly(AckOnly):
@@ -88,14 +89,14 @@ class ArithmeticOnly(AckOnly):
     def __init__(self, probes_dir: Path):
         self.plan = ProjectionPlan(tuple(load_probe_path(path) for path in probe_paths(probes_dir)))
 
-    def process(self, batch: pb.ActivationBatch) -> None:
+    def process(self, batch: types_pb.ActivationBatch) -> None:
         for block in batch.blocks:
             self.plan.evaluate([tensor_codec.decode(block.rows, as_float32=False)], block.rows.dtype)
 
 
 async def serve(servicer: AckOnly) -> None:
     handle = await start_server(
-        [(undercurrent_pb2_grpc.add_ProbeRouterServiceServicer_to_server, servicer, SERVICE_FULL_NAMES["ProbeRouterService"])],
+        [(session_pb_grpc.add_ProbeRouterServiceServicer_to_server, servicer, SERVICE_FULL_NAMES["ProbeRouterService"])],
         "127.0.0.1", 0,
     )
     print(f"listening on 127.0.0.1:{handle.port}", flush=True)
@@ -138,7 +139,7 @@ class Result:
         return self.steps * self.bytes_per_step / self.seconds / 1e6
 
 
-def payloads(rows: int, hidden: int, count: int = 4) -> list[pb.Tensor]:
+def payloads(rows: int, hidden: int, count: int = 4) -> list[types_pb.Tensor]:
     rng = np.random.default_rng(0)
     return [tensor_codec.encode(rng.normal(size=(rows, hidden)).astype(np.float32), "bfloat16")
             for _ in range(count)]
@@ -149,21 +150,21 @@ def cpu_seconds(processes: list[psutil.Process]) -> float:
     return sum(sum(p.cpu_times()[:2]) for p in processes)
 
 
-async def drive(name: str, port: int, args, probe_names: list[str], tensors: list[pb.Tensor],
+async def drive(name: str, port: int, args, probe_names: list[str], tensors: list[types_pb.Tensor],
                 servers: list[psutil.Process]) -> Result:
     """One round: streams steps for args.seconds with args.window in flight; counts acked steps."""
-    model = pb.ModelInfo(model="bench", hidden_size=args.hidden, num_layers=32, dtype="bfloat16",
-                         tensor_types=[pb.TENSOR_TYPE_RESIDUAL_STREAM])
+    model = types_pb.ModelInfo(model="bench", hidden_size=args.hidden, num_layers=32, dtype="bfloat16",
+                         tensor_types=[types_pb.TENSOR_TYPE_RESIDUAL_STREAM])
     request_ids = [f"req-{i}" for i in range(args.rows)]
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options()) as channel:
-        call = undercurrent_pb2_grpc.ProbeRouterServiceStub(channel).Session()
-        await call.write(pb.SessionRequest(hello=pb.SessionHello(engine_id="bench", model=model)))
+        call = session_pb_grpc.ProbeRouterServiceStub(channel).Session()
+        await call.write(session_pb.SessionRequest(hello=session_pb.SessionHello(engine_id="bench", model=model)))
         hello = await call.read()
         assert hello.WhichOneof("message") == "hello", hello
         digests = {p.name: p.digest for p in hello.hello.probes}
-        bindings = [pb.SessionBinding(probe=p, digest=digests[p]) for p in probe_names]
+        bindings = [session_pb.SessionBinding(probe=p, digest=digests[p]) for p in probe_names]
         for rid in request_ids:
-            await call.write(pb.SessionRequest(request_start=pb.RequestStart(
+            await call.write(session_pb.SessionRequest(request_start=session_pb.RequestStart(
                 request_id=rid, bindings=bindings, prompt_length=1)))
         window = asyncio.Semaphore(args.window)
         sent_at: dict[int, float] = {}
@@ -199,12 +200,12 @@ async def drive(name: str, port: int, args, probe_names: list[str], tensors: lis
                 cpu_from = (time.process_time(), cpu_seconds(servers))
                 latencies.clear()
                 deadline = start + args.seconds
-            block = pb.ActivationBlock(
-                point="resid", tensor_type=pb.TENSOR_TYPE_RESIDUAL_STREAM, layer=LAYER, rows=tensors[step % len(tensors)],
+            block = types_pb.ActivationBlock(
+                point="resid", tensor_type=types_pb.TENSOR_TYPE_RESIDUAL_STREAM, layer=LAYER, rows=tensors[step % len(tensors)],
                 request_index=range(args.rows), token_positions=[step] * args.rows,
                 is_generated=[True] * args.rows)
             sent_at[step] = time.perf_counter()
-            await call.write(pb.SessionRequest(batch=pb.ActivationBatch(
+            await call.write(session_pb.SessionRequest(batch=types_pb.ActivationBatch(
                 step=step, request_ids=request_ids, blocks=[block])))
         drained_by = time.perf_counter() + STALL_SECONDS
         while sent_at and time.perf_counter() < drained_by:
@@ -220,15 +221,15 @@ async def drive(name: str, port: int, args, probe_names: list[str], tensors: lis
 
 
 async def drive_link(name: str, ports: int | list[int], args, probe_names: list[str],
-                     tensors: list[pb.Tensor], servers: list[psutil.Process]) -> Result:
+                     tensors: list[types_pb.Tensor], servers: list[psutil.Process]) -> Result:
     """One round through the engine's RouterLink (to one replica or several):
     send_step of merged blocks, window by acks."""
     ports = [ports] if isinstance(ports, int) else ports
     from engine_service.link import Processed, RouterLink, RouterLinkConfig
     from engine_service.request.ledger import RequestLedger
 
-    model = pb.ModelInfo(model="bench", hidden_size=args.hidden, num_layers=32, dtype="bfloat16",
-                         tensor_types=[pb.TENSOR_TYPE_RESIDUAL_STREAM])
+    model = types_pb.ModelInfo(model="bench", hidden_size=args.hidden, num_layers=32, dtype="bfloat16",
+                         tensor_types=[types_pb.TENSOR_TYPE_RESIDUAL_STREAM])
     request_ids = [f"req-{i}" for i in range(args.rows)]
     bits = [tensor_codec.unpack(t.dtype, t.shape, t.data, as_float32=False) for t in tensors]
     # Like the engine, react to the link's Processed events rather than poll every
@@ -246,8 +247,8 @@ async def drive_link(name: str, ports: int | list[int], args, probe_names: list[
     await link.start()
     try:
         await link.wait_ready(replicas=len(ports), timeout=STALL_SECONDS)
-        bindings = [pb.ProbeBinding(probe=p, failure_policy=pb.FAILURE_POLICY_FAIL_OPEN) for p in probe_names]
-        ledgers = {rid: RequestLedger(prompt_len=1, policies={p: pb.FAILURE_POLICY_FAIL_OPEN for p in probe_names})
+        bindings = [types_pb.ProbeBinding(probe=p, failure_policy=types_pb.FAILURE_POLICY_FAIL_OPEN) for p in probe_names]
+        ledgers = {rid: RequestLedger(prompt_len=1, policies={p: types_pb.FAILURE_POLICY_FAIL_OPEN for p in probe_names})
                    for rid in request_ids}
         for rid in request_ids:
             link.start_request(rid, 1, bindings, 1, ledgers[rid])
@@ -282,7 +283,7 @@ async def drive_link(name: str, ports: int | list[int], args, probe_names: list[
                 deadline = start + args.seconds
             rows = bits[step % len(bits)]
             sent_at[step] = time.perf_counter()
-            link.send_step([Block("resid", pb.TENSOR_TYPE_RESIDUAL_STREAM, LAYER, rows, request_ids,
+            link.send_step([Block("resid", types_pb.TENSOR_TYPE_RESIDUAL_STREAM, LAYER, rows, request_ids,
                                   np.full(args.rows, step, dtype=np.int64), np.ones(args.rows, dtype=bool),
                                   "bfloat16")])
         while acked() < step:

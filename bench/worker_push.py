@@ -35,7 +35,7 @@ from bench import results_file
 from common.activations import Block, decode_parts, encode_part
 from engine_service.capture.worker.pusher import Pusher
 from engine_service.capture.driver.sink import Sink
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 SHAPES = {  # name -> (blocks, rows per block, hidden, numpy dtype of the rows, wire dtype)
     "bench model, every type, batch 8 (0.8 MB)": (25, 8, 1024, np.float32, "float32"),
@@ -58,7 +58,7 @@ def worker(address: dict, shape: tuple, steps: int, results) -> None:
         buffer.fill(step)
         positions, flags = np.full(rows, 16 + step, np.int64), np.ones(rows, bool)
         filling += time.process_time() - filled
-        parts = [encode_part(Block(f"p{b % 4}", pb.TENSOR_TYPE_RESIDUAL_STREAM, b // 4,
+        parts = [encode_part(Block(f"p{b % 4}", types_pb.TENSOR_TYPE_RESIDUAL_STREAM, b // 4,
                                    buffer[b * rows : (b + 1) * rows], request_ids, positions, flags, wire_dtype),
                              copy=False)
                  for b in range(blocks)]

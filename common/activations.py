@@ -18,7 +18,8 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 
 from common import tensor_codec
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import router_session_pb2 as session_pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 
 @dataclass
@@ -27,7 +28,7 @@ class Block:
     rows together, requests in the order the engine computed them), then position."""
 
     point: str
-    tensor_type: int  # pb.TensorType value
+    tensor_type: int  # types_pb.TensorType value
     layer: int
     rows: np.ndarray  # [n, hidden]
     request_ids: list[str]
@@ -168,10 +169,10 @@ def _interned(blocks: list[Block], table: dict[str, int]) -> Iterator[tuple[Bloc
         yield block, indexes
 
 
-def to_batch(blocks: list[Block], step: int = 0) -> pb.ActivationBatch:
+def to_batch(blocks: list[Block], step: int = 0) -> types_pb.ActivationBatch:
     """Packs blocks into one message; request ids are interned in a table."""
     table: dict[str, int] = {}
-    batch = pb.ActivationBatch(step=step)
+    batch = types_pb.ActivationBatch(step=step)
     for block, indexes in _interned(blocks, table):
         message = batch.blocks.add(  # add() builds in place; append() would copy the rows
             point=block.point,
@@ -203,11 +204,11 @@ def _tag(message, name: str, wire_type: int) -> bytes:
 
 
 _VARINT, _LENGTH_DELIMITED = 0, 2
-_STEP_TAG = _tag(pb.ActivationBatch, "step", _VARINT)
-_BLOCKS_TAG = _tag(pb.ActivationBatch, "blocks", _LENGTH_DELIMITED)
-_ROWS_TAG = _tag(pb.ActivationBlock, "rows", _LENGTH_DELIMITED)
-_DATA_TAG = _tag(pb.Tensor, "data", _LENGTH_DELIMITED)
-_SESSION_BATCH_TAG = _tag(pb.SessionRequest, "batch", _LENGTH_DELIMITED)
+_STEP_TAG = _tag(types_pb.ActivationBatch, "step", _VARINT)
+_BLOCKS_TAG = _tag(types_pb.ActivationBatch, "blocks", _LENGTH_DELIMITED)
+_ROWS_TAG = _tag(types_pb.ActivationBlock, "rows", _LENGTH_DELIMITED)
+_DATA_TAG = _tag(types_pb.Tensor, "data", _LENGTH_DELIMITED)
+_SESSION_BATCH_TAG = _tag(session_pb.SessionRequest, "batch", _LENGTH_DELIMITED)
 
 
 @dataclass(eq=False)
@@ -230,25 +231,25 @@ def batch_bytes(blocks: list[Block]) -> BatchBytes:
     # Blocks sharing key objects (decode_parts) share their keys' bytes: the
     # point, type and layer go in a message of their own, and two serialised
     # messages of one type joined parse as one with the fields of both.
-    row_keys = ByIdentity(lambda indexes, positions, flags: pb.ActivationBlock(
+    row_keys = ByIdentity(lambda indexes, positions, flags: types_pb.ActivationBlock(
         request_index=indexes, token_positions=positions.tolist(), is_generated=flags.tolist(),
     ).SerializeToString())
     tensor_heads: dict[tuple, bytes] = {}
     for block, indexes in _interned(blocks, table):
-        keys = pb.ActivationBlock(
+        keys = types_pb.ActivationBlock(
             point=block.point, tensor_type=block.tensor_type, layer=block.layer,
         ).SerializeToString() + row_keys(indexes, block.token_positions, block.is_generated)
         dtype, shape, data = tensor_codec.pack_view(block.rows, block.wire_dtype)
         tensor_head = tensor_heads.get((dtype, *shape))
         if tensor_head is None:
-            tensor_head = tensor_heads[(dtype, *shape)] = pb.Tensor(dtype=dtype, shape=shape).SerializeToString()
+            tensor_head = tensor_heads[(dtype, *shape)] = types_pb.Tensor(dtype=dtype, shape=shape).SerializeToString()
         if len(data):  # as protobuf does, an empty bytes field is left out
             tensor_head += _DATA_TAG + _varint(len(data))
         tensor_size = len(tensor_head) + len(data)
         rows_head = _ROWS_TAG + _varint(tensor_size)
         block_size = len(keys) + len(rows_head) + tensor_size
         pieces += [_BLOCKS_TAG + _varint(block_size) + keys + rows_head + tensor_head, data]
-    pieces.insert(0, pb.ActivationBatch(request_ids=list(table)).SerializeToString())
+    pieces.insert(0, types_pb.ActivationBatch(request_ids=list(table)).SerializeToString())
     return BatchBytes(pieces, sum(len(p) for p in pieces))
 
 
@@ -264,7 +265,7 @@ class BatchDecodeError(ValueError):
     """An ActivationBatch whose parts do not agree; names the block and field."""
 
 
-def from_batch(batch: pb.ActivationBatch, as_float32: bool = True) -> list[Block]:
+def from_batch(batch: types_pb.ActivationBatch, as_float32: bool = True) -> list[Block]:
     """Unpacks and checks a message; raises BatchDecodeError naming the bad field."""
     reader = BatchReader(batch, as_float32)
     return [reader.block(i)[0] for i in range(len(batch.blocks))]
@@ -275,7 +276,7 @@ class BatchReader:
     block and keep the others; the batch's request id table is read once, not
     once per block (a step with every type at every layer has 25 to 100)."""
 
-    def __init__(self, batch: pb.ActivationBatch, as_float32: bool = True):
+    def __init__(self, batch: types_pb.ActivationBatch, as_float32: bool = True):
         self.batch = batch
         self.as_float32 = as_float32
         self._ids = np.empty(len(batch.request_ids), dtype=object)

@@ -17,15 +17,15 @@ from typing import Iterable
 import numpy as np
 
 from common.errors import InvalidArgument
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 TENSOR_TYPES = ("residual_stream", "attn_out", "mlp_out", "final_norm")
 
 _TENSOR_TYPE_TO_PROTO = {
-    "residual_stream": pb.TENSOR_TYPE_RESIDUAL_STREAM,
-    "attn_out": pb.TENSOR_TYPE_ATTN_OUT,
-    "mlp_out": pb.TENSOR_TYPE_MLP_OUT,
-    "final_norm": pb.TENSOR_TYPE_FINAL_NORM,
+    "residual_stream": types_pb.TENSOR_TYPE_RESIDUAL_STREAM,
+    "attn_out": types_pb.TENSOR_TYPE_ATTN_OUT,
+    "mlp_out": types_pb.TENSOR_TYPE_MLP_OUT,
+    "final_norm": types_pb.TENSOR_TYPE_FINAL_NORM,
 }
 _TENSOR_TYPE_FROM_PROTO = {v: k for k, v in _TENSOR_TYPE_TO_PROTO.items()}
 
@@ -47,15 +47,15 @@ class Scope(str, Enum):
 
 
 _SCOPE_FROM_PROTO = {
-    pb.TokenSelector.SCOPE_UNSPECIFIED: Scope.ALL,
-    pb.TokenSelector.SCOPE_PROMPT: Scope.PROMPT,
-    pb.TokenSelector.SCOPE_GENERATED: Scope.GENERATED,
-    pb.TokenSelector.SCOPE_ALL: Scope.ALL,
+    types_pb.TokenSelector.SCOPE_UNSPECIFIED: Scope.ALL,
+    types_pb.TokenSelector.SCOPE_PROMPT: Scope.PROMPT,
+    types_pb.TokenSelector.SCOPE_GENERATED: Scope.GENERATED,
+    types_pb.TokenSelector.SCOPE_ALL: Scope.ALL,
 }
 _SCOPE_TO_PROTO = {
-    Scope.PROMPT: pb.TokenSelector.SCOPE_PROMPT,
-    Scope.GENERATED: pb.TokenSelector.SCOPE_GENERATED,
-    Scope.ALL: pb.TokenSelector.SCOPE_ALL,
+    Scope.PROMPT: types_pb.TokenSelector.SCOPE_PROMPT,
+    Scope.GENERATED: types_pb.TokenSelector.SCOPE_GENERATED,
+    Scope.ALL: types_pb.TokenSelector.SCOPE_ALL,
 }
 
 
@@ -148,7 +148,7 @@ class TokenSelector:
         return bool(self.mask(np.arange(prompt_len), prompt_len).any())
 
     @classmethod
-    def from_proto(cls, msg: pb.TokenSelector) -> "TokenSelector":
+    def from_proto(cls, msg: types_pb.TokenSelector) -> "TokenSelector":
         return cls(
             scope=_SCOPE_FROM_PROTO[msg.scope],
             indexes=tuple(int(i) for i in msg.indexes),
@@ -157,8 +157,8 @@ class TokenSelector:
             ),
         )
 
-    def to_proto(self) -> pb.TokenSelector:
-        msg = pb.TokenSelector(scope=_SCOPE_TO_PROTO[self.scope], indexes=list(self.indexes))
+    def to_proto(self) -> types_pb.TokenSelector:
+        msg = types_pb.TokenSelector(scope=_SCOPE_TO_PROTO[self.scope], indexes=list(self.indexes))
         for start, stop in self.ranges:
             r = msg.ranges.add(start=start)
             if stop is not None:
@@ -212,14 +212,14 @@ class ExtractionPoint:
         self.tokens.validate(label)
 
     @classmethod
-    def from_proto(cls, msg: pb.ExtractionPoint, where: str = "extraction_point") -> "ExtractionPoint":
+    def from_proto(cls, msg: types_pb.ExtractionPoint, where: str = "extraction_point") -> "ExtractionPoint":
         """Parses one message; raises InvalidArgument for an unknown tensor type."""
         if msg.tensor_type not in _TENSOR_TYPE_FROM_PROTO:
-            known = msg.tensor_type in pb.TensorType.values()
-            name = pb.TensorType.Name(msg.tensor_type) if known else str(msg.tensor_type)
+            known = msg.tensor_type in types_pb.TensorType.values()
+            name = types_pb.TensorType.Name(msg.tensor_type) if known else str(msg.tensor_type)
             raise InvalidArgument(
                 f'{where} "{msg.name}": tensor_type {name} is not one of '
-                f"{[pb.TensorType.Name(v) for v in _TENSOR_TYPE_FROM_PROTO]}"
+                f"{[types_pb.TensorType.Name(v) for v in _TENSOR_TYPE_FROM_PROTO]}"
             )
         return cls(
             name=msg.name,
@@ -229,8 +229,8 @@ class ExtractionPoint:
             stream_to_client=msg.stream_to_client,
         )
 
-    def to_proto(self) -> pb.ExtractionPoint:
-        return pb.ExtractionPoint(
+    def to_proto(self) -> types_pb.ExtractionPoint:
+        return types_pb.ExtractionPoint(
             name=self.name,
             tensor_type=_TENSOR_TYPE_TO_PROTO[self.tensor_type],
             layers=list(self.layers),
@@ -240,7 +240,7 @@ class ExtractionPoint:
 
 
 def parse_points(
-    messages: Iterable[pb.ExtractionPoint], num_layers: int | None = None
+    messages: Iterable[types_pb.ExtractionPoint], num_layers: int | None = None
 ) -> list[ExtractionPoint]:
     """Parses and validates a request's points; errors name `extraction_points[i]`."""
     points = [

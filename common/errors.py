@@ -63,16 +63,16 @@ class Unavailable(UndercurrentError):
 
 def status_code_value(name: str) -> int:
     """The proto StatusCode value of a gRPC status-code name ("NOT_FOUND")."""
-    from undercurrent.v1 import undercurrent_pb2 as pb
+    from undercurrent.v1 import router_session_pb2 as session_pb
 
-    return pb.StatusCode.Value(f"STATUS_CODE_{name}")
+    return session_pb.StatusCode.Value(f"STATUS_CODE_{name}")
 
 
 def status_code_name(value: int) -> str:
     """The gRPC status-code name ("NOT_FOUND") of a proto StatusCode value."""
-    from undercurrent.v1 import undercurrent_pb2 as pb
+    from undercurrent.v1 import router_session_pb2 as session_pb
 
-    return pb.StatusCode.Name(value).removeprefix("STATUS_CODE_")
+    return session_pb.StatusCode.Name(value).removeprefix("STATUS_CODE_")
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:

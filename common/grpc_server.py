@@ -29,7 +29,7 @@ from grpc_reflection.v1alpha import reflection
 from common.errors import ErrorMappingInterceptor, ResourceExhausted
 from common.security.auth import FrontDoor
 from common.security.config import LOOPBACK, ServerSecurity
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import admin_pb2, engine_pb2, router_session_pb2
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,9 @@ DEFAULT_MAX_STREAMS_PER_CONNECTION = 512
 DEFAULT_MAX_HEALTH_WATCHERS = 64
 
 SERVICE_FULL_NAMES = {
-    name: service.full_name for name, service in pb.DESCRIPTOR.services_by_name.items()
+    name: service.full_name
+    for contract in (admin_pb2, engine_pb2, router_session_pb2)
+    for name, service in contract.DESCRIPTOR.services_by_name.items()
 }
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

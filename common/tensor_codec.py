@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 # The one table of wire dtypes: name -> little-endian numpy storage dtype.
 # Every encoder, decoder and size estimate in both services reads it.
@@ -37,7 +37,7 @@ def storage_dtype(name: str) -> np.dtype:
     return storage
 
 
-def declared_nbytes(tensor: pb.Tensor) -> int:
+def declared_nbytes(tensor: types_pb.Tensor) -> int:
     """The bytes a Tensor message's shape and dtype declare (an unknown dtype
     counts as float32), without reading `data`: protobuf hands out a new bytes
     object, a copy of all of it, on every read. decode() checks the two agree."""
@@ -112,13 +112,13 @@ def to_float32(array: np.ndarray, dtype: str, out: np.ndarray | None = None) -> 
     return array.astype(np.float32, copy=False)
 
 
-def encode(array: np.ndarray, dtype: str | None = None) -> pb.Tensor:
+def encode(array: np.ndarray, dtype: str | None = None) -> types_pb.Tensor:
     """Packs a numpy array into a Tensor message (see pack())."""
     name, shape, data = pack(array, dtype)
-    return pb.Tensor(dtype=name, shape=shape, data=data)
+    return types_pb.Tensor(dtype=name, shape=shape, data=data)
 
 
-def decode(tensor: pb.Tensor, as_float32: bool = True) -> np.ndarray:
+def decode(tensor: types_pb.Tensor, as_float32: bool = True) -> np.ndarray:
     """Unpacks a Tensor message; checks that dtype, shape and byte length agree."""
     return unpack(tensor.dtype, tensor.shape, tensor.data, as_float32)
 

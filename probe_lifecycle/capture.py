@@ -32,7 +32,7 @@ from probe_lifecycle.dataset import (
     POOLINGS, SCOPES, DatasetError, DatasetSpec, DatasetWriter, ExampleRows, feature_key,
 )
 from probe_lifecycle.examples import Example, InputError, check_examples, read_examples
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import engine_pb2 as engine_pb
 from undercurrent_client import Activations, AsyncEngineClient, Finished, RpcError, Started
 from undercurrent_client.connection import from_env
 
@@ -91,9 +91,9 @@ async def capture_example(engine: AsyncEngineClient, example: Example, spec: Dat
 async def _capture_once(engine: AsyncEngineClient, example: Example, spec: DatasetSpec,
                         keys: list[str], source: str) -> ExampleRows:
     where = f"{source}:{example.line} (id {example.id!r})"
-    request = pb.GenerateRequest(
+    request = engine_pb.GenerateRequest(
         text=example.text,
-        sampling=pb.SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True),
+        sampling=engine_pb.SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True),
         extraction_points=spec.points(),
     )
     parts: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {key: [] for key in keys}

@@ -34,7 +34,7 @@ from safetensors import safe_open
 from safetensors.numpy import save
 
 from common.capture_spec import TENSOR_TYPES, Scope, TokenSelector, tensor_type_to_proto
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 FORMAT = "undercurrent-dataset/1"
 MANIFEST = "dataset.json"
@@ -66,7 +66,7 @@ class DatasetSpec:
     pooling: str  # a POOLINGS value
     max_tokens: int  # generated tokens per example
 
-    def check(self, model: pb.ModelInfo) -> None:
+    def check(self, model: types_pb.ModelInfo) -> None:
         """Refuses a spec the engine's model cannot serve, naming the option."""
         for name in self.tensor_types:
             if name not in TENSOR_TYPES:
@@ -96,7 +96,7 @@ class DatasetSpec:
                 "token is never fed back through the model, so it has no activations)"
             )
 
-    def keys(self, model: pb.ModelInfo) -> list[str]:
+    def keys(self, model: types_pb.ModelInfo) -> list[str]:
         """The feature tensors of every shard, in a fixed order."""
         keys = []
         for name in self.tensor_types:
@@ -104,13 +104,13 @@ class DatasetSpec:
             keys.extend(feature_key(name, layer) for layer in layers)
         return keys
 
-    def points(self) -> list[pb.ExtractionPoint]:
+    def points(self) -> list[types_pb.ExtractionPoint]:
         """One extraction point per tensor type, streamed back to the caller."""
         selector = TokenSelector(scope=Scope(self.scope)).to_proto()
         if self.scope == "prompt" and self.pooling == "last":
             selector.indexes.append(-1)  # only the row that is kept crosses the wire
         return [
-            pb.ExtractionPoint(
+            types_pb.ExtractionPoint(
                 name=name,
                 tensor_type=tensor_type_to_proto(name),
                 layers=[] if name == "final_norm" else list(self.layers),
@@ -131,7 +131,7 @@ class DatasetSpec:
         )
 
 
-def model_to_dict(model: pb.ModelInfo) -> dict:
+def model_to_dict(model: types_pb.ModelInfo) -> dict:
     return json_format.MessageToDict(
         model, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
@@ -180,7 +180,7 @@ class DatasetWriter:
         self._buffer_bytes = 0
 
     @classmethod
-    def open(cls, directory: str | Path, spec: DatasetSpec, model: pb.ModelInfo, source: dict,
+    def open(cls, directory: str | Path, spec: DatasetSpec, model: types_pb.ModelInfo, source: dict,
              shard_bytes: int) -> "DatasetWriter":
         """Starts a dataset, or resumes one whose manifest agrees with this capture."""
         directory = Path(directory)

@@ -22,7 +22,7 @@ from probe_lifecycle.dataset import DatasetSpec
 from probe_lifecycle.deploy import deploy
 from probe_lifecycle.live import generate_with_probe
 from probe_lifecycle.train import TrainOptions, report, train_probe
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import types_pb2 as types_pb
 from undercurrent_client import AsyncEngineClient, Event, Generation, ProbeScores
 from undercurrent_client.connection import from_env
 
@@ -61,7 +61,7 @@ async def lifecycle_demo(engine: str, routers: str, work_dir: Path, examples: in
     print(f"== 4. deploy to router(s) {routers} without a restart", flush=True)
     for name, action in ((PROBE, None), (SHADOW, "observe")):
         for item in await deploy(probe_dir, routers, engine, name=name, action=action):
-            print(f"loaded {item.probe.name} ({short_name(pb.ProbeAction, item.probe.action).lower()}, "
+            print(f"loaded {item.probe.name} ({short_name(types_pb.ProbeAction, item.probe.action).lower()}, "
                   f"threshold {item.probe.threshold:.4g}) on {item.address}", flush=True)
 
     held_out = set(trained.provenance["training"]["held_out_ids"])

@@ -30,7 +30,9 @@ from common.probe_format.manifest import ManifestError
 from common.router_targets import DnsTarget, parse_targets, resolve_dns
 from probe_lifecycle.cli import OneLineParser, fail
 from probe_lifecycle.dataset import MODEL_IDENTITY, model_to_dict
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import admin_pb2 as admin_pb
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import types_pb2 as types_pb
 from undercurrent_client import AsyncEngineClient, AsyncProbeAdminClient, RpcError
 from undercurrent_client.connection import from_env
 from undercurrent_client.requests import inline_probe
@@ -46,7 +48,7 @@ class DeployError(RuntimeError):
 @dataclass
 class Deployed:
     address: str
-    probe: pb.ProbeInfo
+    probe: types_pb.ProbeInfo
     replaced: bool  # the replica held a probe of this name before
 
 
@@ -75,7 +77,7 @@ async def router_replicas(spec: str) -> Replicas:
     return Replicas(list(target.addresses))
 
 
-def check_against_engine(directory: Path, manifest, model: pb.ModelInfo) -> None:
+def check_against_engine(directory: Path, manifest, model: types_pb.ModelInfo) -> None:
     """The router's compatibility rule, and the model the probe was trained on."""
     reason = manifest.incompatibility(model)
     if reason is not None:
@@ -153,7 +155,7 @@ async def deploy(probe_dir: str | Path, routers: str, engine: str | None = None,
     return list(outcomes)
 
 
-async def _load(admin: AsyncProbeAdminClient, name: str, inline: pb.InlineProbe,
+async def _load(admin: AsyncProbeAdminClient, name: str, inline: admin_pb.InlineProbe,
                 replace: bool) -> Deployed | str:
     try:
         before = await admin.list()
@@ -173,10 +175,10 @@ async def _unload(admin: AsyncProbeAdminClient, name: str) -> None:
 async def wait_until_offered(engine: str, probe: str, timeout: float) -> None:
     """Returns once a Generate binding `probe` is accepted (router catalogs reach the
     engine asynchronously after a load); the check generates one token, observe only."""
-    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]),
-                                 sampling=pb.SamplingParams(max_tokens=1, temperature=0))
-    request.probes.add(probe=probe, failure_policy=pb.FAILURE_POLICY_FAIL_OPEN,
-                       action=pb.PROBE_ACTION_OBSERVE)
+    request = engine_pb.GenerateRequest(token_ids=engine_pb.TokenIds(ids=[1, 2, 3]),
+                                 sampling=engine_pb.SamplingParams(max_tokens=1, temperature=0))
+    request.probes.add(probe=probe, failure_policy=types_pb.FAILURE_POLICY_FAIL_OPEN,
+                       action=types_pb.PROBE_ACTION_OBSERVE)
     deadline = time.monotonic() + timeout
     async with AsyncEngineClient(from_env(engine), timeout=CALL_TIMEOUT) as client:
         while True:

@@ -39,7 +39,7 @@ from common.probe_format.manifest import ManifestError
 from common.probe_format.files import (
     MANIFEST_FILE, WEIGHTS_FILE, ProbeFileError, encode_safetensors, load_probe_bytes, write_probe,
 )
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import types_pb2 as types_pb
 from undercurrent_client import AsyncEngineClient, RpcError
 from undercurrent_client.connection import from_env
 
@@ -97,7 +97,7 @@ def choose_key(dataset: dict, tensor_type: str | None, layer: int | None, where:
     return feature_key(tensor_type, layer)
 
 
-def check_same_model(dataset_model: dict, engine_model: pb.ModelInfo, where: str) -> None:
+def check_same_model(dataset_model: dict, engine_model: types_pb.ModelInfo, where: str) -> None:
     engine = model_to_dict(engine_model)
     for name in MODEL_IDENTITY:
         if dataset_model.get(name) != engine.get(name):
@@ -147,7 +147,7 @@ def _manifest(options: TrainOptions, dataset: dict, key: str, tokens: dict) -> d
 
 
 def train_probe(dataset_dir: str | Path, out: str | Path, options: TrainOptions,
-                engine_model: pb.ModelInfo | None = None, force: bool = False) -> TrainResult:
+                engine_model: types_pb.ModelInfo | None = None, force: bool = False) -> TrainResult:
     dataset_dir, out = Path(dataset_dir), Path(out)
     if options.kind not in KINDS:
         raise TrainingError(f"--kind: {options.kind!r} is not one of {list(KINDS)}")
@@ -234,7 +234,7 @@ def _write_atomically(out: Path, force: bool, manifest: dict, tensors: dict, pro
         shutil.rmtree(partial, ignore_errors=True)
 
 
-async def _engine_model(address: str) -> pb.ModelInfo:
+async def _engine_model(address: str) -> types_pb.ModelInfo:
     async with AsyncEngineClient(from_env(address), timeout=30) as engine:
         return await engine.model_info()
 

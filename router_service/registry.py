@@ -13,7 +13,7 @@ from typing import Callable
 
 from common.errors import AlreadyExists, FailedPrecondition, NotFound
 from common.probe_format.probes import Probe
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +85,9 @@ class ProbeRegistry:
         if probe.active_requests == 0 and probe.unloading and self._probes.get(probe.name) is probe:
             self._remove(probe, forced=False)
 
-    def info(self, probe: Probe) -> pb.ProbeInfo:
+    def info(self, probe: Probe) -> types_pb.ProbeInfo:
         m = probe.manifest
-        return pb.ProbeInfo(
+        return types_pb.ProbeInfo(
             name=m.name,
             kind=m.kind,
             tensor_type=m.tensor_type,

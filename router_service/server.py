@@ -21,8 +21,9 @@ from common.probe_format.files import DEFAULT_MAX_INLINE_PROBE_BYTES, ProbeRoot,
 from router_service.registry import ProbeRegistry
 from router_service.servicers import AdminServicer, LiveSession, SessionServicer
 from router_service.session import DEFAULT_MAX_REQUESTS_PER_SESSION
-from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc
+from undercurrent.v1 import router_session_pb2 as session_pb
+from undercurrent.v1 import admin_pb2_grpc as admin_pb_grpc
+from undercurrent.v1 import router_session_pb2_grpc as session_pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +107,9 @@ class Router:
         self.registry.subscribe(self._on_probes_changed)
         self.handle = await start_server(
             [
-                (undercurrent_pb2_grpc.add_ProbeRouterServiceServicer_to_server, SessionServicer(self),
+                (session_pb_grpc.add_ProbeRouterServiceServicer_to_server, SessionServicer(self),
                  SERVICE_FULL_NAMES["ProbeRouterService"]),
-                (undercurrent_pb2_grpc.add_ProbeAdminServiceServicer_to_server, AdminServicer(self),
+                (admin_pb_grpc.add_ProbeAdminServiceServicer_to_server, AdminServicer(self),
                  SERVICE_FULL_NAMES["ProbeAdminService"]),
             ],
             self.config.host,
@@ -124,8 +125,8 @@ class Router:
         log.info("router started", extra={"router_id": self.router_id, "port": self.port,
                                           "probes": [p.name for p in self.registry.probes()]})
 
-    def drain_message(self) -> pb.SessionResponse:
-        return pb.SessionResponse(drain=pb.Drain(reason=f"router {self.router_id} is shutting down"))
+    def drain_message(self) -> session_pb.SessionResponse:
+        return session_pb.SessionResponse(drain=session_pb.Drain(reason=f"router {self.router_id} is shutting down"))
 
     async def shutdown(self, grace_period: float | None = None) -> None:
         """Drains: NOT_SERVING, Drain to every session, new requests refused; then

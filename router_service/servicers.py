@@ -22,8 +22,11 @@ from common.log_limits import RateLimitedLog
 from common.probe_format.files import ProbeFileError, check_inline_size, load_probe_bytes
 from common.probe_format.manifest import ManifestError
 from router_service.session import SessionState, error
-from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc
+from undercurrent.v1 import admin_pb2 as admin_pb
+from undercurrent.v1 import router_session_pb2 as session_pb
+from undercurrent.v1 import types_pb2 as types_pb
+from undercurrent.v1 import admin_pb2_grpc as admin_pb_grpc
+from undercurrent.v1 import router_session_pb2_grpc as session_pb_grpc
 
 if TYPE_CHECKING:
     from router_service.server import Router
@@ -47,7 +50,7 @@ _session_ids = itertools.count(1)
 class LiveSession:
     """One open Session stream: its state, its outbox and its background tasks."""
 
-    def __init__(self, router: "Router", hello: pb.SessionHello):
+    def __init__(self, router: "Router", hello: session_pb.SessionHello):
         self.id = next(_session_ids)
         self.engine_id = hello.engine_id
         self.accepts_replies = hello.accepts_replies
@@ -60,7 +63,7 @@ class LiveSession:
             draining=lambda: router.draining,
             max_requests=router.config.max_requests_per_session,
         )
-        self.outbox: asyncio.Queue[pb.SessionResponse | None] = asyncio.Queue(OUTBOX_SIZE)
+        self.outbox: asyncio.Queue[session_pb.SessionResponse | None] = asyncio.Queue(OUTBOX_SIZE)
         self._tasks: set[asyncio.Task] = set()
         self._scoring: concurrent.futures.Future | None = None
 
@@ -69,15 +72,15 @@ class LiveSession:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def send_all(self, messages: list[pb.SessionResponse]) -> None:
+    async def send_all(self, messages: list[session_pb.SessionResponse]) -> None:
         for message in messages:
             await self.outbox.put(message)
 
     def send_catalog(self) -> None:
         probes, errors = self.state.catalog()
-        self.spawn(self.send_all([*errors, pb.SessionResponse(catalog=pb.ProbeCatalog(probes=probes))]))
+        self.spawn(self.send_all([*errors, session_pb.SessionResponse(catalog=session_pb.ProbeCatalog(probes=probes))]))
 
-    async def read(self, engine_messages: AsyncIterator[pb.SessionRequest]) -> None:
+    async def read(self, engine_messages: AsyncIterator[session_pb.SessionRequest]) -> None:
         try:
             async for message in engine_messages:
                 await self.send_all(self._as_one(await self._handle(message)))
@@ -87,19 +90,19 @@ class LiveSession:
             log.info("session read ended", extra={"session": self.id, "reason": repr(err)})
         await self.outbox.put(None)
 
-    def _as_one(self, replies: list[pb.SessionResponse]) -> list[pb.SessionResponse]:
+    def _as_one(self, replies: list[session_pb.SessionResponse]) -> list[session_pb.SessionResponse]:
         """The replies to one engine message (a batch: a score per request, then
         the ack) as one SessionReplies when the engine reads them: each gRPC
         message costs both processes far more CPU than its bytes do."""
         if not self.accepts_replies or len(replies) < 2:
             return replies
-        return [pb.SessionResponse(replies=pb.SessionReplies(messages=replies))]
+        return [session_pb.SessionResponse(replies=session_pb.SessionReplies(messages=replies))]
 
-    async def _handle(self, message: pb.SessionRequest) -> list[pb.SessionResponse]:
+    async def _handle(self, message: session_pb.SessionRequest) -> list[session_pb.SessionResponse]:
         kind = message.WhichOneof("message")
         # Bindings a forced unload detached: the engine hears of them before this
         # batch's ack whatever scoring does, or it would count their rows scored.
-        notices: list[pb.SessionResponse] = []
+        notices: list[session_pb.SessionResponse] = []
         try:
             if kind == "batch":
                 notices = self.state.detach_retired()
@@ -112,7 +115,7 @@ class LiveSession:
             if kind == "request_end":
                 return self.state.end(message.request_end)
             if kind == "heartbeat":
-                return [pb.SessionResponse(heartbeat=message.heartbeat)]
+                return [session_pb.SessionResponse(heartbeat=message.heartbeat)]
             if kind == "hello":
                 return [error("", "FAILED_PRECONDITION", "hello: the session already said hello; ignored")]
             return [error("", "INVALID_ARGUMENT", "SessionRequest: no message set")]
@@ -129,7 +132,7 @@ class LiveSession:
     async def heartbeat(self, interval: float) -> None:
         while True:
             await asyncio.sleep(interval)
-            await self.outbox.put(pb.SessionResponse(heartbeat=pb.Heartbeat(sent_unix_nanos=time.time_ns())))
+            await self.outbox.put(session_pb.SessionResponse(heartbeat=session_pb.Heartbeat(sent_unix_nanos=time.time_ns())))
 
     async def stop(self) -> None:
         """Cancels the tasks and waits for a batch still scoring, so state can be freed."""
@@ -148,13 +151,13 @@ class LiveSession:
                                           "requests_freed": freed})
 
 
-def row_bytes(batch: pb.ActivationBatch) -> int:
+def row_bytes(batch: types_pb.ActivationBatch) -> int:
     """The bytes of rows a batch's blocks declare: counting the bytes themselves
     would copy them on the event loop."""
     return sum(tensor_codec.declared_nbytes(block.rows) for block in batch.blocks)
 
 
-class SessionServicer(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
+class SessionServicer(session_pb_grpc.ProbeRouterServiceServicer):
     def __init__(self, router: "Router"):
         self.router = router
         self._closing: set[asyncio.Task] = set()  # clean-ups that outlive their cancelled handler
@@ -189,7 +192,7 @@ class SessionServicer(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
         session.spawn(session.read(request_iterator))
         session.spawn(session.heartbeat(self.router.config.heartbeat_interval))
         try:
-            yield pb.SessionResponse(hello=pb.RouterHello(router_id=self.router.router_id, probes=probes))
+            yield session_pb.SessionResponse(hello=session_pb.RouterHello(router_id=self.router.router_id, probes=probes))
             for message in errors:
                 yield message
             if self.router.draining:
@@ -208,11 +211,11 @@ class SessionServicer(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
             await asyncio.shield(closing)
 
 
-class AdminServicer(undercurrent_pb2_grpc.ProbeAdminServiceServicer):
+class AdminServicer(admin_pb_grpc.ProbeAdminServiceServicer):
     def __init__(self, router: "Router"):
         self.router = router
 
-    async def LoadProbe(self, request: pb.LoadProbeRequest, context) -> pb.LoadProbeResponse:
+    async def LoadProbe(self, request: admin_pb.LoadProbeRequest, context) -> admin_pb.LoadProbeResponse:
         source = request.WhichOneof("source")
         try:
             if source == "path":
@@ -232,11 +235,11 @@ class AdminServicer(undercurrent_pb2_grpc.ProbeAdminServiceServicer):
         except (ProbeFileError, ManifestError) as err:
             raise InvalidArgument(str(err)) from None
         registry = self.router.registry
-        return pb.LoadProbeResponse(probe=registry.info(registry.load(probe, replace=request.replace)))
+        return admin_pb.LoadProbeResponse(probe=registry.info(registry.load(probe, replace=request.replace)))
 
-    async def ListProbes(self, request, context) -> pb.ListProbesResponse:
+    async def ListProbes(self, request, context) -> admin_pb.ListProbesResponse:
         registry = self.router.registry
-        return pb.ListProbesResponse(probes=[registry.info(p) for p in registry.probes()])
+        return admin_pb.ListProbesResponse(probes=[registry.info(p) for p in registry.probes()])
 
-    async def UnloadProbe(self, request: pb.UnloadProbeRequest, context) -> pb.UnloadProbeResponse:
-        return pb.UnloadProbeResponse(unloaded=self.router.registry.unload(request.name, request.force))
+    async def UnloadProbe(self, request: admin_pb.UnloadProbeRequest, context) -> admin_pb.UnloadProbeResponse:
+        return admin_pb.UnloadProbeResponse(unloaded=self.router.registry.unload(request.name, request.force))

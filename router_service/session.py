@@ -28,7 +28,8 @@ from router_service.binding_grid import BindingGrid
 from router_service.metrics import RouterMetrics
 from common.probe_format.probes import Probe, ProjectionPlan, first_firing_segments
 from router_service.registry import ProbeRegistry
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import router_session_pb2 as session_pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 log = logging.getLogger(__name__)
 
@@ -157,10 +158,10 @@ class _Candidate:
 
 
 def error(request_id: str, code: str, message: str, probe: str = "", incarnation: int = 0,
-          step: int = 0) -> pb.SessionResponse:
+          step: int = 0) -> session_pb.SessionResponse:
     """An in-band RequestError; code is a gRPC status-code name such as "INVALID_ARGUMENT"."""
-    return pb.SessionResponse(
-        error=pb.RequestError(
+    return session_pb.SessionResponse(
+        error=session_pb.RequestError(
             request_id=request_id, probe=probe, code=status_code_value(code), message=message,
             incarnation=incarnation, step=step,
         )
@@ -171,7 +172,7 @@ class SessionState:
     def __init__(
         self,
         registry: ProbeRegistry,
-        model: pb.ModelInfo,
+        model: types_pb.ModelInfo,
         metrics: RouterMetrics,
         scores_interval: float = 0.0,
         draining: Callable[[], bool] = lambda: False,
@@ -202,7 +203,7 @@ class SessionState:
 
     # -- catalog ------------------------------------------------------------
 
-    def catalog(self) -> tuple[list[pb.ProbeInfo], list[pb.SessionResponse]]:
+    def catalog(self) -> tuple[list[types_pb.ProbeInfo], list[session_pb.SessionResponse]]:
         """The probes this engine can use, and an error for each newly seen one it cannot."""
         infos, errors = [], []
         for probe in self.registry.probes():
@@ -220,13 +221,13 @@ class SessionState:
 
     # -- request lifecycle --------------------------------------------------
 
-    def start(self, msg: pb.RequestStart) -> list[pb.SessionResponse]:
+    def start(self, msg: session_pb.RequestStart) -> list[session_pb.SessionResponse]:
         rid, incarnation = msg.request_id, msg.incarnation
 
-        def refuse(code: str, message: str, probe: str = "") -> pb.SessionResponse:
+        def refuse(code: str, message: str, probe: str = "") -> session_pb.SessionResponse:
             return self._error(rid, code, message, probe, incarnation=incarnation)
 
-        def refuse_request(code: str, message: str) -> list[pb.SessionResponse]:
+        def refuse_request(code: str, message: str) -> list[session_pb.SessionResponse]:
             self._remember(self._refused, rid, incarnation)
             return [refuse(code, message)]
 
@@ -243,7 +244,7 @@ class SessionState:
         if msg.prompt_length < 0:
             return refuse_request("INVALID_ARGUMENT",
                                   f"request_start.prompt_length {msg.prompt_length} is negative")
-        out: list[pb.SessionResponse] = []
+        out: list[session_pb.SessionResponse] = []
         orders: dict[int, int] = {}  # grid column -> place, in binding order
         trajectories: dict[int, list] = {}
         names: set[str] = set()
@@ -272,7 +273,7 @@ class SessionState:
             action = wanted.action or probe.manifest.action  # PROBE_ACTION_UNSPECIFIED is 0
             column = self._column(probe)
             orders[column] = len(orders)
-            aborts.append(action == pb.PROBE_ACTION_ABORT)
+            aborts.append(action == types_pb.PROBE_ACTION_ABORT)
             if (trajectory := probe.new_state()) is not None:
                 trajectories[column] = trajectory
         self._grid.bind(row, list(orders), aborts)
@@ -283,7 +284,7 @@ class SessionState:
         self.metrics.live_requests.inc()
         return out
 
-    def end(self, msg: pb.RequestEnd) -> list[pb.SessionResponse]:
+    def end(self, msg: session_pb.RequestEnd) -> list[session_pb.SessionResponse]:
         request = self.requests.get(msg.request_id)
         if request is None or request.incarnation != msg.incarnation:
             return [self._error(msg.request_id, "NOT_FOUND",
@@ -346,9 +347,9 @@ class SessionState:
 
     # -- batches ------------------------------------------------------------
 
-    def batch(self, batch: pb.ActivationBatch) -> list[pb.SessionResponse]:
+    def batch(self, batch: types_pb.ActivationBatch) -> list[session_pb.SessionResponse]:
         started = time.perf_counter()
-        out: list[pb.SessionResponse] = []
+        out: list[session_pb.SessionResponse] = []
         reported: set[tuple[str, str]] = set()  # (request, problem): one error per batch each
         table = self._slots(batch)
         requests = table.requests
@@ -380,12 +381,12 @@ class SessionState:
                 request.aborted = True
                 best = min(found, key=_Candidate.key)
                 out.append(self._abort(request, best.column, best.score, best.position, best.layer))
-        out.append(pb.SessionResponse(ack=pb.StepAck(step=batch.step)))
+        out.append(session_pb.SessionResponse(ack=session_pb.StepAck(step=batch.step)))
         self.metrics.batches.inc()
         self.metrics.batch_seconds.observe(time.perf_counter() - started)
         return out
 
-    def _slots(self, batch: pb.ActivationBatch) -> _SlotTable:
+    def _slots(self, batch: types_pb.ActivationBatch) -> _SlotTable:
         ids = tuple(batch.request_ids)
         if self._slot_table is None or self._slot_table[0] != ids:
             self._slot_table = (ids, _SlotTable(ids, [self.requests.get(rid) for rid in ids]))
@@ -393,7 +394,7 @@ class SessionState:
 
     def _check_block(
         self, reader: BatchReader, i: int, table: _SlotTable, reported: set[tuple[str, str]],
-    ) -> tuple[_Checked | None, list[pb.SessionResponse]]:
+    ) -> tuple[_Checked | None, list[session_pb.SessionResponse]]:
         """Checks block i's fields and rows; the block to score (None: nothing to
         score in it), and the errors to send.
 
@@ -449,12 +450,12 @@ class SessionState:
 
     def _gather_group(
         self,
-        batch: pb.ActivationBatch,
+        batch: types_pb.ActivationBatch,
         group: list[_Checked],
         table: _SlotTable,
         gathered: list[_Rows],
         reported: set[tuple[str, str]],
-    ) -> list[pb.SessionResponse]:
+    ) -> list[session_pb.SessionResponse]:
         """Widens, checks and projects the rows of blocks that the same probes read
         in one pass (one matrix product for all of them), and files the usable rows
         once per set of probes that read the same ones."""
@@ -516,7 +517,7 @@ class SessionState:
 
     def _score_group(
         self, parts: list[_Rows], columns: np.ndarray, table: _SlotTable, candidates: dict[int, list[_Candidate]],
-    ) -> list[pb.SessionResponse]:
+    ) -> list[session_pb.SessionResponse]:
         """Scores probes (grid columns) that read the same rows under one token
         selector, over all their requests' rows: one forward order, one matrix of
         scores and one run of the decision rule for all of them. Files abort
@@ -596,7 +597,7 @@ class SessionState:
         return scores
 
     def _abort(self, request: RequestState, column: int, score: float, position: int,
-               layer: int) -> pb.SessionResponse:
+               layer: int) -> session_pb.SessionResponse:
         m = self._grid.probes[column].manifest
         reason = (
             f"probe {m.name!r} (version {m.version}) scored {score:.4g} >= threshold {m.threshold:g} "
@@ -605,11 +606,11 @@ class SessionState:
         self.metrics.aborts.labels(m.name).inc()
         log.info("abort", extra={"request_id": request.request_id, "probe": m.name, "score": score,
                                  "token_position": position})
-        return pb.SessionResponse(abort=pb.Verdict(
+        return session_pb.SessionResponse(abort=types_pb.Verdict(
             request_id=request.request_id, probe=m.name, score=score, token_position=position,
             reason=reason, incarnation=request.incarnation))
 
-    def _flush_scores(self, request: RequestState, column: int, force: bool) -> pb.SessionResponse | None:
+    def _flush_scores(self, request: RequestState, column: int, force: bool) -> session_pb.SessionResponse | None:
         """The binding's scores not sent yet, as one message, unless --scores-interval
         holds them back (`force`: at the request's end)."""
         pending = request.pending.get(column)
@@ -622,7 +623,7 @@ class SessionState:
             request.scores_sent[column] = now
         positions, scores = request.pending.pop(column)
         # Filled in place: building a ProbeScores and then the response copies it.
-        response = pb.SessionResponse()
+        response = session_pb.SessionResponse()
         message = response.scores
         message.request_id = request.request_id
         message.probe = self._grid.probes[column].name
@@ -633,7 +634,7 @@ class SessionState:
 
     # -- helpers ------------------------------------------------------------
 
-    def detach_retired(self) -> list[pb.SessionResponse]:
+    def detach_retired(self) -> list[session_pb.SessionResponse]:
         """Drops bindings of probes unloaded by force; tells each request once.
 
         Call it before `batch`, on the thread that owns the registry."""
@@ -662,14 +663,14 @@ class SessionState:
             self._plans.move_to_end(key)
         return plan
 
-    def _repeated_request(self, batch: pb.ActivationBatch, j: int, first: int) -> list[pb.SessionResponse]:
+    def _repeated_request(self, batch: types_pb.ActivationBatch, j: int, first: int) -> list[session_pb.SessionResponse]:
         rid = batch.request_ids[j]
         return [self._error(rid, "INVALID_ARGUMENT",
                             f"batch.request_ids[{j}]: request {rid!r} is named again (first at [{first}]); "
                             f"the rows naming [{j}] were not scored", step=batch.step)]
 
     def _unknown_request(self, rid: str, where: str, step: int,
-                         reported: set[tuple[str, str]]) -> list[pb.SessionResponse]:
+                         reported: set[tuple[str, str]]) -> list[session_pb.SessionResponse]:
         if (rid, "unknown") in reported:
             return []
         reported.add((rid, "unknown"))
@@ -685,8 +686,8 @@ class SessionState:
                             f"{where}: request {rid!r} was never started on this session "
                             "(no request_start); its records were not scored", step=step)]
 
-    def _bad_rows(self, batch: pb.ActivationBatch, table: _SlotTable, where: str, problem: str, block: Block,
-                  slots: np.ndarray, bad: np.ndarray, reported: set[tuple[str, str]]) -> list[pb.SessionResponse]:
+    def _bad_rows(self, batch: types_pb.ActivationBatch, table: _SlotTable, where: str, problem: str, block: Block,
+                  slots: np.ndarray, bad: np.ndarray, reported: set[tuple[str, str]]) -> list[session_pb.SessionResponse]:
         """An error per request with `bad` rows (of known requests) in the block."""
         out = []
         for j in np.unique(slots[bad]):
@@ -694,8 +695,8 @@ class SessionState:
                                     block.token_positions[(slots == j) & bad], reported)
         return out
 
-    def _internal_error(self, batch: pb.ActivationBatch, blocks: list[int], err: Exception,
-                        reported: set[tuple[str, str]]) -> list[pb.SessionResponse]:
+    def _internal_error(self, batch: types_pb.ActivationBatch, blocks: list[int], err: Exception,
+                        reported: set[tuple[str, str]]) -> list[session_pb.SessionResponse]:
         """A bug while reading some blocks: INTERNAL for their requests; the other blocks are still scored."""
         log.exception("blocks failed", extra={"step": batch.step, "blocks": blocks})
         out = []
@@ -704,8 +705,8 @@ class SessionState:
                                      f"blocks[{i}]: internal error: {type(err).__name__}: {err}", reported)
         return out
 
-    def _rows_error(self, batch: pb.ActivationBatch, request: RequestState, where: str, problem: str,
-                    positions: np.ndarray, reported: set[tuple[str, str]]) -> list[pb.SessionResponse]:
+    def _rows_error(self, batch: types_pb.ActivationBatch, request: RequestState, where: str, problem: str,
+                    positions: np.ndarray, reported: set[tuple[str, str]]) -> list[session_pb.SessionResponse]:
         """One error per request and problem per batch, naming the first bad positions."""
         if (request.request_id, problem) in reported:
             return []
@@ -715,8 +716,8 @@ class SessionState:
             f"{where}.rows: {positions.size} row(s) {problem} at token_positions {positions.tolist()[:8]}; "
             "those rows were not scored", step=batch.step)]
 
-    def _block_error(self, batch: pb.ActivationBatch, request_ids: list[str], code: str, message: str,
-                     reported: set[tuple[str, str]]) -> list[pb.SessionResponse]:
+    def _block_error(self, batch: types_pb.ActivationBatch, request_ids: list[str], code: str, message: str,
+                     reported: set[tuple[str, str]]) -> list[session_pb.SessionResponse]:
         """One error per request that had rows in the block (every request of the
         batch when the block names none it can be matched to)."""
         named = {r for r in request_ids if r} or {r for r in batch.request_ids if r}
@@ -727,16 +728,16 @@ class SessionState:
                 out.append(self._error(rid, code, message + "; the block was not scored", step=batch.step))
         return out
 
-    def batch_failed(self, batch: pb.ActivationBatch, err: BaseException) -> list[pb.SessionResponse]:
+    def batch_failed(self, batch: types_pb.ActivationBatch, err: BaseException) -> list[session_pb.SessionResponse]:
         """A batch that failed as a whole: INTERNAL for every request in it, then its
         ack, so the engine knows exactly which requests' rows of that step went unscored."""
         message = f"batch: internal error: {type(err).__name__}: {err}; the batch was not scored"
         out = [self._error(rid, "INTERNAL", message, step=batch.step)
                for rid in sorted({r for r in batch.request_ids if r}) or [""]]
-        return out + [pb.SessionResponse(ack=pb.StepAck(step=batch.step))]
+        return out + [session_pb.SessionResponse(ack=session_pb.StepAck(step=batch.step))]
 
     def _error(self, request_id: str, code: str, message: str, probe: str = "", step: int = 0,
-               incarnation: int | None = None) -> pb.SessionResponse:
+               incarnation: int | None = None) -> session_pb.SessionResponse:
         """incarnation defaults to the running request's of that id (0 if none runs)."""
         if incarnation is None:
             request = self.requests.get(request_id)
@@ -753,7 +754,7 @@ def _joined(arrays: list[np.ndarray]) -> np.ndarray:
     return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
-def _block_request_ids(batch: pb.ActivationBatch, i: int) -> list[str]:
+def _block_request_ids(batch: types_pb.ActivationBatch, i: int) -> list[str]:
     """The requests blocks[i] names through valid request_index entries."""
     count = len(batch.request_ids)
     return [batch.request_ids[j] for j in set(batch.blocks[i].request_index) if j < count]

@@ -8,8 +8,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from tools import firing_probes, stack
-from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import types_pb2 as types_pb
+from undercurrent.v1 import admin_pb2_grpc as admin_pb_grpc
+from undercurrent.v1 import engine_pb2_grpc as engine_pb_grpc
 
 PROMPTS = ["The quick brown fox", "Hello, world! How are"]
 MAX_TOKENS = 200
@@ -45,10 +47,10 @@ async def until_within(bound: int, attempt: Callable[[int], Awaitable[int]]) -> 
     return latencies
 
 
-def request(prompt: str, rid: str, **fields) -> pb.GenerateRequest:
-    return pb.GenerateRequest(
+def request(prompt: str, rid: str, **fields) -> engine_pb.GenerateRequest:
+    return engine_pb.GenerateRequest(
         request_id=rid, text=prompt,
-        sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True), **fields)
+        sampling=engine_pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True), **fields)
 
 
 @dataclass
@@ -56,13 +58,13 @@ class Armed:
     """A topology's engine with a probe loaded that fires first at a known token of PROMPTS[0]."""
 
     name: str
-    engine: pb_grpc.EngineServiceStub
+    engine: engine_pb_grpc.EngineServiceStub
     baseline: list[stack.Outcome]
     probe: firing_probes.FiringProbe
 
     @property
-    def binding(self) -> pb.ProbeBinding:
-        return pb.ProbeBinding(probe=self.probe.name, failure_policy=pb.FAILURE_POLICY_FAIL_CLOSED)
+    def binding(self) -> types_pb.ProbeBinding:
+        return types_pb.ProbeBinding(probe=self.probe.name, failure_policy=types_pb.FAILURE_POLICY_FAIL_CLOSED)
 
     def check_abort(self, aborted: stack.Outcome) -> int:
         """Asserts the verdict and where generation stopped; returns the tokens after the trigger."""
@@ -104,17 +106,17 @@ class Armed:
         return aborted, other
 
 
-async def arm(name: str, engine: pb_grpc.EngineServiceStub, router_address: str) -> Armed:
+async def arm(name: str, engine: engine_pb_grpc.EngineServiceStub, router_address: str) -> Armed:
     """Runs PROMPTS once with the trace point, builds a probe that fires at a
     token of the first, and loads it into the router."""
     armed = await armed_with_probe_to_load(name, engine)
     async with stack.channel(router_address) as admin_channel:
-        await pb_grpc.ProbeAdminServiceStub(admin_channel).LoadProbe(armed.probe.load_request())
+        await admin_pb_grpc.ProbeAdminServiceStub(admin_channel).LoadProbe(armed.probe.load_request())
     await stack.wait_for_probe(engine, armed.probe.name)
     return armed
 
 
-async def armed_with_probe_to_load(name: str, engine: pb_grpc.EngineServiceStub) -> Armed:
+async def armed_with_probe_to_load(name: str, engine: engine_pb_grpc.EngineServiceStub) -> Armed:
     """Runs PROMPTS once with the trace point and builds a probe that fires at a
     token of the first; the caller loads it into the routers."""
     baseline = await asyncio.gather(*[

@@ -19,7 +19,7 @@ from engine_service.capture.driver.controller import (
     capture_engine_kwargs,
     require_prompt_computation,
 )
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import engine_pb2 as engine_pb
 
 
 @asynccontextmanager
@@ -115,14 +115,14 @@ class Request:
     n: int = 1  # n > 1 samples (temperature 1, seeded); records carry "<index>_<id>"
     compute_prompt: bool = True  # False: leave prefix caching on (a misconfigured engine)
 
-    def generate_request(self) -> pb.GenerateRequest:
+    def generate_request(self) -> engine_pb.GenerateRequest:
         """The same greedy request for an engine service, every point streamed to the client."""
         points = [p.to_proto() for p in self.points]
         for point in points:
             point.stream_to_client = True
-        return pb.GenerateRequest(
-            request_id=self.request_id, token_ids=pb.TokenIds(ids=self.prompt_token_ids),
-            sampling=pb.SamplingParams(max_tokens=self.max_tokens, temperature=0, ignore_eos=True),
+        return engine_pb.GenerateRequest(
+            request_id=self.request_id, token_ids=engine_pb.TokenIds(ids=self.prompt_token_ids),
+            sampling=engine_pb.SamplingParams(max_tokens=self.max_tokens, temperature=0, ignore_eos=True),
             extraction_points=points)
 
 

@@ -72,8 +72,9 @@ from tools.docker_host import (
     stop_daemon,
 )
 from tools.processes import engine_core_under, free_port, thread_nices
-from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import types_pb2 as types_pb
+from undercurrent.v1 import engine_pb2_grpc as engine_pb_grpc
 
 REPLICAS_UP = "undercurrent_router_link_replicas_up"
 VLLM_SERIES = ("vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count")
@@ -119,13 +120,13 @@ async def generate_with_probe(port: int, credentials: grpc.ChannelCredentials, p
     """One Generate through the published port; returns what came back. A probe
     unknown to the engine (NOT_FOUND) is retried for 30 s: routers' catalogs reach
     the engine asynchronously after they connect."""
-    request = pb.GenerateRequest(
+    request = engine_pb.GenerateRequest(
         text=prompt,
-        sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-    request.probes.add(probe=PROBE_NAME, failure_policy=pb.FAILURE_POLICY_FAIL_CLOSED)
+        sampling=engine_pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    request.probes.add(probe=PROBE_NAME, failure_policy=types_pb.FAILURE_POLICY_FAIL_CLOSED)
     deadline = time.monotonic() + 30
     async with grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials, options=channel_options()) as channel:
-        engine = pb_grpc.EngineServiceStub(channel)
+        engine = engine_pb_grpc.EngineServiceStub(channel)
         while True:
             seen: dict = {"text": "", "token_ids": 0, "scores": [], "finished": None}
             try:
@@ -154,8 +155,8 @@ def check_generate(seen: dict, max_tokens: int) -> str:
     if finished.generated_tokens != max_tokens or seen["token_ids"] != max_tokens:
         raise Failure(f"expected {max_tokens} tokens, finished says {finished.generated_tokens}, "
                       f"streamed {seen['token_ids']}")
-    if finished.finish_reason != pb.FINISH_REASON_LENGTH:
-        raise Failure(f"finish reason {pb.FinishReason.Name(finished.finish_reason)}, expected LENGTH")
+    if finished.finish_reason != types_pb.FINISH_REASON_LENGTH:
+        raise Failure(f"finish reason {types_pb.FinishReason.Name(finished.finish_reason)}, expected LENGTH")
     if finished.unprobed_tokens != 0:
         raise Failure(f"{finished.unprobed_tokens} tokens went unprobed")
     # The last sampled token is never fed through the model, so it has no activations.
@@ -173,7 +174,7 @@ async def aborts_through_stack(stack: Stack, credentials: grpc.ChannelCredential
     `pairs` probed pairs; returns the tokens each abort landed after the trigger."""
     address = f"127.0.0.1:{stack.engine_port}"
     async with grpc.aio.secure_channel(address, credentials, options=channel_options()) as channel:
-        engine = pb_grpc.EngineServiceStub(channel)
+        engine = engine_pb_grpc.EngineServiceStub(channel)
         try:
             armed = await aborts.armed_with_probe_to_load("compose", engine)
             probe_dir = armed.probe.write(WORK / "abort-probe")
@@ -191,13 +192,13 @@ async def frozen_routers_fail_closed(stack: Stack, credentials: grpc.ChannelCred
     end ROUTER_UNAVAILABLE in time, releasing only scored tokens; then, the
     routers thawed, a request is scored again."""
     core = engine_core_under(stack.host_pid(stack.containers("engine")[0]), "the engine container")
-    request = pb.GenerateRequest(
+    request = engine_pb.GenerateRequest(
         text="Routers that stop answering", gate_tokens=True,
-        sampling=pb.SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
-    request.probes.add(probe=PROBE_NAME, failure_policy=pb.FAILURE_POLICY_FAIL_CLOSED)
+        sampling=engine_pb.SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+    request.probes.add(probe=PROBE_NAME, failure_policy=types_pb.FAILURE_POLICY_FAIL_CLOSED)
     address = f"127.0.0.1:{stack.engine_port}"
     async with grpc.aio.secure_channel(address, credentials, options=channel_options()) as channel:
-        engine = pb_grpc.EngineServiceStub(channel)
+        engine = engine_pb_grpc.EngineServiceStub(channel)
         progress = e2e_stack.Outcome()
         task = asyncio.create_task(e2e_stack.generate(engine, request, outcome=progress))
         deadline = time.monotonic() + 60

@@ -11,21 +11,22 @@ import numpy as np
 
 from common.activations import from_batch
 from common.probe_format.files import encode_safetensors, write_probe
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import admin_pb2 as admin_pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 LAYER = 3
 TRACE_POINT = "trace"
 
 
-def trace_point() -> pb.ExtractionPoint:
+def trace_point() -> types_pb.ExtractionPoint:
     """The residual stream after LAYER for every generated token, streamed back."""
-    return pb.ExtractionPoint(
-        name=TRACE_POINT, tensor_type=pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=[LAYER],
-        tokens=pb.TokenSelector(scope=pb.TokenSelector.SCOPE_GENERATED), stream_to_client=True,
+    return types_pb.ExtractionPoint(
+        name=TRACE_POINT, tensor_type=types_pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=[LAYER],
+        tokens=types_pb.TokenSelector(scope=types_pb.TokenSelector.SCOPE_GENERATED), stream_to_client=True,
     )
 
 
-def rows_by_position(batches: list[pb.ActivationBatch]) -> dict[int, np.ndarray]:
+def rows_by_position(batches: list[types_pb.ActivationBatch]) -> dict[int, np.ndarray]:
     rows = {}
     for batch in batches:
         for block in from_batch(batch):
@@ -54,9 +55,9 @@ class LinearProbe:
     def tensors(self) -> dict[str, np.ndarray]:
         return {"weight": self.weight, "bias": np.array([self.bias], np.float32)}
 
-    def load_request(self, action: str = "abort", scope: str = "generated") -> pb.LoadProbeRequest:
-        return pb.LoadProbeRequest(
-            inline=pb.InlineProbe(manifest_json=json.dumps(self.manifest(action, scope)),
+    def load_request(self, action: str = "abort", scope: str = "generated") -> admin_pb.LoadProbeRequest:
+        return admin_pb.LoadProbeRequest(
+            inline=admin_pb.InlineProbe(manifest_json=json.dumps(self.manifest(action, scope)),
                                   weights_safetensors=encode_safetensors(self.tensors(), "float32")),
             replace=True,
         )

@@ -17,15 +17,16 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc
+from undercurrent.v1 import router_session_pb2 as session_pb
+from undercurrent.v1 import types_pb2 as types_pb
+from undercurrent.v1 import router_session_pb2_grpc as session_pb_grpc
 
 from common.activations import from_batch
 from common.grpc_server import SERVICE_FULL_NAMES, ServerHandle, start_server
 from common.security.config import ServerSecurity
 
-PROBE = pb.ProbeInfo(
-    name="first_element", kind="threshold", tensor_type=pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=[0],
+PROBE = types_pb.ProbeInfo(
+    name="first_element", kind="threshold", tensor_type=types_pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=[0],
     version="1", digest="sha256:first-element-v1",
 )
 
@@ -34,13 +35,13 @@ PROBE = pb.ProbeInfo(
 class Received:
     """What one request looked like from this router."""
 
-    starts: list[pb.RequestStart] = field(default_factory=list)
+    starts: list[session_pb.RequestStart] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)  # every row's token position, in order
     steps: list[int] = field(default_factory=list)
     ended: bool = False
 
 
-class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
+class RouterDouble(session_pb_grpc.ProbeRouterServiceServicer):
     def __init__(
         self, name: str, probes=(PROBE,), threshold: float = 100.0, heartbeat_s: float = 0.1,
         replies_as_one: bool = True,
@@ -68,8 +69,8 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
         self.incarnations: dict[str, int] = {}
         self.requests: dict[str, Received] = {}
         self.log: list[tuple[str, str]] = []  # (kind, request_id) in arrival order
-        self.batches: list[pb.ActivationBatch] = []
-        self.hellos: list[pb.SessionHello] = []
+        self.batches: list[types_pb.ActivationBatch] = []
+        self.hellos: list[session_pb.SessionHello] = []
         self.half_closed = 0  # sessions the engine ended gracefully
         self.heartbeats = 0
         # Cleared: stops reading, so HTTP/2 flow control pushes back on the engine.
@@ -88,7 +89,7 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
         self.handle = await start_server(
             [
                 (
-                    undercurrent_pb2_grpc.add_ProbeRouterServiceServicer_to_server,
+                    session_pb_grpc.add_ProbeRouterServiceServicer_to_server,
                     self,
                     SERVICE_FULL_NAMES["ProbeRouterService"],
                 )
@@ -109,23 +110,23 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
         """Ends every stream abruptly, as a crash would."""
         await self.handle.server.stop(grace=None)
 
-    def push(self, message: pb.SessionResponse) -> None:
+    def push(self, message: session_pb.SessionResponse) -> None:
         for outbox in self._outboxes:
             outbox.put_nowait(message)
 
     def drain(self, reason: str = "shutting down") -> None:
-        self.push(pb.SessionResponse(drain=pb.Drain(reason=reason)))
+        self.push(session_pb.SessionResponse(drain=session_pb.Drain(reason=reason)))
 
     def release_acks(self) -> None:
         """Sends the withheld acks, in step order."""
         self.withhold_ack = lambda step: False
         for step in sorted(self.withheld):
-            self.push(pb.SessionResponse(ack=pb.StepAck(step=step)))
+            self.push(session_pb.SessionResponse(ack=session_pb.StepAck(step=step)))
         self.withheld.clear()
 
     def set_probes(self, probes) -> None:
         self.probes = list(probes)
-        self.push(pb.SessionResponse(catalog=pb.ProbeCatalog(probes=self.probes)))
+        self.push(session_pb.SessionResponse(catalog=session_pb.ProbeCatalog(probes=self.probes)))
 
     async def wait_for(self, predicate, timeout: float = 10.0) -> None:
         async with asyncio.timeout(timeout):
@@ -154,7 +155,7 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
         while True:
             await asyncio.sleep(self.heartbeat_s)
             outbox.put_nowait(
-                pb.SessionResponse(heartbeat=pb.Heartbeat(sent_unix_nanos=time.time_ns()))
+                session_pb.SessionResponse(heartbeat=session_pb.Heartbeat(sent_unix_nanos=time.time_ns()))
             )
 
     async def _read(self, request_iterator, outbox: asyncio.Queue) -> None:
@@ -165,33 +166,33 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
                 as_one = self.replies_as_one and message.hello.accepts_replies
             replies = self._handle(message)
             if as_one and len(replies) > 1:
-                replies = [pb.SessionResponse(replies=pb.SessionReplies(messages=replies))]
+                replies = [session_pb.SessionResponse(replies=session_pb.SessionReplies(messages=replies))]
             for reply in replies:
                 outbox.put_nowait(reply)
             self.changed.set()
         self.half_closed += 1
         outbox.put_nowait(None)  # the engine half-closed: end the stream too
 
-    def _handle(self, message: pb.SessionRequest) -> list[pb.SessionResponse]:
+    def _handle(self, message: session_pb.SessionRequest) -> list[session_pb.SessionResponse]:
         kind = message.WhichOneof("message")
         if kind == "hello":
             self.hellos.append(message.hello)
-            return [pb.SessionResponse(hello=pb.RouterHello(router_id=self.name, probes=self.probes))]
+            return [session_pb.SessionResponse(hello=session_pb.RouterHello(router_id=self.name, probes=self.probes))]
         if kind == "heartbeat":
             self.heartbeats += 1
-            return [pb.SessionResponse(heartbeat=message.heartbeat)]  # the echo
+            return [session_pb.SessionResponse(heartbeat=message.heartbeat)]  # the echo
         if kind == "request_start":
             start = message.request_start
             self.requests.setdefault(start.request_id, Received()).starts.append(start)
             self.incarnations[start.request_id] = start.incarnation
             self.log.append(("start", start.request_id))
             if _named(start.request_id, self.refuse):
-                return [self._error(start.request_id, pb.STATUS_CODE_RESOURCE_EXHAUSTED, "too many requests")]
+                return [self._error(start.request_id, session_pb.STATUS_CODE_RESOURCE_EXHAUSTED, "too many requests")]
             loaded = {p.name: p.digest for p in self.probes}
             return [
-                self._error(start.request_id, pb.STATUS_CODE_NOT_FOUND, f"probe {b.probe!r} is not loaded", probe=b.probe)
+                self._error(start.request_id, session_pb.STATUS_CODE_NOT_FOUND, f"probe {b.probe!r} is not loaded", probe=b.probe)
                 if b.probe not in loaded else
-                self._error(start.request_id, pb.STATUS_CODE_FAILED_PRECONDITION,
+                self._error(start.request_id, session_pb.STATUS_CODE_FAILED_PRECONDITION,
                             f"probe {b.probe!r} is {loaded[b.probe]} here, bound to {b.digest}", probe=b.probe)
                 for b in start.bindings
                 if loaded.get(b.probe) != b.digest
@@ -205,8 +206,8 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
         return []
 
     def _error(self, request_id: str, code: int, message: str, probe: str = "", step: int = 0):
-        return pb.SessionResponse(
-            error=pb.RequestError(
+        return session_pb.SessionResponse(
+            error=session_pb.RequestError(
                 request_id=request_id,
                 incarnation=self.incarnations.get(request_id, 0) if request_id else 0,
                 probe=probe,
@@ -216,16 +217,16 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
             )
         )
 
-    def _ack(self, step: int) -> list[pb.SessionResponse]:
+    def _ack(self, step: int) -> list[session_pb.SessionResponse]:
         if self.withhold_ack(step):
             self.withheld.append(step)
             return []
-        return [pb.SessionResponse(ack=pb.StepAck(step=step))]
+        return [session_pb.SessionResponse(ack=session_pb.StepAck(step=step))]
 
-    def _score(self, batch: pb.ActivationBatch) -> list[pb.SessionResponse]:
+    def _score(self, batch: types_pb.ActivationBatch) -> list[session_pb.SessionResponse]:
         self.batches.append(batch)
         if batch.step in self.fail_steps:
-            return [self._error("", pb.STATUS_CODE_INTERNAL, "scoring the batch failed", step=batch.step),
+            return [self._error("", session_pb.STATUS_CODE_INTERNAL, "scoring the batch failed", step=batch.step),
                     *self._ack(batch.step)]
         per_request: dict[str, list[tuple[int, float]]] = {}
         for block in from_batch(batch):
@@ -239,12 +240,12 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
             received.steps.append(batch.step)
             self.log.append(("batch", request_id))
             if _named(request_id, self.bad_rows):
-                replies.append(self._error(request_id, pb.STATUS_CODE_INVALID_ARGUMENT,
+                replies.append(self._error(request_id, session_pb.STATUS_CODE_INVALID_ARGUMENT,
                                            "rows: NaN or Inf", step=batch.step))
                 continue
             replies.append(
-                pb.SessionResponse(
-                    scores=pb.ProbeScores(
+                session_pb.SessionResponse(
+                    scores=types_pb.ProbeScores(
                         request_id=request_id,
                         incarnation=self.incarnations[request_id],
                         probe=PROBE.name,
@@ -258,8 +259,8 @@ class RouterDouble(undercurrent_pb2_grpc.ProbeRouterServiceServicer):
                 self._aborted.add(request_id)
                 position, score = over[0]
                 replies.append(
-                    pb.SessionResponse(
-                        abort=pb.Verdict(
+                    session_pb.SessionResponse(
+                        abort=types_pb.Verdict(
                             request_id=request_id,
                             incarnation=self.incarnations[request_id],
                             probe=PROBE.name,

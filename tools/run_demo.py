@@ -18,26 +18,27 @@ from pathlib import Path
 
 from common.enum_names import short_name
 from tools import processes
-from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import types_pb2 as types_pb
+from undercurrent.v1 import engine_pb2_grpc as engine_pb_grpc
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 async def demo(engine_service: processes.Service, prompt: str, max_tokens: int, probe: str | None) -> None:
     async with engine_service.channel() as channel:
-        engine = pb_grpc.EngineServiceStub(channel)
-        info = (await engine.GetModelInfo(pb.GetModelInfoRequest())).model
+        engine = engine_pb_grpc.EngineServiceStub(channel)
+        info = (await engine.GetModelInfo(engine_pb.GetModelInfoRequest())).model
         print(
             f"model {info.architecture}: {info.num_layers} layers, hidden {info.hidden_size}, "
             f"{info.dtype}, TP={info.tensor_parallel_size} PP={info.pipeline_parallel_size}"
         )
-        request = pb.GenerateRequest(
+        request = engine_pb.GenerateRequest(
             text=prompt,
-            sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0),
+            sampling=engine_pb.SamplingParams(max_tokens=max_tokens, temperature=0.0),
         )
         if probe:
-            request.probes.add(probe=probe, failure_policy=pb.FAILURE_POLICY_FAIL_OPEN)
+            request.probes.add(probe=probe, failure_policy=types_pb.FAILURE_POLICY_FAIL_OPEN)
         print(f"prompt: {prompt!r}\n--- streamed text (random weights: the words are noise) ---")
         scores: list[tuple[int, float]] = []
         async for response in engine.Generate(request):
@@ -50,7 +51,7 @@ async def demo(engine_service: processes.Service, prompt: str, max_tokens: int, 
             elif kind == "finished":
                 done = response.finished
                 print(
-                    f"\n--- finished: {short_name(pb.FinishReason, done.finish_reason)}, "
+                    f"\n--- finished: {short_name(types_pb.FinishReason, done.finish_reason)}, "
                     f"{done.generated_tokens} tokens ---"
                 )
         if scores:

@@ -9,8 +9,9 @@ import grpc
 
 from common.activations import Block, to_batch
 from common.grpc_server import channel_options
-from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc
+from undercurrent.v1 import router_session_pb2 as session_pb
+from undercurrent.v1 import types_pb2 as types_pb
+from undercurrent.v1 import router_session_pb2_grpc as session_pb_grpc
 
 TIMEOUT = 20.0  # only a failing test waits this long; shared cores can be very busy
 
@@ -26,7 +27,7 @@ class SessionClient:
     def __init__(self, port: int, engine_id: str = "engine-1",
                  open_channel: grpc.aio.Channel | None = None):
         self.channel = open_channel if open_channel is not None else channel(port)
-        self.stub = undercurrent_pb2_grpc.ProbeRouterServiceStub(self.channel)
+        self.stub = session_pb_grpc.ProbeRouterServiceStub(self.channel)
         self.outgoing: asyncio.Queue = asyncio.Queue()
         self.engine_id = engine_id
         self.call = None
@@ -37,40 +38,40 @@ class SessionClient:
         while (message := await self.outgoing.get()) is not None:
             yield message
 
-    async def open(self, model: pb.ModelInfo, accepts_replies: bool = False) -> pb.RouterHello:
+    async def open(self, model: types_pb.ModelInfo, accepts_replies: bool = False) -> session_pb.RouterHello:
         self.call = self.stub.Session(self._messages())
-        self.send(hello=pb.SessionHello(engine_id=self.engine_id, model=model,
+        self.send(hello=session_pb.SessionHello(engine_id=self.engine_id, model=model,
                                         accepts_replies=accepts_replies))
         first = await self.recv()
         assert first.WhichOneof("message") == "hello", first
         return first.hello
 
     def send(self, **message) -> None:
-        self.outgoing.put_nowait(pb.SessionRequest(**message))
+        self.outgoing.put_nowait(session_pb.SessionRequest(**message))
 
     def start(self, request_id: str, *probes, prompt_length: int = 4, actions=None, digests=None) -> None:
         """request_start binding `probes` at the versions the router listed (or `digests`)."""
         digests = {**self.digests, **(digests or {})}
-        bindings = [pb.SessionBinding(probe=p, action=(actions or {}).get(p, 0), digest=digests.get(p, ""))
+        bindings = [session_pb.SessionBinding(probe=p, action=(actions or {}).get(p, 0), digest=digests.get(p, ""))
                     for p in probes]
-        self.send(request_start=pb.RequestStart(request_id=request_id, bindings=bindings,
+        self.send(request_start=session_pb.RequestStart(request_id=request_id, bindings=bindings,
                                                 prompt_length=prompt_length))
 
     def end(self, request_id: str) -> None:
-        self.send(request_end=pb.RequestEnd(request_id=request_id, finish_reason=pb.FINISH_REASON_STOP))
+        self.send(request_end=session_pb.RequestEnd(request_id=request_id, finish_reason=types_pb.FINISH_REASON_STOP))
 
     def batch(self, *blocks: Block) -> int:
         self.step += 1
         self.send(batch=to_batch(list(blocks), step=self.step))
         return self.step
 
-    def raw_batch(self, batch: pb.ActivationBatch) -> int:
+    def raw_batch(self, batch: types_pb.ActivationBatch) -> int:
         self.step += 1
         batch.step = self.step
         self.send(batch=batch)
         return self.step
 
-    async def recv(self, timeout: float = TIMEOUT) -> pb.SessionResponse:
+    async def recv(self, timeout: float = TIMEOUT) -> session_pb.SessionResponse:
         message = await asyncio.wait_for(self.call.read(), timeout)
         listed = (message.hello.probes if message.HasField("hello")
                   else message.catalog.probes if message.HasField("catalog") else None)
@@ -78,7 +79,7 @@ class SessionClient:
             self.digests = {p.name: p.digest for p in listed}
         return message
 
-    async def until_ack(self, step: int, skip=("heartbeat", "catalog")) -> list[pb.SessionResponse]:
+    async def until_ack(self, step: int, skip=("heartbeat", "catalog")) -> list[session_pb.SessionResponse]:
         """Every message up to and including the ack of `step`, minus the skipped kinds."""
         out = []
         while True:
@@ -89,11 +90,11 @@ class SessionClient:
             if kind == "ack" and message.ack.step == step:
                 return out
 
-    async def sync(self) -> list[pb.SessionResponse]:
+    async def sync(self) -> list[session_pb.SessionResponse]:
         """Sends an empty batch and returns everything before its ack (excluded)."""
         return (await self.until_ack(self.batch()))[:-1]
 
-    async def until(self, kind: str) -> pb.SessionResponse:
+    async def until(self, kind: str) -> session_pb.SessionResponse:
         while True:
             message = await self.recv()
             if message.WhichOneof("message") == kind:

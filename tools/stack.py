@@ -17,8 +17,9 @@ from common.enum_names import short_name
 from tools import processes
 from tools.dev_security import DevSecurity
 from tools.processes import Service, free_port  # noqa: F401  (re-exported for the tests)
-from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import types_pb2 as types_pb
+from undercurrent.v1 import engine_pb2_grpc as engine_pb_grpc
 from undercurrent_client import Connection
 
 
@@ -47,13 +48,13 @@ class Outcome:
     request_id: str = ""
     tokens: list[int] = field(default_factory=list)
     text: str = ""
-    scores: list[pb.ProbeScores] = field(default_factory=list)
-    batches: list[pb.ActivationBatch] = field(default_factory=list)
-    finished: pb.GenerateFinished | None = None
+    scores: list[types_pb.ProbeScores] = field(default_factory=list)
+    batches: list[types_pb.ActivationBatch] = field(default_factory=list)
+    finished: engine_pb.GenerateFinished | None = None
 
     @property
     def reason(self) -> str:
-        return short_name(pb.FinishReason, self.finished.finish_reason)
+        return short_name(types_pb.FinishReason, self.finished.finish_reason)
 
 
 def scored_positions(outcome: Outcome) -> list[int]:
@@ -72,7 +73,7 @@ def assert_released_tokens_were_scored(outcome: Outcome) -> None:
         f"(first {unscored[:5]}); last scored position {max(scored, default=None)}")
 
 
-async def generate(stub: pb_grpc.EngineServiceStub, request: pb.GenerateRequest, timeout=120,
+async def generate(stub: engine_pb_grpc.EngineServiceStub, request: engine_pb.GenerateRequest, timeout=120,
                    scored: asyncio.Event | None = None, outcome: Outcome | None = None) -> Outcome:
     """Runs one Generate stream to its end, filling `outcome` as responses arrive;
     sets `scored` at the first probe event."""
@@ -163,13 +164,13 @@ def channel(address: str, token: str | None = None) -> grpc.aio.Channel:
     return DevSecurity.ensure().channel(address, token)
 
 
-async def wait_for_probe(stub: pb_grpc.EngineServiceStub, probe: str, timeout: float = 30) -> None:
+async def wait_for_probe(stub: engine_pb_grpc.EngineServiceStub, probe: str, timeout: float = 30) -> None:
     """Waits until the engine's router catalog offers `probe` (catalogs propagate
     asynchronously after a router starts or loads a probe)."""
     deadline = time.monotonic() + timeout
-    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7]),
-                                 sampling=pb.SamplingParams(max_tokens=1, temperature=0))
-    request.probes.add(probe=probe, failure_policy=pb.FAILURE_POLICY_FAIL_OPEN)
+    request = engine_pb.GenerateRequest(token_ids=engine_pb.TokenIds(ids=[5, 6, 7]),
+                                 sampling=engine_pb.SamplingParams(max_tokens=1, temperature=0))
+    request.probes.add(probe=probe, failure_policy=types_pb.FAILURE_POLICY_FAIL_OPEN)
     while True:
         try:
             await generate(stub, request)
@@ -210,8 +211,8 @@ def running_requests(metrics_port: int) -> int:
     return int(started - finished)
 
 
-async def wait_model_info(stub: pb_grpc.EngineServiceStub, service: Service,
-                          timeout: float = 240) -> pb.ModelInfo:
+async def wait_model_info(stub: engine_pb_grpc.EngineServiceStub, service: Service,
+                          timeout: float = 240) -> types_pb.ModelInfo:
     """Waits until a starting engine answers GetModelInfo (its health stays
     NOT_SERVING until a router session is up)."""
     deadline = time.monotonic() + timeout
@@ -219,7 +220,7 @@ async def wait_model_info(stub: pb_grpc.EngineServiceStub, service: Service,
         if service.process.poll() is not None:
             raise RuntimeError(f"engine exited:\n{service.log_tail()}")
         try:
-            return (await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=2)).model
+            return (await stub.GetModelInfo(engine_pb.GetModelInfoRequest(), timeout=2)).model
         except grpc.aio.AioRpcError:
             if time.monotonic() > deadline:
                 raise

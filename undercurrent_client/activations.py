@@ -11,7 +11,7 @@ from typing import Iterable, NamedTuple
 import numpy as np
 
 from common.activations import from_batch
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 
 class ActivationKey(NamedTuple):
@@ -23,7 +23,7 @@ class ActivationKey(NamedTuple):
     token_position: int
 
 
-def batch_arrays(batch: pb.ActivationBatch) -> dict[ActivationKey, np.ndarray]:
+def batch_arrays(batch: types_pb.ActivationBatch) -> dict[ActivationKey, np.ndarray]:
     """Every row of one batch as a float32 vector [hidden_size]. Raises
     common.activations.BatchDecodeError (a ValueError) naming a malformed field."""
     out: dict[ActivationKey, np.ndarray] = {}
@@ -42,14 +42,14 @@ class ActivationSet:
     dtype each (point, layer) travelled in. A row that arrives twice is an error.
     """
 
-    def __init__(self, batches: Iterable[pb.ActivationBatch] = ()):
+    def __init__(self, batches: Iterable[types_pb.ActivationBatch] = ()):
         self.arrays: dict[ActivationKey, np.ndarray] = {}
         self.generated: dict[ActivationKey, bool] = {}
         self.wire_dtypes: dict[tuple[str, int], str] = {}
         for batch in batches:
             self.add(batch)
 
-    def add(self, batch: pb.ActivationBatch) -> int:
+    def add(self, batch: types_pb.ActivationBatch) -> int:
         """Adds a batch's rows; returns how many."""
         added = 0
         for block in from_batch(batch):

@@ -26,7 +26,7 @@ from safetensors.numpy import load_file, save_file
 from safetensors import safe_open
 
 from common.capture_spec import tensor_type_from_proto
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import types_pb2 as types_pb
 from undercurrent_client.activations import ActivationSet
 
 METADATA_KEY = "undercurrent.capture"
@@ -46,7 +46,7 @@ class CapturedRequest:
 
 
 def write(path: str | Path, activations: ActivationSet, requests: list[CapturedRequest],
-          points: list[pb.ExtractionPoint], model: pb.ModelInfo) -> dict[str, tuple[int, ...]]:
+          points: list[types_pb.ExtractionPoint], model: types_pb.ModelInfo) -> dict[str, tuple[int, ...]]:
     """Writes the file; returns each tensor's name and shape."""
     index = {r.request_id: i for i, r in enumerate(requests)}
     tensors: dict[str, np.ndarray] = {}
@@ -90,7 +90,7 @@ def read(path: str | Path) -> tuple[dict[str, np.ndarray], dict]:
     return load_file(str(path)), metadata
 
 
-def _layers(point: pb.ExtractionPoint, model: pb.ModelInfo) -> list[int]:
-    if point.tensor_type == pb.TENSOR_TYPE_FINAL_NORM:
+def _layers(point: types_pb.ExtractionPoint, model: types_pb.ModelInfo) -> list[int]:
+    if point.tensor_type == types_pb.TENSOR_TYPE_FINAL_NORM:
         return [model.num_layers]
     return list(point.layers)

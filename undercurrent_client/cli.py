@@ -17,7 +17,7 @@ import grpc
 
 from common.capture_spec import Scope, TokenSelector, tensor_type_from_proto
 from common.enum_names import short_name
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import types_pb2 as types_pb
 from undercurrent_client import capture_file
 from undercurrent_client.activations import ActivationSet
 from undercurrent_client.client import EngineClient, ProbeAdminClient
@@ -287,10 +287,10 @@ def run_generate(args, out: TextIO, err: TextIO) -> int:
 # -- probes ------------------------------------------------------------------
 
 
-def _describe(probe: pb.ProbeInfo) -> list[str]:
+def _describe(probe: types_pb.ProbeInfo) -> list[str]:
     return [
         probe.name, probe.kind, tensor_type_from_proto(probe.tensor_type),
-        ",".join(map(str, probe.layers)), short_name(pb.ProbeAction, probe.action).lower(),
+        ",".join(map(str, probe.layers)), short_name(types_pb.ProbeAction, probe.action).lower(),
         f"{probe.threshold:g}", probe.version,
         str(probe.active_requests) + (" (unloading)" if probe.unloading else ""),
     ]

@@ -12,8 +12,11 @@ from typing import AsyncIterator, Iterator, Self, Sequence
 
 import grpc
 
-from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent.v1 import admin_pb2 as admin_pb
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import types_pb2 as types_pb
+from undercurrent.v1 import admin_pb2_grpc as admin_pb_grpc
+from undercurrent.v1 import engine_pb2_grpc as engine_pb_grpc
 from undercurrent_client.connection import Connection, connection
 from undercurrent_client.errors import RpcError
 from undercurrent_client.events import Event, event_of
@@ -21,18 +24,18 @@ from undercurrent_client.requests import generate_request, inline_probe
 
 
 def _load_request(path: str | Path | None, upload: str | Path | None,
-                  inline: pb.InlineProbe | None, replace: bool) -> pb.LoadProbeRequest:
+                  inline: admin_pb.InlineProbe | None, replace: bool) -> admin_pb.LoadProbeRequest:
     sources = [s for s in (path, upload, inline) if s is not None]
     if len(sources) != 1:
         raise ValueError("load: give exactly one of path (on the router), upload (a local probe) "
                          "or inline")
     if path is not None:
-        return pb.LoadProbeRequest(path=str(path), replace=replace)
-    return pb.LoadProbeRequest(inline=inline or inline_probe(upload), replace=replace)
+        return admin_pb.LoadProbeRequest(path=str(path), replace=replace)
+    return admin_pb.LoadProbeRequest(inline=inline or inline_probe(upload), replace=replace)
 
 
-def _request(prompt, options) -> pb.GenerateRequest:
-    if isinstance(prompt, pb.GenerateRequest):
+def _request(prompt, options) -> engine_pb.GenerateRequest:
+    if isinstance(prompt, engine_pb.GenerateRequest):
         if options:
             raise TypeError("pass either a GenerateRequest or a prompt with options, not both")
         return prompt
@@ -108,9 +111,9 @@ class EngineClient(_BlockingClient):
     """
 
     def __init__(self, target: str | Connection, timeout: float | None = None, **options):
-        super().__init__(pb_grpc.EngineServiceStub, target, timeout, **options)
+        super().__init__(engine_pb_grpc.EngineServiceStub, target, timeout, **options)
 
-    def generate(self, prompt: str | Sequence[int] | pb.GenerateRequest,
+    def generate(self, prompt: str | Sequence[int] | engine_pb.GenerateRequest,
                  **options) -> Iterator[Event]:
         """Streams typed events: Started, Tokens, ProbeScores, Activations, Finished.
         Takes a GenerateRequest, or a prompt and the keywords of generate_request.
@@ -127,10 +130,10 @@ class EngineClient(_BlockingClient):
 
     def abort(self, request_id: str) -> bool:
         """Aborts a running request; False when no such request runs."""
-        return self._unary("Abort", pb.AbortRequest(request_id=request_id)).found
+        return self._unary("Abort", engine_pb.AbortRequest(request_id=request_id)).found
 
-    def model_info(self) -> pb.ModelInfo:
-        return self._unary("GetModelInfo", pb.GetModelInfoRequest()).model
+    def model_info(self) -> types_pb.ModelInfo:
+        return self._unary("GetModelInfo", engine_pb.GetModelInfoRequest()).model
 
 
 class AsyncEngineClient(_AsyncClient):
@@ -142,9 +145,9 @@ class AsyncEngineClient(_AsyncClient):
     """
 
     def __init__(self, target: str | Connection, timeout: float | None = None, **options):
-        super().__init__(pb_grpc.EngineServiceStub, target, timeout, **options)
+        super().__init__(engine_pb_grpc.EngineServiceStub, target, timeout, **options)
 
-    async def generate(self, prompt: str | Sequence[int] | pb.GenerateRequest,
+    async def generate(self, prompt: str | Sequence[int] | engine_pb.GenerateRequest,
                        **options) -> AsyncIterator[Event]:
         """Streams typed events; leaving the loop early cancels the stream, which
         aborts the request."""
@@ -159,10 +162,10 @@ class AsyncEngineClient(_AsyncClient):
             call.cancel()
 
     async def abort(self, request_id: str) -> bool:
-        return (await self._unary("Abort", pb.AbortRequest(request_id=request_id))).found
+        return (await self._unary("Abort", engine_pb.AbortRequest(request_id=request_id))).found
 
-    async def model_info(self) -> pb.ModelInfo:
-        return (await self._unary("GetModelInfo", pb.GetModelInfoRequest())).model
+    async def model_info(self) -> types_pb.ModelInfo:
+        return (await self._unary("GetModelInfo", engine_pb.GetModelInfoRequest())).model
 
 
 class ProbeAdminClient(_BlockingClient):
@@ -173,33 +176,33 @@ class ProbeAdminClient(_BlockingClient):
     """
 
     def __init__(self, target: str | Connection, timeout: float | None = 30.0, **options):
-        super().__init__(pb_grpc.ProbeAdminServiceStub, target, timeout, **options)
+        super().__init__(admin_pb_grpc.ProbeAdminServiceStub, target, timeout, **options)
 
     def load(self, path: str | Path | None = None, *, upload: str | Path | None = None,
-             inline: pb.InlineProbe | None = None, replace: bool = False) -> pb.ProbeInfo:
+             inline: admin_pb.InlineProbe | None = None, replace: bool = False) -> types_pb.ProbeInfo:
         return self._unary("LoadProbe", _load_request(path, upload, inline, replace)).probe
 
-    def list(self) -> list[pb.ProbeInfo]:
-        return list(self._unary("ListProbes", pb.ListProbesRequest()).probes)
+    def list(self) -> list[types_pb.ProbeInfo]:
+        return list(self._unary("ListProbes", admin_pb.ListProbesRequest()).probes)
 
     def unload(self, name: str, force: bool = False) -> bool:
         """True when the probe is gone; False when it waits for running requests."""
-        return self._unary("UnloadProbe", pb.UnloadProbeRequest(name=name, force=force)).unloaded
+        return self._unary("UnloadProbe", admin_pb.UnloadProbeRequest(name=name, force=force)).unloaded
 
 
 class AsyncProbeAdminClient(_AsyncClient):
     """asyncio client of ProbeAdminService; the same methods as ProbeAdminClient, awaited."""
 
     def __init__(self, target: str | Connection, timeout: float | None = 30.0, **options):
-        super().__init__(pb_grpc.ProbeAdminServiceStub, target, timeout, **options)
+        super().__init__(admin_pb_grpc.ProbeAdminServiceStub, target, timeout, **options)
 
     async def load(self, path: str | Path | None = None, *, upload: str | Path | None = None,
-                   inline: pb.InlineProbe | None = None, replace: bool = False) -> pb.ProbeInfo:
+                   inline: admin_pb.InlineProbe | None = None, replace: bool = False) -> types_pb.ProbeInfo:
         return (await self._unary("LoadProbe", _load_request(path, upload, inline, replace))).probe
 
-    async def list(self) -> list[pb.ProbeInfo]:
-        return list((await self._unary("ListProbes", pb.ListProbesRequest())).probes)
+    async def list(self) -> list[types_pb.ProbeInfo]:
+        return list((await self._unary("ListProbes", admin_pb.ListProbesRequest())).probes)
 
     async def unload(self, name: str, force: bool = False) -> bool:
         return (await self._unary("UnloadProbe",
-                                  pb.UnloadProbeRequest(name=name, force=force))).unloaded
+                                  admin_pb.UnloadProbeRequest(name=name, force=force))).unloaded

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import AsyncIterable, Iterable, Union
 
 from common.enum_names import short_name
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import types_pb2 as types_pb
 from undercurrent_client.activations import ActivationKey, ActivationSet, batch_arrays
 
 
@@ -44,7 +45,7 @@ class ProbeScores:
 class Activations:
     """Records of extraction points streamed to the client (the raw batch)."""
 
-    batch: pb.ActivationBatch
+    batch: types_pb.ActivationBatch
 
     def arrays(self):
         """The rows as float32 vectors keyed by ActivationKey."""
@@ -79,7 +80,7 @@ class Finished:
 Event = Union[Started, Tokens, ProbeScores, Activations, Finished]
 
 
-def event_of(response: pb.GenerateResponse) -> Event:
+def event_of(response: engine_pb.GenerateResponse) -> Event:
     """The typed event of one GenerateResponse."""
     kind = response.WhichOneof("event")
     if kind == "started":
@@ -99,7 +100,7 @@ def event_of(response: pb.GenerateResponse) -> Event:
             v = done.verdict
             verdict = Verdict(v.probe, v.score, v.token_position, v.reason, v.router)
         return Finished(
-            short_name(pb.FinishReason, done.finish_reason), verdict, done.prompt_tokens,
+            short_name(types_pb.FinishReason, done.finish_reason), verdict, done.prompt_tokens,
             done.generated_tokens, done.unprobed_tokens, done.dropped_records, done.message,
         )
     raise ValueError(f"GenerateResponse carries no known event (got {kind!r})")

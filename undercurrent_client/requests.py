@@ -11,7 +11,9 @@ from safetensors import SafetensorError, safe_open
 from common.capture_spec import TENSOR_TYPES, tensor_type_to_proto
 from common.enum_names import from_short_name
 from common.probe_format.layout import MANIFEST_FILE, METADATA_KEY, WEIGHTS_FILE
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import admin_pb2 as admin_pb
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 
 
@@ -24,17 +26,17 @@ class Probe:
     failure_policy: str | None = None
     action: str | None = None
 
-    def to_proto(self) -> pb.ProbeBinding:
-        binding = pb.ProbeBinding(probe=self.name)
+    def to_proto(self) -> types_pb.ProbeBinding:
+        binding = types_pb.ProbeBinding(probe=self.name)
         if self.failure_policy:
-            binding.failure_policy = from_short_name(pb.FailurePolicy, self.failure_policy)
+            binding.failure_policy = from_short_name(types_pb.FailurePolicy, self.failure_policy)
         if self.action:
-            binding.action = from_short_name(pb.ProbeAction, self.action)
+            binding.action = from_short_name(types_pb.ProbeAction, self.action)
         return binding
 
 
-def point(spec: str, tokens: pb.TokenSelector | None = None, name: str | None = None,
-          stream_to_client: bool = True) -> pb.ExtractionPoint:
+def point(spec: str, tokens: types_pb.TokenSelector | None = None, name: str | None = None,
+          stream_to_client: bool = True) -> types_pb.ExtractionPoint:
     """An extraction point from "TENSOR_TYPE:LAYER[,LAYER...]" ("residual_stream:12",
     "mlp_out:0,2") or "final_norm"; named after the spec unless `name` is given.
     Raises ValueError naming the bad part."""
@@ -51,7 +53,7 @@ def point(spec: str, tokens: pb.TokenSelector | None = None, name: str | None = 
             raise ValueError(f"{spec!r}: final_norm takes no layer")
     elif not layer_list:
         raise ValueError(f"{spec!r}: give a layer, e.g. {tensor_type}:0")
-    return pb.ExtractionPoint(
+    return types_pb.ExtractionPoint(
         name=name or spec, tensor_type=tensor_type_to_proto(tensor_type), layers=layer_list,
         tokens=tokens, stream_to_client=stream_to_client,
     )
@@ -69,21 +71,21 @@ def generate_request(
     stop: Iterable[str] = (),
     ignore_eos: bool = False,
     probes: Iterable[str | Probe] = (),
-    points: Iterable[pb.ExtractionPoint] = (),
+    points: Iterable[types_pb.ExtractionPoint] = (),
     gate_tokens: bool = False,
     request_id: str = "",
     max_activation_message_bytes: int = 0,
-) -> pb.GenerateRequest:
+) -> engine_pb.GenerateRequest:
     """A GenerateRequest: a text prompt or token ids, sampling, probes by name (or
     Probe), extraction points (see `point`). Unset sampling fields take the
     engine's defaults, and max_activation_message_bytes 0 the engine's 4 MiB
     split size for streamed activations (the proto documents them)."""
-    sampling = pb.SamplingParams(max_tokens=max_tokens, stop=list(stop), ignore_eos=ignore_eos)
+    sampling = engine_pb.SamplingParams(max_tokens=max_tokens, stop=list(stop), ignore_eos=ignore_eos)
     for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
                         ("seed", seed), ("repetition_penalty", repetition_penalty)):
         if value is not None:
             setattr(sampling, name, value)
-    request = pb.GenerateRequest(
+    request = engine_pb.GenerateRequest(
         request_id=request_id, sampling=sampling, extraction_points=list(points),
         gate_tokens=gate_tokens, max_activation_message_bytes=max_activation_message_bytes,
         probes=[(p if isinstance(p, Probe) else Probe(p)).to_proto() for p in probes],
@@ -95,7 +97,7 @@ def generate_request(
     return request
 
 
-def inline_probe(path: str | Path) -> pb.InlineProbe:
+def inline_probe(path: str | Path) -> admin_pb.InlineProbe:
     """A local probe to upload: a directory with manifest.json (and
     weights.safetensors), or one .safetensors file whose metadata holds the manifest
     under "undercurrent.manifest". Raises ValueError naming the path."""
@@ -105,7 +107,7 @@ def inline_probe(path: str | Path) -> pb.InlineProbe:
         if not manifest.is_file():
             raise ValueError(f"{path}: no {MANIFEST_FILE} in the probe directory")
         weights = path / WEIGHTS_FILE
-        return pb.InlineProbe(
+        return admin_pb.InlineProbe(
             manifest_json=manifest.read_text(),
             weights_safetensors=weights.read_bytes() if weights.is_file() else b"",
         )
@@ -117,7 +119,7 @@ def inline_probe(path: str | Path) -> pb.InlineProbe:
             raise ValueError(f"{path}: not a safetensors file ({err})") from None
         if manifest_json is None:
             raise ValueError(f"{path}: no {METADATA_KEY!r} entry in the safetensors metadata")
-        return pb.InlineProbe(manifest_json=manifest_json, weights_safetensors=path.read_bytes())
+        return admin_pb.InlineProbe(manifest_json=manifest_json, weights_safetensors=path.read_bytes())
     if not path.exists():
         raise ValueError(f"{path}: no such file or directory")
     raise ValueError(f"{path}: expected a probe directory or a .safetensors file")

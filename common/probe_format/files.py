@@ -31,7 +31,7 @@ from common.errors import ResourceExhausted
 from common.probe_format.layout import MANIFEST_FILE, METADATA_KEY, WEIGHTS_FILE
 from common.probe_format.manifest import ManifestError, manifest_from_dict, parse_manifest
 from common.probe_format.probes import Probe, build_probe
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 DEFAULT_MAX_INLINE_PROBE_BYTES = 32 * 1024 * 1024
 DEFAULT_MAX_PROBE_FILE_BYTES = 256 * 1024 * 1024
@@ -202,7 +202,7 @@ def read_safetensors(data: bytes, expected_dtype: str) -> dict[str, np.ndarray]:
                 f"weights: tensor {name!r} is stored as {entry['dtype']}, but manifest.dtype is "
                 f"{expected_dtype!r} ({_SAFETENSORS_CODES[expected_dtype]})"
             )
-        tensor = pb.Tensor(dtype=dtype, shape=entry["shape"], data=bytes(entry["data"]))
+        tensor = types_pb.Tensor(dtype=dtype, shape=entry["shape"], data=bytes(entry["data"]))
         tensors[name] = tensor_codec.decode(tensor)
     return tensors
 

@@ -21,7 +21,7 @@ from common.capture_spec import (
 )
 from common.errors import InvalidArgument
 from common.enum_names import short_name
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 TOKEN_KINDS = ("linear", "logistic", "mean_difference", "norm")
 """Kinds that score each row on its own."""
@@ -29,7 +29,7 @@ KINDS = (*TOKEN_KINDS, "trajectory", "cascade")
 AGGREGATIONS = ("ema", "rolling_mean", "max_rolling_mean", "count_over")
 WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
 
-ACTIONS = {"observe": pb.PROBE_ACTION_OBSERVE, "abort": pb.PROBE_ACTION_ABORT}
+ACTIONS = {"observe": types_pb.PROBE_ACTION_OBSERVE, "abort": types_pb.PROBE_ACTION_ABORT}
 SCOPES = {scope.value: scope for scope in Scope}
 
 
@@ -77,19 +77,19 @@ class Manifest:
     name: str
     version: str
     kind: str
-    tensor_type: int  # pb.TensorType
+    tensor_type: int  # types_pb.TensorType
     layers: tuple[int, ...]  # empty for final_norm
     hidden_size: int
     dtype: str
     threshold: float
-    action: int  # pb.ProbeAction
+    action: int  # types_pb.ProbeAction
     min_tokens: int
     patience: int
     tokens: TokenSelector  # the rule the engine captures by, in common.capture_spec
     scorer: ScorerSpec
     description: str = ""
 
-    def incompatibility(self, model: pb.ModelInfo) -> str | None:
+    def incompatibility(self, model: types_pb.ModelInfo) -> str | None:
         """Why this probe cannot read the given model's activations, or None."""
         if model.hidden_size != self.hidden_size:
             return (
@@ -105,7 +105,7 @@ class Manifest:
         offered = set(model.tensor_types)
         if offered and self.tensor_type not in offered:
             names = sorted(
-                short_name(pb.TensorType, t).lower()
+                short_name(types_pb.TensorType, t).lower()
                 for t in offered
             )
             return (
@@ -117,7 +117,7 @@ class Manifest:
     def reads(self, tensor_type: int, layer: int) -> bool:
         if tensor_type != self.tensor_type:
             return False
-        return tensor_type == pb.TENSOR_TYPE_FINAL_NORM or layer in self.layers
+        return tensor_type == types_pb.TENSOR_TYPE_FINAL_NORM or layer in self.layers
 
 
 def parse_manifest(text: str | bytes) -> Manifest:
@@ -179,7 +179,7 @@ def manifest_from_dict(data: Any) -> Manifest:
 def _layers(fields: "_Fields", tensor_type: int) -> tuple[int, ...]:
     if "layer" in fields.data and "layers" in fields.data:
         raise ManifestError("manifest: set either layer or layers, not both")
-    if tensor_type == pb.TENSOR_TYPE_FINAL_NORM:
+    if tensor_type == types_pb.TENSOR_TYPE_FINAL_NORM:
         if fields.data.get("layers") or "layer" in fields.data:
             raise ManifestError("manifest.layers: final_norm has no layer; leave layers out")
         fields.optional("layers", list, [])

@@ -7,12 +7,12 @@ import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 from common.errors import FailedPrecondition, NotFound
 
 # A replica's probes by name, as its latest catalog listed them.
-Catalog = Mapping[str, pb.ProbeInfo]
+Catalog = Mapping[str, types_pb.ProbeInfo]
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ def choose_home(key: str, catalogs: Mapping[str, Catalog], wanted: Sequence[Want
     return pick_replica(key, catalogs)
 
 
-def pin_versions(key: str, catalogs: Mapping[str, Catalog], wanted: Sequence[Wanted]) -> list[pb.ProbeInfo]:
+def pin_versions(key: str, catalogs: Mapping[str, Catalog], wanted: Sequence[Wanted]) -> list[types_pb.ProbeInfo]:
     """The probe version each binding of a new request is pinned to: the one
     loaded on the replica it will live on (`choose_home`). A fail_open binding
     that replica lacks takes another replica's version (that replica refuses it

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 from engine_service.request.ledger import Failure
 
@@ -18,7 +18,7 @@ from engine_service.request.ledger import Failure
 class Scores:
     request_id: str
     incarnation: int
-    scores: pb.ProbeScores
+    scores: types_pb.ProbeScores
     replica: str
 
 
@@ -26,7 +26,7 @@ class Scores:
 class Abort:
     request_id: str
     incarnation: int
-    verdict: pb.Verdict
+    verdict: types_pb.Verdict
     replica: str
 
 

@@ -36,7 +36,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import router_session_pb2 as session_pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 from common.activations import Block, batch_bytes
 from common.errors import status_code_name
@@ -69,7 +70,7 @@ _NOT_STARTED = ""
 class _Request:
     request_id: str
     incarnation: int
-    bindings: Sequence[pb.SessionBinding]  # kept as given (the engine's: one repeated field)
+    bindings: Sequence[session_pb.SessionBinding]  # kept as given (the engine's: one repeated field)
     prompt_length: int
     ledger: RequestLedger
     replica: ReplicaSession | None = None
@@ -91,7 +92,7 @@ class RouterLink:
     def __init__(
         self,
         config: RouterLinkConfig,
-        model: pb.ModelInfo,
+        model: types_pb.ModelInfo,
         on_event: Callable[[LinkEvent], None],
         registry: CollectorRegistry | None = None,
         resolver: Resolver = resolve_dns,
@@ -107,8 +108,8 @@ class RouterLink:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._metrics = metrics_for(self.registry)
         self._metrics.links.add(self)
-        self._hello = pb.SessionRequest(
-            hello=pb.SessionHello(engine_id=config.engine_id, model=model, accepts_replies=True)
+        self._hello = session_pb.SessionRequest(
+            hello=session_pb.SessionHello(engine_id=config.engine_id, model=model, accepts_replies=True)
         )
         self._on_event = on_event
         self._resolver = resolver
@@ -156,7 +157,7 @@ class RouterLink:
 
     # -- requests (never block) --------------------------------------------
 
-    def pin(self, request_id: str, wanted: Sequence[Wanted]) -> list[pb.ProbeInfo]:
+    def pin(self, request_id: str, wanted: Sequence[Wanted]) -> list[types_pb.ProbeInfo]:
         """The probe versions a new request is bound to: those of the replica it
         will live on (`assignment.pin_versions`)."""
         return pin_versions(request_id, self.catalogs(), wanted)
@@ -165,7 +166,7 @@ class RouterLink:
         self,
         request_id: str,
         incarnation: int,
-        bindings: Sequence[pb.SessionBinding],
+        bindings: Sequence[session_pb.SessionBinding],
         prompt_length: int,
         ledger: RequestLedger,
     ) -> None:
@@ -206,8 +207,8 @@ class RouterLink:
             return
         request.replica.requests.discard(request_id)
         request.replica.send_control(
-            pb.SessionRequest(
-                request_end=pb.RequestEnd(
+            session_pb.SessionRequest(
+                request_end=session_pb.RequestEnd(
                     request_id=request_id,
                     finish_reason=finish_reason,
                     incarnation=request.incarnation,
@@ -245,7 +246,7 @@ class RouterLink:
     def _home(self, request: _Request, reason: str) -> None:
         """Places a request that has no replica; without any replica to take it,
         the request waits unhomed (its rows are dropped) and the watchdog counts."""
-        wanted = [Wanted(b.probe, b.digest, b.failure_policy == pb.FAILURE_POLICY_FAIL_CLOSED)
+        wanted = [Wanted(b.probe, b.digest, b.failure_policy == types_pb.FAILURE_POLICY_FAIL_CLOSED)
                   for b in request.bindings]
         address = choose_home(request.request_id, self.catalogs(), wanted)
         if address is None:
@@ -264,8 +265,8 @@ class RouterLink:
         replica.requests.add(request.request_id)
         request.ledger.homed(address)
         replica.send_control(
-            pb.SessionRequest(
-                request_start=pb.RequestStart(
+            session_pb.SessionRequest(
+                request_start=session_pb.RequestStart(
                     request_id=request.request_id,
                     bindings=request.bindings,
                     prompt_length=request.prompt_length,
@@ -389,7 +390,7 @@ class RouterLink:
             if self._live(request):
                 self._emit(Processed(request.request_id, request.incarnation, replica.address))
 
-    def request_message(self, replica: ReplicaSession, message: pb.SessionResponse) -> None:
+    def request_message(self, replica: ReplicaSession, message: session_pb.SessionResponse) -> None:
         kind = message.WhichOneof("message")
         if kind == "scores":
             scores = message.scores
@@ -426,7 +427,7 @@ class RouterLink:
         log.debug("ignoring %s from %s for %r: %s", kind, replica.address, request_id, reason)
         return None
 
-    def _on_error(self, replica: ReplicaSession, error: pb.RequestError) -> None:
+    def _on_error(self, replica: ReplicaSession, error: session_pb.RequestError) -> None:
         """A router error makes the rows it concerns unscored: one step of one
         request, one step of every request in it, or a whole request run."""
         code = status_code_name(error.code)
@@ -563,10 +564,10 @@ class RouterLink:
                 replica.requests.discard(request_id)
                 request.ended_on.add(replica.address)
                 replica.send_control(
-                    pb.SessionRequest(
-                        request_end=pb.RequestEnd(
+                    session_pb.SessionRequest(
+                        request_end=session_pb.RequestEnd(
                             request_id=request_id,
-                            finish_reason=pb.FINISH_REASON_UNSPECIFIED,
+                            finish_reason=types_pb.FINISH_REASON_UNSPECIFIED,
                             incarnation=request.incarnation,
                         )
                     )

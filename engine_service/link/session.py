@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from grpc import aio
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import router_session_pb2 as session_pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 from common.activations import session_request_bytes
 from common.grpc_server import channel_options
@@ -83,7 +84,7 @@ class SessionListener(Protocol):
 
     def steps_acked(self, session: ReplicaSession, batches: list[QueuedBatch]) -> None: ...
 
-    def request_message(self, session: ReplicaSession, message: pb.SessionResponse) -> None: ...
+    def request_message(self, session: ReplicaSession, message: session_pb.SessionResponse) -> None: ...
 
     def draining(self, session: ReplicaSession) -> None: ...
 
@@ -99,7 +100,7 @@ class ReplicaSession:
         self,
         address: str,
         config: RouterLinkConfig,
-        hello: pb.SessionRequest,
+        hello: session_pb.SessionRequest,
         listener: SessionListener,
         metrics: LinkMetrics,
     ) -> None:
@@ -112,7 +113,7 @@ class ReplicaSession:
         self.draining = False
         self.drain_reason = ""
         self.router_id = ""
-        self.probes: dict[str, pb.ProbeInfo] = {}
+        self.probes: dict[str, types_pb.ProbeInfo] = {}
         self.requests: set[str] = set()  # ids of the requests homed here
         self.last_received = 0.0
         self.closing = False
@@ -140,7 +141,7 @@ class ReplicaSession:
 
     # -- queueing (never blocks) ----------------------------------------------
 
-    def send_control(self, message: pb.SessionRequest) -> None:
+    def send_control(self, message: session_pb.SessionRequest) -> None:
         self.queue.put_control(message)
         self._wake.set()
 
@@ -159,7 +160,7 @@ class ReplicaSession:
         self.up = False
         self._listener.session_down(self, reason, self.queue.clear())
 
-    def _mark_up(self, hello: pb.RouterHello) -> None:
+    def _mark_up(self, hello: session_pb.RouterHello) -> None:
         if self.ever_up:
             self._metrics.reconnects.labels(self.address).inc()
         self.up = self.ever_up = True
@@ -208,7 +209,7 @@ class ReplicaSession:
         call = channel.stream_stream(
             _SESSION_METHOD,
             request_serializer=_serialize,
-            response_deserializer=pb.SessionResponse.FromString,
+            response_deserializer=session_pb.SessionResponse.FromString,
             _registered_method=True,
         )()
         tasks: list[asyncio.Task] = []
@@ -289,19 +290,19 @@ class ReplicaSession:
                 raise SessionLost(f"no message for {now - self.last_received:.2f}s")
             if now >= next_heartbeat and not self.closing:
                 self.send_control(
-                    pb.SessionRequest(heartbeat=pb.Heartbeat(sent_unix_nanos=time.time_ns()))
+                    session_pb.SessionRequest(heartbeat=session_pb.Heartbeat(sent_unix_nanos=time.time_ns()))
                 )
                 next_heartbeat = now + interval
             await asyncio.sleep(tick)
 
-    def _on_message(self, message: pb.SessionResponse) -> None:
+    def _on_message(self, message: session_pb.SessionResponse) -> None:
         if message.WhichOneof("message") == "replies":
             for reply in message.replies.messages:
                 self._on_reply(reply)
         else:
             self._on_reply(message)
 
-    def _on_reply(self, message: pb.SessionResponse) -> None:
+    def _on_reply(self, message: session_pb.SessionResponse) -> None:
         """One router reply (a SessionReplies nested in another is ignored: routers never send one)."""
         kind = message.WhichOneof("message")
         if kind == "ack":
@@ -324,10 +325,10 @@ class ReplicaSession:
             self._listener.draining(self)
 
 
-_SESSION_METHOD = "/{}/Session".format(pb.DESCRIPTOR.services_by_name["ProbeRouterService"].full_name)
+_SESSION_METHOD = "/{}/Session".format(session_pb.DESCRIPTOR.services_by_name["ProbeRouterService"].full_name)
 
 
-def _serialize(message: pb.SessionRequest | bytes) -> bytes:
+def _serialize(message: session_pb.SessionRequest | bytes) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import router_session_pb2 as session_pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 from common.capture_spec import TokenSelector
 from common.errors import InvalidArgument
@@ -14,10 +15,10 @@ from engine_service.link.assignment import Wanted
 from engine_service.request.ledger import LedgerBinding
 from engine_service.request.probe_points import binding_points
 
-CLOSED = pb.FAILURE_POLICY_FAIL_CLOSED
+CLOSED = types_pb.FAILURE_POLICY_FAIL_CLOSED
 
 
-def wanted(bindings: Sequence[pb.ProbeBinding], default_failure_policy: int) -> list[Wanted]:
+def wanted(bindings: Sequence[types_pb.ProbeBinding], default_failure_policy: int) -> list[Wanted]:
     """The client's bindings as homing sees them; INVALID_ARGUMENT names a
     binding without a probe or a probe bound twice."""
     seen: dict[str, int] = {}
@@ -31,26 +32,26 @@ def wanted(bindings: Sequence[pb.ProbeBinding], default_failure_policy: int) -> 
     return [Wanted(b.probe, None, (b.failure_policy or default_failure_policy) == CLOSED) for b in bindings]
 
 
-def pinned(bindings: Sequence[pb.ProbeBinding], infos: Sequence[pb.ProbeInfo],
-           default_failure_policy: int) -> Sequence[pb.SessionBinding]:
+def pinned(bindings: Sequence[types_pb.ProbeBinding], infos: Sequence[types_pb.ProbeInfo],
+           default_failure_policy: int) -> Sequence[session_pb.SessionBinding]:
     """Each binding pinned to its probe version's digest, policy and action filled in.
 
     They come back as one message's repeated field, which the request and the
     router link keep while it runs: one object for any number of bindings,
     where a list of messages is one object per binding for the garbage
     collector to walk at each full collection, on the event loop."""
-    start = pb.RequestStart()
+    start = session_pb.RequestStart()
     for binding, info in zip(bindings, infos):
         start.bindings.add(
             probe=binding.probe,
             failure_policy=binding.failure_policy or default_failure_policy,
-            action=binding.action or info.action or pb.PROBE_ACTION_OBSERVE,
+            action=binding.action or info.action or types_pb.PROBE_ACTION_OBSERVE,
             digest=info.digest,
         )
     return start.bindings
 
 
-def for_ledger(bindings: Sequence[pb.SessionBinding], infos: Sequence[pb.ProbeInfo]) -> list[LedgerBinding]:
+def for_ledger(bindings: Sequence[session_pb.SessionBinding], infos: Sequence[types_pb.ProbeInfo]) -> list[LedgerBinding]:
     """What the ledger needs of each pinned binding: which rows its version reads."""
     return [
         LedgerBinding(binding.probe, binding.failure_policy == CLOSED, info.stateful, binding_points(info),

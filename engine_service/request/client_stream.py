@@ -21,7 +21,7 @@ from typing import Callable
 from common import activations
 from engine_service.link.batching import RowTooLarge, split_by_size
 from engine_service.request.callers import StreamShare, current_share
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import engine_pb2 as engine_pb
 
 # Bytes a GenerateResponse adds around the ActivationBatch it carries (tag and length).
 _RESPONSE_OVERHEAD = 16
@@ -41,10 +41,10 @@ class ClientStream:
         self.queued_bytes = 0
         self.dropped_records = 0  # activation rows and probe scores the client never got
         self._on_drop = on_drop
-        self._queue: deque[tuple[pb.GenerateResponse, int]] = deque()
+        self._queue: deque[tuple[engine_pb.GenerateResponse, int]] = deque()
         self._ready = asyncio.Event()
 
-    def put_nowait(self, response: pb.GenerateResponse) -> bool:
+    def put_nowait(self, response: engine_pb.GenerateResponse) -> bool:
         """Queues one event; returns False when an activation or score event was
         dropped for the budget (and counted)."""
         size = response.ByteSize()
@@ -67,9 +67,9 @@ class ClientStream:
             self._drop(sum(b.num_rows for b in blocks))
             return
         for part in parts:
-            self.put_nowait(pb.GenerateResponse(activations=activations.to_batch(part)))
+            self.put_nowait(engine_pb.GenerateResponse(activations=activations.to_batch(part)))
 
-    async def get(self) -> pb.GenerateResponse:
+    async def get(self) -> engine_pb.GenerateResponse:
         while not self._queue:
             self._ready.clear()
             await self._ready.wait()
@@ -92,7 +92,7 @@ class ClientStream:
         self._on_drop(records)
 
 
-def _records_in(response: pb.GenerateResponse) -> int:
+def _records_in(response: engine_pb.GenerateResponse) -> int:
     if response.HasField("activations"):
         return sum(len(block.token_positions) for block in response.activations.blocks)
     return len(response.probe_event.scores.scores)

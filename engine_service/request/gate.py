@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 from engine_service.request.ledger import RequestLedger
 
@@ -73,9 +73,9 @@ class HeldScores:
     so the client never sees a score about a token it will never get.
     """
 
-    held: list[pb.ProbeScores] = field(default_factory=list)
+    held: list[types_pb.ProbeScores] = field(default_factory=list)
 
-    def add(self, scores: pb.ProbeScores, ledger: RequestLedger, received_below: int) -> list[pb.ProbeScores]:
+    def add(self, scores: types_pb.ProbeScores, ledger: RequestLedger, received_below: int) -> list[types_pb.ProbeScores]:
         """Takes a message from the router: returns the part of it at settled
         positions of tokens the client already has (below `received_below`) and
         holds the rest. Only this message is read: the ledger has not moved since
@@ -88,13 +88,13 @@ class HeldScores:
             self.held.append(waiting)
         return [] if ready is None else [ready]
 
-    def release(self, ledger: RequestLedger, received_below: int, final: bool = False) -> list[pb.ProbeScores]:
+    def release(self, ledger: RequestLedger, received_below: int, final: bool = False) -> list[types_pb.ProbeScores]:
         """After the ledger or the tokens moved: every held score at a settled
         position below `received_below`, in arrival order; scores at failed
         positions are withheld for good. `final` ends the request: every score
         still held is withheld."""
-        shown: list[pb.ProbeScores] = []
-        still_held: list[pb.ProbeScores] = []
+        shown: list[types_pb.ProbeScores] = []
+        still_held: list[types_pb.ProbeScores] = []
         for message in self.held:
             ready, waiting = _split(message, ledger, received_below, final)
             if ready is not None:
@@ -106,8 +106,8 @@ class HeldScores:
 
 
 def _split(
-    message: pb.ProbeScores, ledger: RequestLedger, below: int, final: bool
-) -> tuple[pb.ProbeScores | None, pb.ProbeScores | None]:
+    message: types_pb.ProbeScores, ledger: RequestLedger, below: int, final: bool
+) -> tuple[types_pb.ProbeScores | None, types_pb.ProbeScores | None]:
     """(the scores to show now, the scores still waiting) of one message.
 
     A message mostly scores one token (one position, a score per layer read), so
@@ -125,14 +125,14 @@ def _split(
     return _with_scores(message, shown), _with_scores(message, held)
 
 
-def _with_scores(message: pb.ProbeScores, taken: dict[int, bool]) -> pb.ProbeScores | None:
+def _with_scores(message: types_pb.ProbeScores, taken: dict[int, bool]) -> types_pb.ProbeScores | None:
     """The message with the scores at the positions `taken` marks True (itself if all)."""
     pairs = [(p, s) for p, s in zip(message.token_positions, message.scores) if taken[p]]
     if not pairs:
         return None
     if len(pairs) == len(message.token_positions):
         return message
-    part = pb.ProbeScores()
+    part = types_pb.ProbeScores()
     part.CopyFrom(message)
     part.ClearField("token_positions")
     part.ClearField("scores")

@@ -13,15 +13,15 @@ import numpy as np
 
 from common.capture_spec import ExtractionPoint, TokenSelector, tensor_type_from_proto
 from common.errors import InvalidArgument
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 PROBE_POINT_PREFIX = "probe."
 
 
-def probe_points(probes: list[pb.ProbeInfo]) -> list[ExtractionPoint]:
+def probe_points(probes: list[types_pb.ProbeInfo]) -> list[ExtractionPoint]:
     """One point per (tensor_type, layer) the probes read; tokens are the probes'
     common selector, or every token when they differ (routers filter by scope)."""
-    selectors: dict[tuple[str, int | None], list[pb.TokenSelector]] = defaultdict(list)
+    selectors: dict[tuple[str, int | None], list[types_pb.TokenSelector]] = defaultdict(list)
     for info in probes:
         tensor_type = tensor_type_from_proto(info.tensor_type)
         layers = list(info.layers) if tensor_type != "final_norm" else [None]
@@ -50,7 +50,7 @@ def point_name(tensor_type: str, layer: int | None) -> str:
     return f"{PROBE_POINT_PREFIX}{tensor_type}" + ("" if layer is None else f".{layer}")
 
 
-def binding_points(info: pb.ProbeInfo) -> tuple[str, ...]:
+def binding_points(info: types_pb.ProbeInfo) -> tuple[str, ...]:
     """The probe points a probe reads (what probe_points captures for it)."""
     tensor_type = tensor_type_from_proto(info.tensor_type)
     if tensor_type == "final_norm":

@@ -23,7 +23,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import router_session_pb2 as session_pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 from common.activations import Block
 from common.enum_names import short_name
@@ -35,12 +37,12 @@ from engine_service.request.ledger import Failure, RequestLedger
 log = logging.getLogger(__name__)
 
 VLLM_FINISH_REASONS = {
-    "stop": pb.FINISH_REASON_STOP,
-    "length": pb.FINISH_REASON_LENGTH,
-    "abort": pb.FINISH_REASON_CLIENT_ABORT,
-    "error": pb.FINISH_REASON_ERROR,
+    "stop": types_pb.FINISH_REASON_STOP,
+    "length": types_pb.FINISH_REASON_LENGTH,
+    "abort": types_pb.FINISH_REASON_CLIENT_ABORT,
+    "error": types_pb.FINISH_REASON_ERROR,
 }
-UNSPECIFIED = pb.FINISH_REASON_UNSPECIFIED
+UNSPECIFIED = types_pb.FINISH_REASON_UNSPECIFIED
 
 
 def run_key(request_id: str, incarnation: int) -> str:
@@ -52,7 +54,7 @@ def run_key(request_id: str, incarnation: int) -> str:
 class Stop:
     """The run ended itself; vLLM must stop computing it."""
 
-    reason: int  # pb.FinishReason
+    reason: int  # types_pb.FinishReason
 
 
 class RequestRun:
@@ -64,8 +66,8 @@ class RequestRun:
         request_id: str,
         incarnation: int,
         prompt_len: int,
-        bindings: Sequence[pb.SessionBinding],
-        infos: Sequence[pb.ProbeInfo],
+        bindings: Sequence[session_pb.SessionBinding],
+        infos: Sequence[types_pb.ProbeInfo],
         gate_tokens: bool,
         stream: ClientStream,
         decode: Callable[[list[int]], str],
@@ -88,7 +90,7 @@ class RequestRun:
         self.scores = HeldScores()
         self.generated = 0
         self.finish_reason = UNSPECIFIED
-        self.verdict: pb.Verdict | None = None
+        self.verdict: types_pb.Verdict | None = None
         self.message = ""
         self.tokens_sent = False
         self.finished_sent = False
@@ -122,7 +124,7 @@ class RequestRun:
         if self.scores.held:
             self._show(self.scores.release(self.ledger, self._received_below()))
         if self.gate is None:
-            self._send_tokens(pb.TokenChunk(token_ids=token_ids, text=text, first_index=first))
+            self._send_tokens(engine_pb.TokenChunk(token_ids=token_ids, text=text, first_index=first))
             return
         self.gate.hold(first, token_ids)
         self._release()
@@ -138,7 +140,7 @@ class RequestRun:
         if isinstance(event, (events.Processed, events.Unscored, events.Failed)):
             self.changed.set()
         if isinstance(event, events.Scores):
-            scores = pb.ProbeScores()
+            scores = types_pb.ProbeScores()
             scores.CopyFrom(event.scores)
             scores.request_id = self.request_id
             scores.router = event.replica
@@ -146,12 +148,12 @@ class RequestRun:
             self._show(self.scores.add(scores, self.ledger, self._received_below()))
             return None
         if isinstance(event, events.Abort):
-            verdict = pb.Verdict()
+            verdict = types_pb.Verdict()
             verdict.CopyFrom(event.verdict)
             verdict.request_id = self.request_id
             verdict.router = event.replica
             verdict.ClearField("incarnation")
-            return Stop(pb.FINISH_REASON_PROBE_ABORT) if self.end(pb.FINISH_REASON_PROBE_ABORT, verdict) else None
+            return Stop(types_pb.FINISH_REASON_PROBE_ABORT) if self.end(types_pb.FINISH_REASON_PROBE_ABORT, verdict) else None
         if isinstance(event, events.Processed):
             self._show(self.scores.release(self.ledger, self._received_below()))
             if self.gate is not None and not self.ended:
@@ -177,10 +179,10 @@ class RequestRun:
             return None
         if failure.fail_closed:
             reason = f"{failure.reason} (fail_closed)"
-            verdict = pb.Verdict(request_id=self.request_id, token_position=self.ledger.first_unscored(),
+            verdict = types_pb.Verdict(request_id=self.request_id, token_position=self.ledger.first_unscored(),
                                  reason=reason)
-            if self.end(pb.FINISH_REASON_ROUTER_UNAVAILABLE, verdict, reason):
-                return Stop(pb.FINISH_REASON_ROUTER_UNAVAILABLE)
+            if self.end(types_pb.FINISH_REASON_ROUTER_UNAVAILABLE, verdict, reason):
+                return Stop(types_pb.FINISH_REASON_ROUTER_UNAVAILABLE)
             return None
         level = logging.DEBUG if self._said_unprobed else logging.WARNING
         self._said_unprobed = True
@@ -193,11 +195,11 @@ class RequestRun:
         """The engine could not serve the run (a capture error, a lost drain, an
         internal error): it ends ERROR and its client sees no token it was not
         shown already, whatever the ledger says later."""
-        if not self.end(pb.FINISH_REASON_ERROR, message=message):
+        if not self.end(types_pb.FINISH_REASON_ERROR, message=message):
             return None
         if self.gate is not None:
             self.gate.close_at(self.prompt_len + self.gate.first_held_index)
-        return Stop(pb.FINISH_REASON_ERROR)
+        return Stop(types_pb.FINISH_REASON_ERROR)
 
     def backlog_dropped(self, point: str, positions: list[int], probe_point: bool) -> None:
         """A worker dropped rows of this run's `point` past its backlog bound, at these positions."""
@@ -224,7 +226,7 @@ class RequestRun:
                 return self.unscored(failure)
         return None
 
-    def end(self, reason: int, verdict: pb.Verdict | None = None, message: str = "") -> bool:
+    def end(self, reason: int, verdict: types_pb.Verdict | None = None, message: str = "") -> bool:
         """Records the first reason the run ended (False if it had ended) and
         closes the gate at the verdict: no token at or after it is ever shown;
         scored tokens before it may be."""
@@ -251,21 +253,21 @@ class RequestRun:
         failure = ledger.fail_closed_failure()
         return self.unscored(failure) if failure is not None else None
 
-    def finish(self, vllm_reason: str | None) -> pb.GenerateFinished:
+    def finish(self, vllm_reason: str | None) -> engine_pb.GenerateFinished:
         """The client's last event: why the run ended and what it cost."""
         if not self.ended:
-            self.end(VLLM_FINISH_REASONS.get(vllm_reason, pb.FINISH_REASON_ERROR))
+            self.end(VLLM_FINISH_REASONS.get(vllm_reason, types_pb.FINISH_REASON_ERROR))
         ledger = self.ledger
         received_below = self._received_below()
         if ledger is not None:
             self._show(self.scores.release(ledger, received_below, final=True))
         if self.gate is not None:
-            if self.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH):
+            if self.finish_reason in (types_pb.FINISH_REASON_STOP, types_pb.FINISH_REASON_LENGTH):
                 first, released = self.gate.release_all()
                 self._send_released(first, released)
             else:  # scored tokens before the trigger (or the first unscored row)
                 self._release()
-        finished = pb.GenerateFinished(
+        finished = engine_pb.GenerateFinished(
             finish_reason=self.finish_reason,
             verdict=self.verdict,
             prompt_tokens=self.prompt_len,
@@ -284,7 +286,7 @@ class RequestRun:
             first = next(iter(ledger.failures), None)
             if not finished.message and finished.unprobed_tokens and first and not ledger.fail_closed_failure():
                 finished.message = f"{finished.unprobed_tokens} tokens unprobed (fail_open): {first.reason}"
-        self.stream.put_nowait(pb.GenerateResponse(finished=finished))
+        self.stream.put_nowait(engine_pb.GenerateResponse(finished=finished))
         self.finished_sent = True
         return finished
 
@@ -293,8 +295,8 @@ class RequestRun:
         can still be read."""
         if self.finished_sent:
             return
-        self.finish_reason, self.message = pb.FINISH_REASON_ERROR, message
-        finished = pb.GenerateFinished(finish_reason=pb.FINISH_REASON_ERROR, prompt_tokens=self.prompt_len,
+        self.finish_reason, self.message = types_pb.FINISH_REASON_ERROR, message
+        finished = engine_pb.GenerateFinished(finish_reason=types_pb.FINISH_REASON_ERROR, prompt_tokens=self.prompt_len,
                                        generated_tokens=self.generated, message=message)
         for field_name, count in (("unprobed_tokens", lambda: self.ledger.unprobed_tokens() if self.ledger else 0),
                                   ("dropped_records", self.dropped_records)):
@@ -302,7 +304,7 @@ class RequestRun:
                 setattr(finished, field_name, count())
             except Exception:  # the count is what failed: the finish goes without it
                 log.exception("request %s: counting %s failed", self.key, field_name)
-        self.stream.put_nowait(pb.GenerateResponse(finished=finished))
+        self.stream.put_nowait(engine_pb.GenerateResponse(finished=finished))
         self.finished_sent = True
 
     def dropped_records(self) -> int:
@@ -318,7 +320,7 @@ class RequestRun:
         return self.prompt_len + self.generated
 
     def finish_reason_name(self) -> str:
-        return short_name(pb.FinishReason, self.finish_reason)
+        return short_name(types_pb.FinishReason, self.finish_reason)
 
     # -- what the client sees ---------------------------------------------------
 
@@ -329,16 +331,16 @@ class RequestRun:
 
     def _send_released(self, first: int, released: list[int]) -> None:
         if released:
-            self._send_tokens(pb.TokenChunk(token_ids=released, text=self._decode(released), first_index=first))
+            self._send_tokens(engine_pb.TokenChunk(token_ids=released, text=self._decode(released), first_index=first))
 
-    def _send_tokens(self, chunk: pb.TokenChunk) -> None:
+    def _send_tokens(self, chunk: engine_pb.TokenChunk) -> None:
         if not self.tokens_sent:
             self.tokens_sent = True
             self._on_first_token()
-        self.stream.put_nowait(pb.GenerateResponse(tokens=chunk))
+        self.stream.put_nowait(engine_pb.GenerateResponse(tokens=chunk))
 
-    def _show(self, shown: list[pb.ProbeScores]) -> None:
+    def _show(self, shown: list[types_pb.ProbeScores]) -> None:
         for scores in shown:
-            response = pb.GenerateResponse()
+            response = engine_pb.GenerateResponse()
             response.probe_event.scores.CopyFrom(scores)  # one copy; nested constructors make two
             self.stream.put_nowait(response)

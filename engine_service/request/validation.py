@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from common.enum_checks import check_enums
 from common.errors import InvalidArgument, ResourceExhausted
 from common.grpc_server import MAX_MESSAGE_BYTES
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import engine_pb2 as engine_pb
 
 MAX_REQUEST_ID_CHARS = 256
 DEFAULT_MAX_TOKENS = 64
@@ -55,7 +55,7 @@ class RequestLimits:
         return self.prompt_bytes(max_model_len) + REQUEST_BYTES_BEYOND_PROMPT
 
 
-def check_request(request: pb.GenerateRequest, running: int, limits: RequestLimits,
+def check_request(request: engine_pb.GenerateRequest, running: int, limits: RequestLimits,
                   model: "ModelLimits") -> None:
     """The checks that need no tokenizer and no model: enums, limits, prompt size.
     Cheap, so they run on the event loop before anything costly."""
@@ -87,7 +87,7 @@ def check_capacity(running: int, limits: RequestLimits) -> None:
         )
 
 
-def client_message_bytes(request: pb.GenerateRequest, limits: RequestLimits) -> int:
+def client_message_bytes(request: engine_pb.GenerateRequest, limits: RequestLimits) -> int:
     """The largest activation message this client takes: its choice, or 4 MiB,
     capped at the server's own limit."""
     wanted = request.max_activation_message_bytes or DEFAULT_CLIENT_ACTIVATION_MESSAGE_BYTES
@@ -99,7 +99,7 @@ def client_message_bytes(request: pb.GenerateRequest, limits: RequestLimits) -> 
     return min(wanted, limits.max_message_bytes)
 
 
-async def prompt_ids_off_loop(request: pb.GenerateRequest, tokenize, limits: "ModelLimits") -> list[int]:
+async def prompt_ids_off_loop(request: engine_pb.GenerateRequest, tokenize, limits: "ModelLimits") -> list[int]:
     """prompt_ids in a worker thread: tokenizing a long text takes long, and the
     event loop serves every other stream, drain and heartbeat meanwhile."""
     if request.WhichOneof("prompt") != "text":
@@ -139,7 +139,7 @@ class SamplingChoice:
         )
 
 
-def request_id_of(request: pb.GenerateRequest) -> str:
+def request_id_of(request: engine_pb.GenerateRequest) -> str:
     """The client's id, or a fresh one; ids are plain printable text."""
     rid = request.request_id
     if not rid:
@@ -151,7 +151,7 @@ def request_id_of(request: pb.GenerateRequest) -> str:
     return rid
 
 
-def prompt_ids(request: pb.GenerateRequest, tokenize, limits: ModelLimits) -> list[int]:
+def prompt_ids(request: engine_pb.GenerateRequest, tokenize, limits: ModelLimits) -> list[int]:
     """Token ids of the prompt, from text (tokenized) or given ids (checked)."""
     kind = request.WhichOneof("prompt")
     if kind is None:
@@ -179,7 +179,7 @@ def prompt_ids(request: pb.GenerateRequest, tokenize, limits: ModelLimits) -> li
     return ids
 
 
-def sampling_choice(sampling: pb.SamplingParams, prompt_len: int, limits: ModelLimits) -> SamplingChoice:
+def sampling_choice(sampling: engine_pb.SamplingParams, prompt_len: int, limits: ModelLimits) -> SamplingChoice:
     room = limits.max_model_len - prompt_len
     max_tokens = sampling.max_tokens or min(DEFAULT_MAX_TOKENS, room)
     if max_tokens > room:

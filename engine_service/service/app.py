@@ -16,12 +16,12 @@ from common.security.config import SecurityConfigError, engine_security, listen_
 from common.security.tls import ChannelFactory
 from engine_service.request.callers import CallerLimits, Callers
 from engine_service.service.servicer import EngineServicer
-from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent.v1 import types_pb2 as types_pb
+from undercurrent.v1 import engine_pb2_grpc as engine_pb_grpc
 
 log = logging.getLogger("engine_service")
 
-FAILURE_POLICIES = {"fail_closed": pb.FAILURE_POLICY_FAIL_CLOSED, "fail_open": pb.FAILURE_POLICY_FAIL_OPEN}
+FAILURE_POLICIES = {"fail_closed": types_pb.FAILURE_POLICY_FAIL_CLOSED, "fail_open": types_pb.FAILURE_POLICY_FAIL_OPEN}
 HEALTH_POLL_S = 0.5
 # After vLLM's engine core stopped or a node was lost, running requests get this
 # long to end before the process exits.
@@ -133,7 +133,7 @@ async def run(args) -> int:
     callers = Callers(CallerLimits(args.max_streams_per_caller, args.max_queued_bytes_per_caller))
     try:
         server = await start_server(
-            [(pb_grpc.add_EngineServiceServicer_to_server, _StartingServicer(holder, callers),
+            [(engine_pb_grpc.add_EngineServiceServicer_to_server, _StartingServicer(holder, callers),
               SERVICE_FULL_NAMES["EngineService"])],
             host,
             args.port,

@@ -42,7 +42,9 @@ from engine_service.request.ledger import RequestLedger
 from engine_service.request.probe_points import PROBE_POINT_PREFIX, check_client_point_names, probe_points
 from engine_service.request.run import RequestRun, Stop, run_key
 from engine_service.service.metrics import EngineMetrics
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import router_session_pb2 as session_pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +65,7 @@ CLOSE_FINISH_S = 5.0
 
 @dataclass
 class EngineSettings:
-    default_failure_policy: int = pb.FAILURE_POLICY_FAIL_CLOSED
+    default_failure_policy: int = types_pb.FAILURE_POLICY_FAIL_CLOSED
     # A request whose router stays unreachable this long is aborted
     # (fail_closed) or marked unprobed (fail_open); gated tokens wait at most this.
     router_timeout_s: float = 3.0
@@ -237,7 +239,7 @@ class EngineRuntime:
         if self.link is not None:
             await self.link.close()
 
-    def model_info(self) -> pb.ModelInfo:
+    def model_info(self) -> types_pb.ModelInfo:
         return self.capture.model_info()
 
     # -- client API --------------------------------------------------------
@@ -246,12 +248,12 @@ class EngineRuntime:
         run = self._by_client.get((caller, request_id))
         if run is None:
             return False
-        if run.end(pb.FINISH_REASON_CLIENT_ABORT, message="aborted by Engine.Abort"):
+        if run.end(types_pb.FINISH_REASON_CLIENT_ABORT, message="aborted by Engine.Abort"):
             await self.llm.abort(run.key)
         return True
 
-    async def generate(self, message: pb.GenerateRequest, caller: str = "",
-                       cache_salt: str | None = None) -> AsyncIterator[pb.GenerateResponse]:
+    async def generate(self, message: engine_pb.GenerateRequest, caller: str = "",
+                       cache_salt: str | None = None) -> AsyncIterator[engine_pb.GenerateResponse]:
         """One Generate stream. Request ids are the caller's own: another caller's
         request of the same id is another request. cache_salt: vLLM matches cached
         prefix blocks only between requests of the same salt
@@ -301,7 +303,7 @@ class EngineRuntime:
         self._producers.add(producer)
         producer.add_done_callback(self._producers.discard)
         try:
-            yield pb.GenerateResponse(started=pb.GenerateStarted(request_id=request_id, prompt_tokens=len(ids)))
+            yield engine_pb.GenerateResponse(started=engine_pb.GenerateStarted(request_id=request_id, prompt_tokens=len(ids)))
             while True:
                 event = await stream.get()
                 yield event
@@ -310,7 +312,7 @@ class EngineRuntime:
             await producer
         finally:
             if not producer.done():  # the client went away
-                if run.end(pb.FINISH_REASON_CLIENT_ABORT, message="client cancelled the stream"):
+                if run.end(types_pb.FINISH_REASON_CLIENT_ABORT, message="client cancelled the stream"):
                     await self.llm.abort(run.key)
                 await asyncio.gather(producer, return_exceptions=True)
             self.runs.pop(key, None)
@@ -318,7 +320,7 @@ class EngineRuntime:
 
     # -- one request -------------------------------------------------------
 
-    def _pin(self, key: str, bindings) -> tuple[Sequence[pb.SessionBinding], list[pb.ProbeInfo]]:
+    def _pin(self, key: str, bindings) -> tuple[Sequence[session_pb.SessionBinding], list[types_pb.ProbeInfo]]:
         """The client's bindings pinned to the probe versions of the replica the run
         will live on."""
         if not bindings:
@@ -392,7 +394,7 @@ class EngineRuntime:
             if self._bounded_ahead(run):
                 self.allowances.forget(run.key)
             if self.link is not None:
-                self.link.end_request(run.key, run.finish_reason or pb.FINISH_REASON_STOP)
+                self.link.end_request(run.key, run.finish_reason or types_pb.FINISH_REASON_STOP)
             if registered and not run.finished_sent:
                 # Cancelled mid-run: capture must not keep the request's buffers.
                 await asyncio.shield(self.capture.unregister(run.key))
@@ -409,7 +411,7 @@ class EngineRuntime:
         ledger = run.ledger
         if ledger is None or self.link is None:
             return
-        waiting = (pb.FINISH_REASON_UNSPECIFIED, pb.FINISH_REASON_PROBE_ABORT)
+        waiting = (types_pb.FINISH_REASON_UNSPECIFIED, types_pb.FINISH_REASON_PROBE_ABORT)
         deadline = time.monotonic() + self.settings.router_timeout_s + SETTLE_MARGIN_S
         while ledger.in_flight() and run.finish_reason in waiting:
             run.changed.clear()
@@ -451,7 +453,7 @@ class EngineRuntime:
         self._spawn_abort(run)
 
     def _account(self, run: RequestRun, stop: Stop | None) -> None:
-        if stop is not None and stop.reason in (pb.FINISH_REASON_PROBE_ABORT, pb.FINISH_REASON_ROUTER_UNAVAILABLE):
+        if stop is not None and stop.reason in (types_pb.FINISH_REASON_PROBE_ABORT, types_pb.FINISH_REASON_ROUTER_UNAVAILABLE):
             self.metrics.aborts.labels(run.finish_reason_name()).inc()
 
     def _spawn_abort(self, run: RequestRun) -> None:

@@ -13,11 +13,11 @@ from __future__ import annotations
 from common.security.auth import current_caller
 from engine_service.request.callers import Callers
 from engine_service.service.runtime import EngineRuntime
-from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import engine_pb2_grpc as engine_pb_grpc
 
 
-class EngineServicer(pb_grpc.EngineServiceServicer):
+class EngineServicer(engine_pb_grpc.EngineServiceServicer):
     def __init__(self, runtime: EngineRuntime, callers: Callers | None = None):
         self.runtime = runtime
         self.callers = callers or Callers()
@@ -30,7 +30,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                 yield response
 
     async def Abort(self, request, context):
-        return pb.AbortResponse(found=await self.runtime.abort(request.request_id, caller=current_caller()))
+        return engine_pb.AbortResponse(found=await self.runtime.abort(request.request_id, caller=current_caller()))
 
     async def GetModelInfo(self, request, context):
-        return pb.GetModelInfoResponse(model=self.runtime.model_info())
+        return engine_pb.GetModelInfoResponse(model=self.runtime.model_info())

@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 from engine_service.link import RouterLinkConfig
 from engine_service.service.runtime import EngineRuntime, EngineSettings
@@ -44,7 +45,7 @@ class LosingOnePosition:
     def __getattr__(self, name):
         return getattr(self._controller, name)
 
-    async def start(self) -> pb.ModelInfo:
+    async def start(self) -> types_pb.ModelInfo:
         return self._controller.model_info()  # the shared engine's controller is started
 
     async def drain(self):
@@ -74,17 +75,17 @@ async def runtime_losing_rows(llama_engine):
         await router.kill()
 
 
-def generate_request(request_id: str, policy: int) -> pb.GenerateRequest:
-    return pb.GenerateRequest(
+def generate_request(request_id: str, policy: int) -> engine_pb.GenerateRequest:
+    return engine_pb.GenerateRequest(
         request_id=request_id,
-        token_ids=pb.TokenIds(ids=PROMPT),
-        sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+        token_ids=engine_pb.TokenIds(ids=PROMPT),
+        sampling=engine_pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
         gate_tokens=True,
-        probes=[pb.ProbeBinding(probe=PROBE.name, failure_policy=policy)],
+        probes=[types_pb.ProbeBinding(probe=PROBE.name, failure_policy=policy)],
     )
 
 
-async def run(runtime: EngineRuntime, message: pb.GenerateRequest) -> tuple[list[int], pb.GenerateFinished]:
+async def run(runtime: EngineRuntime, message: engine_pb.GenerateRequest) -> tuple[list[int], engine_pb.GenerateFinished]:
     responses = [response async for response in runtime.generate(message)]
     tokens = [t for r in responses if r.HasField("tokens") for t in r.tokens.token_ids]
     assert responses[-1].HasField("finished")
@@ -94,17 +95,17 @@ async def run(runtime: EngineRuntime, message: pb.GenerateRequest) -> tuple[list
 async def test_real_capture_losing_a_positions_rows_stops_a_gated_fail_closed_request_there(runtime_losing_rows):
     runtime, capture, router = runtime_losing_rows
     # The same greedy request, fail_open, shows every token: what fail_closed must cut short.
-    all_tokens, open_finish = await run(runtime, generate_request("loss-open", pb.FAILURE_POLICY_FAIL_OPEN))
-    assert open_finish.finish_reason == pb.FINISH_REASON_LENGTH and len(all_tokens) == MAX_TOKENS
+    all_tokens, open_finish = await run(runtime, generate_request("loss-open", types_pb.FAILURE_POLICY_FAIL_OPEN))
+    assert open_finish.finish_reason == types_pb.FINISH_REASON_LENGTH and len(all_tokens) == MAX_TOKENS
     # The probe reads layer 0 of the residual stream: one row per position, and one was lost.
     assert capture.lost_rows == 1
     assert (open_finish.unprobed_tokens, open_finish.dropped_records) == (1, 1)
     assert open_finish.message.startswith("1 tokens unprobed (fail_open): capture delivered no rows")
     assert LOST not in of_client(router.requests, "loss-open").positions
 
-    tokens, finished = await run(runtime, generate_request("loss-closed", pb.FAILURE_POLICY_FAIL_CLOSED))
+    tokens, finished = await run(runtime, generate_request("loss-closed", types_pb.FAILURE_POLICY_FAIL_CLOSED))
     assert capture.lost_rows == 2
-    assert finished.finish_reason == pb.FINISH_REASON_ROUTER_UNAVAILABLE
+    assert finished.finish_reason == types_pb.FINISH_REASON_ROUTER_UNAVAILABLE
     assert finished.verdict.token_position == LOST
     assert "capture delivered no rows or too few at 1 position(s), 1 rows missing" in finished.message
     # Every token before the lost position, none from it on: the token sampled
@@ -149,9 +150,9 @@ async def test_a_request_held_on_rows_capture_lost_is_ended_not_left_waiting(hel
     margin without progress it declares the rows lost, as at a request's end."""
     runtime, capture = held_runtime_losing_rows
     async with asyncio.timeout(60):  # a request held for good would hang here
-        tokens, finished = await run(runtime, generate_request("held-closed", pb.FAILURE_POLICY_FAIL_CLOSED))
+        tokens, finished = await run(runtime, generate_request("held-closed", types_pb.FAILURE_POLICY_FAIL_CLOSED))
     assert capture.lost_rows == 1
-    assert finished.finish_reason == pb.FINISH_REASON_ROUTER_UNAVAILABLE, finished
+    assert finished.finish_reason == types_pb.FINISH_REASON_ROUTER_UNAVAILABLE, finished
     assert finished.verdict.token_position == LOST
     assert "capture delivered no rows or too few at 1 position(s), 1 rows missing" in finished.message
     # Positions up to LOST were computed, then AHEAD more: the token sampled at
@@ -166,7 +167,7 @@ async def test_a_request_held_on_rows_capture_lost_is_ended_not_left_waiting(hel
 async def test_a_fail_open_request_held_on_lost_rows_goes_on_once_they_are_declared_lost(held_runtime_losing_rows):
     runtime, _ = held_runtime_losing_rows
     async with asyncio.timeout(60):
-        tokens, finished = await run(runtime, generate_request("held-open", pb.FAILURE_POLICY_FAIL_OPEN))
-    assert finished.finish_reason == pb.FINISH_REASON_LENGTH and len(tokens) == MAX_TOKENS
+        tokens, finished = await run(runtime, generate_request("held-open", types_pb.FAILURE_POLICY_FAIL_OPEN))
+    assert finished.finish_reason == types_pb.FINISH_REASON_LENGTH and len(tokens) == MAX_TOKENS
     assert (finished.unprobed_tokens, finished.dropped_records) == (1, 1)
     assert finished.message.startswith("1 tokens unprobed (fail_open): capture delivered no rows")

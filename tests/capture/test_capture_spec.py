@@ -11,7 +11,7 @@ from common.capture_spec import (
     parse_points,
 )
 from common.errors import InvalidArgument
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 PROMPT_LEN = 5
 # Prompt positions 0..4, generated tokens 0..4 at positions 5..9.
@@ -51,14 +51,14 @@ def test_mask_matches_streamed_positions_one_at_a_time():
 
 
 def test_proto_round_trip_keeps_every_field():
-    msg = pb.ExtractionPoint(
+    msg = types_pb.ExtractionPoint(
         name="late",
-        tensor_type=pb.TENSOR_TYPE_MLP_OUT,
+        tensor_type=types_pb.TENSOR_TYPE_MLP_OUT,
         layers=[2, 3],
-        tokens=pb.TokenSelector(
-            scope=pb.TokenSelector.SCOPE_PROMPT,
+        tokens=types_pb.TokenSelector(
+            scope=types_pb.TokenSelector.SCOPE_PROMPT,
             indexes=[-1, 0],
-            ranges=[pb.IndexRange(start=1, stop=3), pb.IndexRange(start=-2)],
+            ranges=[types_pb.IndexRange(start=1, stop=3), types_pb.IndexRange(start=-2)],
         ),
         stream_to_client=True,
     )
@@ -75,7 +75,7 @@ def test_proto_round_trip_keeps_every_field():
 
 def test_unspecified_scope_means_all():
     point = ExtractionPoint.from_proto(
-        pb.ExtractionPoint(name="p", tensor_type=pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=[0])
+        types_pb.ExtractionPoint(name="p", tensor_type=types_pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=[0])
     )
     assert point.tokens == TokenSelector(Scope.ALL)
 
@@ -87,8 +87,8 @@ def error_of(points, num_layers=4) -> str:
 
 
 def rs(name="p", layers=(0,), **tokens):
-    return pb.ExtractionPoint(
-        name=name, tensor_type=pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=list(layers), tokens=pb.TokenSelector(**tokens)
+    return types_pb.ExtractionPoint(
+        name=name, tensor_type=types_pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=list(layers), tokens=types_pb.TokenSelector(**tokens)
     )
 
 
@@ -100,7 +100,7 @@ def test_layer_out_of_range_names_point_and_field():
 
 
 def test_unknown_tensor_type_is_refused():
-    msg = pb.ExtractionPoint(name="x", tensor_type=pb.TENSOR_TYPE_UNSPECIFIED, layers=[0])
+    msg = types_pb.ExtractionPoint(name="x", tensor_type=types_pb.TENSOR_TYPE_UNSPECIFIED, layers=[0])
     assert error_of([msg]) == (
         'extraction_points[0] "x": tensor_type TENSOR_TYPE_UNSPECIFIED is not one of '
         "['TENSOR_TYPE_RESIDUAL_STREAM', 'TENSOR_TYPE_ATTN_OUT', 'TENSOR_TYPE_MLP_OUT', "
@@ -111,14 +111,14 @@ def test_unknown_tensor_type_is_refused():
 
 
 def test_negative_generated_index_is_refused():
-    message = error_of([rs("tail", scope=pb.TokenSelector.SCOPE_GENERATED, indexes=[0, -1])])
+    message = error_of([rs("tail", scope=types_pb.TokenSelector.SCOPE_GENERATED, indexes=[0, -1])])
     assert message.startswith(
         'extraction_points[0] "tail": tokens.indexes[1]=-1 is negative, which only scope PROMPT allows'
     )
 
 
 def test_negative_range_outside_prompt_scope_is_refused():
-    message = error_of([rs("r", scope=pb.TokenSelector.SCOPE_ALL, ranges=[pb.IndexRange(start=-2)])])
+    message = error_of([rs("r", scope=types_pb.TokenSelector.SCOPE_ALL, ranges=[types_pb.IndexRange(start=-2)])])
     assert message == (
         'extraction_points[0] "r": tokens.ranges[0]=[-2, end) has a negative bound, '
         "which only scope PROMPT allows"
@@ -126,7 +126,7 @@ def test_negative_range_outside_prompt_scope_is_refused():
 
 
 def test_empty_range_is_refused():
-    message = error_of([rs("r", ranges=[pb.IndexRange(start=4, stop=4)])])
+    message = error_of([rs("r", ranges=[types_pb.IndexRange(start=4, stop=4)])])
     assert message == 'extraction_points[0] "r": tokens.ranges[0]=[4, 4) is empty (stop <= start)'
 
 
@@ -139,12 +139,12 @@ def test_structure_errors():
     assert error_of([rs("a"), rs("a")]) == (
         'extraction_points[1] "a": name is already used by extraction_points[0]'
     )
-    norm = pb.ExtractionPoint(name="n", tensor_type=pb.TENSOR_TYPE_FINAL_NORM, layers=[3])
+    norm = types_pb.ExtractionPoint(name="n", tensor_type=types_pb.TENSOR_TYPE_FINAL_NORM, layers=[3])
     assert error_of([norm]).startswith('extraction_points[0] "n": layers must be empty for final_norm')
 
 
 def test_final_norm_records_carry_layer_num_layers():
-    point = parse_points([pb.ExtractionPoint(name="n", tensor_type=pb.TENSOR_TYPE_FINAL_NORM)], 4)[0]
+    point = parse_points([types_pb.ExtractionPoint(name="n", tensor_type=types_pb.TENSOR_TYPE_FINAL_NORM)], 4)[0]
     assert point.capture_layers(4) == (4,)
 
 

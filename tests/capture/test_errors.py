@@ -9,7 +9,7 @@ from common.capture_spec import ExtractionPoint, Scope, TokenSelector, parse_poi
 from common.errors import InvalidArgument
 from tests.capture.workloads import prompt
 from tools.capture_engines import Request, run_requests
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 pytestmark = pytest.mark.vllm
 
@@ -48,7 +48,7 @@ async def test_bad_points_are_refused_and_the_engine_keeps_serving(llama_engine)
         'extraction_points[0] "beyond": tokens.indexes[0]=-9 is outside the prompt of 5 tokens'
     )
     with pytest.raises(InvalidArgument, match=r'extraction_points\[0\] "u": tensor_type TENSOR_TYPE_UNSPECIFIED'):
-        parse_points([pb.ExtractionPoint(name="u", layers=[0])], controller.model_info().num_layers)
+        parse_points([types_pb.ExtractionPoint(name="u", layers=[0])], controller.model_info().num_layers)
 
     run = await serving
     assert len(run.tokens["bystander"]) == 8

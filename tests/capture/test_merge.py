@@ -12,7 +12,7 @@ from engine_service.capture.driver.merge import (
     ShapeMismatch,
     merge_blocks,
 )
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 
 def block(point, layer, keys, hidden=2, offset=0.0):
@@ -20,7 +20,7 @@ def block(point, layer, keys, hidden=2, offset=0.0):
     request_ids = [k[0] for k in keys]
     positions = np.array([k[1] for k in keys], dtype=np.int64)
     rows = np.stack([np.full(hidden, p * 10 + layer + offset, dtype=np.float32) for p in positions])
-    return Block(point, pb.TENSOR_TYPE_RESIDUAL_STREAM, layer, rows, request_ids, positions, positions >= 3)
+    return Block(point, types_pb.TENSOR_TYPE_RESIDUAL_STREAM, layer, rows, request_ids, positions, positions >= 3)
 
 
 def keys_of(b: Block):
@@ -109,11 +109,11 @@ def test_forget_frees_a_request_and_its_children():
 
 def test_points_named_alike_by_two_requests_stay_apart_by_tensor_type():
     residual = block("x", 1, [("a", 0), ("a", 1)])
-    attn = dataclasses.replace(block("x", 1, [("b", 0)]), tensor_type=pb.TENSOR_TYPE_ATTN_OUT)
+    attn = dataclasses.replace(block("x", 1, [("b", 0)]), tensor_type=types_pb.TENSOR_TYPE_ATTN_OUT)
     merged = merge_blocks([residual, attn])
     assert [(b.point, b.layer, b.tensor_type, keys_of(b)) for b in merged] == [
-        ("x", 1, pb.TENSOR_TYPE_RESIDUAL_STREAM, [("a", 0), ("a", 1)]),
-        ("x", 1, pb.TENSOR_TYPE_ATTN_OUT, [("b", 0)]),
+        ("x", 1, types_pb.TENSOR_TYPE_RESIDUAL_STREAM, [("a", 0), ("a", 1)]),
+        ("x", 1, types_pb.TENSOR_TYPE_ATTN_OUT, [("b", 0)]),
     ]
 
 

@@ -11,7 +11,7 @@ from tests.capture.oracle import (
 )
 from tests.capture.workloads import every_position, prompt
 from tools.capture_engines import Request, run_requests
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 pytestmark = pytest.mark.vllm
 
@@ -36,7 +36,7 @@ async def test_requests_naming_points_alike_keep_their_own_tensor_types(engine_a
     for block in run.blocks:
         for request_id in set(block.request_ids):
             types.setdefault(request_id, set()).add(block.tensor_type)
-    assert types == {"named-mlp": {pb.TENSOR_TYPE_MLP_OUT}, "named-attn": {pb.TENSOR_TYPE_ATTN_OUT}}
+    assert types == {"named-mlp": {types_pb.TENSOR_TYPE_MLP_OUT}, "named-attn": {types_pb.TENSOR_TYPE_ATTN_OUT}}
     compare_with_oracle(oracle, run, requests)
 
 

@@ -13,11 +13,11 @@ from common.activations import Block, decode_part, encode_part
 from engine_service.capture.worker.pusher import Pusher
 from engine_service.capture.channel import ShipmentError, shipment_frames, shipment_from_frames
 from engine_service.capture.driver.sink import Sink
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 
 def shipment(rank: int, position: int) -> dict:
-    block = Block("p", pb.TENSOR_TYPE_RESIDUAL_STREAM, 1, np.full((1, 4), position, np.float32), ["r"],
+    block = Block("p", types_pb.TENSOR_TYPE_RESIDUAL_STREAM, 1, np.full((1, 4), position, np.float32), ["r"],
                   np.array([position]), np.array([True]))
     return {"rank": rank, "parts": [encode_part(block)], "gaps": [], "errors": []}
 
@@ -114,7 +114,7 @@ def test_a_declared_node_identity_keeps_a_process_off_another_nodes_sink(monkeyp
 def row_shipment(rank: int, request_id: str, position: int, traced: bool = True) -> dict:
     """One row of 4 float32 (16 bytes); traced: with an error and a prefix-cache gap,
     so a dropped shipment's rows, errors and gaps can all be followed."""
-    block = Block("p", pb.TENSOR_TYPE_RESIDUAL_STREAM, 1, np.full((1, 4), position, np.float32), [request_id],
+    block = Block("p", types_pb.TENSOR_TYPE_RESIDUAL_STREAM, 1, np.full((1, 4), position, np.float32), [request_id],
                   np.array([position]), np.array([True]))
     return {"rank": rank, "parts": [encode_part(block)],
             "gaps": [(request_id, "p", position, position + 1)] if traced else [],
@@ -257,7 +257,7 @@ async def test_a_new_pusher_goes_on_from_the_last_ones_sequence():
 def step_parts(step_rows: np.ndarray, per_part: int) -> list[dict]:
     """The parts of one step as a worker drains them: views of its staging buffer."""
     return [
-        encode_part(Block("p", pb.TENSOR_TYPE_RESIDUAL_STREAM, layer, step_rows[start : start + per_part],
+        encode_part(Block("p", types_pb.TENSOR_TYPE_RESIDUAL_STREAM, layer, step_rows[start : start + per_part],
                           [f"r{i}" for i in range(per_part)], np.arange(per_part), np.ones(per_part, bool)),
                     copy=False)
         for layer, start in enumerate(range(0, len(step_rows), per_part))
@@ -275,7 +275,7 @@ def test_a_steps_rows_go_as_its_one_buffer_without_a_copy():
 def test_rows_that_view_no_one_buffer_go_as_frames_of_their_own():
     strided = np.arange(8 * 4, dtype=np.float32).reshape(8, 4)[::2]  # pack_view copies it
     parts = [{"rows": b"abcd"}, {"rows": b""}, encode_part(Block(
-        "p", pb.TENSOR_TYPE_RESIDUAL_STREAM, 1, strided, ["r"] * 4, np.arange(4), np.ones(4, bool)), copy=False)]
+        "p", types_pb.TENSOR_TYPE_RESIDUAL_STREAM, 1, strided, ["r"] * 4, np.arange(4), np.ones(4, bool)), copy=False)]
     header, buffers = shipment_frames({"rank": 0, "parts": parts})
     assert [p["rows"] for p in header["parts"]] == [[1, 0, 4], [2, 0, 0], [3, 0, 64]]
     assert [bytes(b) for b in buffers[:2]] == [b"abcd", b""]

@@ -13,7 +13,7 @@ from engine_service.capture.driver.controller import (
     check_vllm_version,
 )
 from engine_service.capture.driver.topology import RankTopology, Topology
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 ALL_TYPES = ("residual_stream", "attn_out", "mlp_out", "final_norm")
 
@@ -60,11 +60,11 @@ def test_tensor_type_without_full_tensor_under_tp_is_refused():
 def test_model_info_fills_every_field():
     topology = Topology((rank(0, 0, 0, 2, False), rank(1, 1, 2, 4, True)))
     info = topology.model_info("0.32.0")
-    assert [f.name for f in pb.ModelInfo.DESCRIPTOR.fields if not getattr(info, f.name)] == []
+    assert [f.name for f in types_pb.ModelInfo.DESCRIPTOR.fields if not getattr(info, f.name)] == []
     assert [(r.rank, r.pp_rank, r.start_layer, r.end_layer, r.has_final_norm) for r in info.ranks] == [
         (0, 0, 0, 2, False), (1, 1, 2, 4, True)
     ]
-    assert list(info.tensor_types) == [pb.TENSOR_TYPE_RESIDUAL_STREAM, pb.TENSOR_TYPE_ATTN_OUT, pb.TENSOR_TYPE_MLP_OUT, pb.TENSOR_TYPE_FINAL_NORM]
+    assert list(info.tensor_types) == [types_pb.TENSOR_TYPE_RESIDUAL_STREAM, types_pb.TENSOR_TYPE_ATTN_OUT, types_pb.TENSOR_TYPE_MLP_OUT, types_pb.TENSOR_TYPE_FINAL_NORM]
     assert (info.pipeline_parallel_size, info.num_layers, info.vllm_version) == (2, 4, "0.32.0")
 
 

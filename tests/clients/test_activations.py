@@ -8,12 +8,13 @@ import pytest
 
 from common.activations import Block, to_batch
 from common.tensor_codec import float32_to_bfloat16_bits
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import types_pb2 as types_pb
 from undercurrent_client import ActivationKey, ActivationSet, batch_arrays, generate_request, point
 from undercurrent_client import capture_file
 from undercurrent_client.events import Activations, Finished, Generation, event_of
 
-RESIDUAL = pb.TENSOR_TYPE_RESIDUAL_STREAM
+RESIDUAL = types_pb.TENSOR_TYPE_RESIDUAL_STREAM
 
 
 def block(point_name, layer, rows, request_ids, positions, generated, wire_dtype):
@@ -67,7 +68,7 @@ def test_point_specs_parse_or_name_the_problem():
     assert (p.name, p.tensor_type, list(p.layers), p.stream_to_client) == (
         "residual_stream:12", RESIDUAL, [12], True)
     assert list(point("mlp_out:0,2").layers) == [0, 2]
-    assert point("final_norm").tensor_type == pb.TENSOR_TYPE_FINAL_NORM
+    assert point("final_norm").tensor_type == types_pb.TENSOR_TYPE_FINAL_NORM
     for spec, message in [("resid:1", "tensor type 'resid'"), ("mlp_out", "give a layer"),
                           ("attn_out:x", "layers must be integers"), ("final_norm:3", "takes no layer")]:
         with pytest.raises(ValueError, match=message):
@@ -87,14 +88,14 @@ def test_generate_request_sets_only_what_is_given():
 def test_events_are_typed_and_gathered():
     batch = to_batch([block("p", 1, [[1, 2]], ["r"], [3], [True], "float32")])
     responses = [
-        pb.GenerateResponse(started=pb.GenerateStarted(request_id="r", prompt_tokens=3)),
-        pb.GenerateResponse(tokens=pb.TokenChunk(token_ids=[7, 8], text="ab", first_index=0)),
-        pb.GenerateResponse(activations=batch),
-        pb.GenerateResponse(probe_event=pb.ProbeEvent(scores=pb.ProbeScores(
+        engine_pb.GenerateResponse(started=engine_pb.GenerateStarted(request_id="r", prompt_tokens=3)),
+        engine_pb.GenerateResponse(tokens=engine_pb.TokenChunk(token_ids=[7, 8], text="ab", first_index=0)),
+        engine_pb.GenerateResponse(activations=batch),
+        engine_pb.GenerateResponse(probe_event=engine_pb.ProbeEvent(scores=types_pb.ProbeScores(
             probe="q", token_positions=[3], scores=[0.5], router="x:1"))),
-        pb.GenerateResponse(finished=pb.GenerateFinished(
-            finish_reason=pb.FINISH_REASON_PROBE_ABORT, generated_tokens=2, prompt_tokens=3,
-            verdict=pb.Verdict(probe="q", score=0.9, token_position=4, reason="fired"))),
+        engine_pb.GenerateResponse(finished=engine_pb.GenerateFinished(
+            finish_reason=types_pb.FINISH_REASON_PROBE_ABORT, generated_tokens=2, prompt_tokens=3,
+            verdict=types_pb.Verdict(probe="q", score=0.9, token_position=4, reason="fired"))),
     ]
     events = [event_of(r) for r in responses]
     assert isinstance(events[2], Activations) and isinstance(events[4], Finished)
@@ -104,7 +105,7 @@ def test_events_are_typed_and_gathered():
     assert generation.reason == "PROBE_ABORT" and generation.finished.verdict.token_position == 4
     assert list(generation.activations.arrays) == [ActivationKey("r", "p", 1, 3)]
     with pytest.raises(ValueError, match="no known event"):
-        event_of(pb.GenerateResponse())
+        event_of(engine_pb.GenerateResponse())
 
 
 def test_capture_file_round_trips_rows_keys_and_metadata(tmp_path):
@@ -116,7 +117,7 @@ def test_capture_file_round_trips_rows_keys_and_metadata(tmp_path):
     ])
     requests = [capture_file.CapturedRequest("r0", "a b", 1, 2, "LENGTH", "xy"),
                 capture_file.CapturedRequest("r1", "c", 1, 1, "LENGTH", "z")]
-    model = pb.ModelInfo(model="m", num_layers=4, hidden_size=2, dtype="bfloat16")
+    model = types_pb.ModelInfo(model="m", num_layers=4, hidden_size=2, dtype="bfloat16")
     shapes = capture_file.write(tmp_path / "c.safetensors", gathered, requests, points, model)
     assert shapes == {f"{name}/1/rows": (3, 2), f"{name}/1/positions": (3,),
                       f"{name}/1/request_index": (3,), f"{name}/1/is_generated": (3,)}

@@ -9,7 +9,8 @@ import pytest
 
 from common.probe_format.files import write_probe, write_probe_file
 from tests.router.helpers import HIDDEN, manifest
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import admin_pb2 as admin_pb
+from undercurrent.v1 import types_pb2 as types_pb
 from undercurrent_client import AsyncProbeAdminClient, ProbeAdminClient, RpcError, inline_probe
 
 E0 = np.eye(HIDDEN, dtype=np.float32)[0]
@@ -29,9 +30,9 @@ async def test_async_admin_uploads_lists_and_unloads(router, tmp_path):
     async with AsyncProbeAdminClient(f"127.0.0.1:{router.port}") as admin:
         info = await admin.load(upload=local)
         assert (info.name, info.kind, list(info.layers), info.action) == (
-            "uploaded", "linear", [2], pb.PROBE_ACTION_OBSERVE)
+            "uploaded", "linear", [2], types_pb.PROBE_ACTION_OBSERVE)
         info = await admin.load(upload=single)
-        assert (info.name, info.threshold, info.action) == ("single", 1.5, pb.PROBE_ACTION_ABORT)
+        assert (info.name, info.threshold, info.action) == ("single", 1.5, types_pb.PROBE_ACTION_ABORT)
         assert (await admin.load(on_router)).name == "by_path"
         assert sorted(p.name for p in await admin.list()) == ["by_path", "single", "uploaded"]
         assert await admin.unload("single") is True
@@ -45,7 +46,7 @@ async def test_async_admin_errors_carry_status_and_field(router, tmp_path):
         assert missing.value.code == grpc.StatusCode.NOT_FOUND
         assert missing.value.method == "UnloadProbe" and "'nothing'" in missing.value.details
 
-        bad = pb.InlineProbe(manifest_json=json.dumps(manifest("bad", "linear", hidden_size=0)))
+        bad = admin_pb.InlineProbe(manifest_json=json.dumps(manifest("bad", "linear", hidden_size=0)))
         with pytest.raises(RpcError) as invalid:
             await admin.load(inline=bad)
         assert invalid.value.code == grpc.StatusCode.INVALID_ARGUMENT

@@ -14,7 +14,7 @@ from cryptography.x509.oid import NameOID
 from grpc import aio
 
 from router_service.servicers import AdminServicer
-from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent.v1 import admin_pb2_grpc as admin_pb_grpc
 from undercurrent_client import AsyncProbeAdminClient, ProbeAdminClient, RpcError
 
 
@@ -61,7 +61,7 @@ async def tls_admin(router, tmp_path):
     (tmp_path / "ca.pem").write_bytes(pem(ca))
     recorder = RecordMetadata()
     grpc_server = aio.server(interceptors=[recorder])
-    pb_grpc.add_ProbeAdminServiceServicer_to_server(AdminServicer(router), grpc_server)
+    admin_pb_grpc.add_ProbeAdminServiceServicer_to_server(AdminServicer(router), grpc_server)
     port = grpc_server.add_secure_port(
         "127.0.0.1:0", grpc.ssl_server_credentials([(pem(server_key), pem(server))]))
     await grpc_server.start()

@@ -10,14 +10,15 @@ from tools.aborts import ABORT_LATENCY_BOUND
 from tools.compose_stack import DEPLOY_IN_STACK
 from tools.compose_test import check_abort_latencies, check_generate
 from tools.docker_host import Failure
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 
-def seen(tokens=8, positions=range(10, 17), reason=pb.FINISH_REASON_LENGTH, unprobed=0):
+def seen(tokens=8, positions=range(10, 17), reason=types_pb.FINISH_REASON_LENGTH, unprobed=0):
     return {
         "text": "x" * tokens, "token_ids": tokens,
         "scores": [(p, 1.5) for p in positions],
-        "finished": pb.GenerateFinished(finish_reason=reason, generated_tokens=tokens,
+        "finished": engine_pb.GenerateFinished(finish_reason=reason, generated_tokens=tokens,
                                         unprobed_tokens=unprobed),
     }
 
@@ -30,7 +31,7 @@ def test_every_fed_generated_token_scored_once_passes():
     (seen(positions=[]), "scored positions []"),
     (seen(positions=[10, 11, 12, 13, 14, 15, 15]), "expected 7 distinct"),
     (seen(tokens=5), "expected 8 tokens"),
-    (seen(reason=pb.FINISH_REASON_STOP), "finish reason FINISH_REASON_STOP"),
+    (seen(reason=types_pb.FINISH_REASON_STOP), "finish reason FINISH_REASON_STOP"),
     (seen(unprobed=2), "2 tokens went unprobed"),
     ({**seen(), "finished": None}, "without a finished event"),
 ])

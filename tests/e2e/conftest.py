@@ -7,8 +7,7 @@ import pytest
 
 from tools import stack
 from tools.dev_security import DevSecurity
-from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent.v1 import engine_pb2_grpc as engine_pb_grpc
 
 pytestmark = pytest.mark.vllm
 
@@ -46,7 +45,7 @@ async def engine_service(tiny_llama_path, router_ports, engine_metrics_port):
     ).start()
     try:
         async with stack.channel(service.address) as channel:
-            await stack.wait_model_info(pb_grpc.EngineServiceStub(channel), service)
+            await stack.wait_model_info(engine_pb_grpc.EngineServiceStub(channel), service)
         yield service
     finally:
         service.kill()
@@ -55,7 +54,7 @@ async def engine_service(tiny_llama_path, router_ports, engine_metrics_port):
 @pytest.fixture
 async def engine(engine_service):
     async with stack.channel(engine_service.address) as channel:
-        yield pb_grpc.EngineServiceStub(channel)
+        yield engine_pb_grpc.EngineServiceStub(channel)
 
 
 @pytest.fixture

@@ -12,11 +12,11 @@ from pathlib import Path
 from common.activations import from_batch
 from tools import node_client
 from tools.dev_security import DevSecurity
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import types_pb2 as types_pb
 from undercurrent_client import batch_arrays
 
 
-def row_dicts(batch: pb.ActivationBatch) -> list[dict]:
+def row_dicts(batch: types_pb.ActivationBatch) -> list[dict]:
     """Rows as the Python client decodes them, float32 values written exactly as JSON,
     with the dtype each travelled in."""
     blocks = from_batch(batch)

@@ -13,7 +13,8 @@ import pytest
 from common.activations import from_batch
 from tests.e2e.conftest import MAX_MODEL_LEN
 from tools import stack
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 pytestmark = pytest.mark.vllm
 
@@ -28,9 +29,9 @@ MAX_GAP_S = 8.0
 
 
 async def test_a_huge_prompt_is_refused_by_size_while_another_stream_keeps_flowing(engine):
-    running = pb.GenerateRequest(
-        request_id="steady", token_ids=pb.TokenIds(ids=list(range(3, 40))),
-        sampling=pb.SamplingParams(max_tokens=600, temperature=0, ignore_eos=True))
+    running = engine_pb.GenerateRequest(
+        request_id="steady", token_ids=engine_pb.TokenIds(ids=list(range(3, 40))),
+        sampling=engine_pb.SamplingParams(max_tokens=600, temperature=0, ignore_eos=True))
     arrivals: list[float] = []
     first_token = asyncio.Event()
 
@@ -46,8 +47,8 @@ async def test_a_huge_prompt_is_refused_by_size_while_another_stream_keeps_flowi
     await asyncio.wait_for(first_token.wait(), 120)
 
     async def huge(i: int) -> tuple[float, grpc.aio.AioRpcError]:
-        request = pb.GenerateRequest(text="word " * (HUGE_PROMPT_BYTES // 5),
-                                     sampling=pb.SamplingParams(max_tokens=1))
+        request = engine_pb.GenerateRequest(text="word " * (HUGE_PROMPT_BYTES // 5),
+                                     sampling=engine_pb.SamplingParams(max_tokens=1))
         started = time.monotonic()
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             async for _ in engine.Generate(request, timeout=120):
@@ -67,29 +68,29 @@ async def test_a_huge_prompt_is_refused_by_size_while_another_stream_keeps_flowi
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.details()
         assert "Received message larger than max" in err.details()
     # A prompt within that but over --max-prompt-bytes is refused by its size, unparsed.
-    over = pb.GenerateRequest(text="x" * (32 * MAX_MODEL_LEN + 1), sampling=pb.SamplingParams(max_tokens=1))
+    over = engine_pb.GenerateRequest(text="x" * (32 * MAX_MODEL_LEN + 1), sampling=engine_pb.SamplingParams(max_tokens=1))
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         async for _ in engine.Generate(over, timeout=120):
             pass
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert refused.value.details().startswith(f"prompt.text: over {32 * MAX_MODEL_LEN} bytes (--max-prompt-bytes)")
-    assert finished.finish_reason == pb.FINISH_REASON_LENGTH and finished.generated_tokens == 600
+    assert finished.finish_reason == types_pb.FINISH_REASON_LENGTH and finished.generated_tokens == 600
     assert during, "the other stream sent nothing while the huge prompts were handled"
     assert gap < MAX_GAP_S
 
 
 async def test_client_activations_are_split_to_the_size_the_client_asked_for(engine):
     prompt = list(range(3, 503))
-    point = pb.ExtractionPoint(name="all", tensor_type=pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=[0, 1, 2, 3],
-                               tokens=pb.TokenSelector(scope=pb.TokenSelector.SCOPE_PROMPT),
+    point = types_pb.ExtractionPoint(name="all", tensor_type=types_pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=[0, 1, 2, 3],
+                               tokens=types_pb.TokenSelector(scope=types_pb.TokenSelector.SCOPE_PROMPT),
                                stream_to_client=True)
     limit = 64 * 1024
-    request = pb.GenerateRequest(
-        request_id="split", token_ids=pb.TokenIds(ids=prompt), extraction_points=[point],
-        sampling=pb.SamplingParams(max_tokens=1, temperature=0), max_activation_message_bytes=limit)
+    request = engine_pb.GenerateRequest(
+        request_id="split", token_ids=engine_pb.TokenIds(ids=prompt), extraction_points=[point],
+        sampling=engine_pb.SamplingParams(max_tokens=1, temperature=0), max_activation_message_bytes=limit)
     # 500 prompt rows x 4 layers x 128 floats: ~1 MB of rows, 16 or more messages of 64 KiB.
     outcome = await stack.generate(engine, request)
-    sizes = [pb.GenerateResponse(activations=batch).ByteSize() for batch in outcome.batches]
+    sizes = [engine_pb.GenerateResponse(activations=batch).ByteSize() for batch in outcome.batches]
     assert len(sizes) >= 16 and max(sizes) <= limit, sizes
     keys = sorted((b.layer, int(p)) for batch in outcome.batches for b in from_batch(batch)
                   for p in b.token_positions)

@@ -21,8 +21,9 @@ from common.probe_format.files import write_probe
 from tests.e2e import node_live
 from tools import firing_probes, stack
 from tools.dev_security import DevSecurity
-from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import types_pb2 as types_pb
+from undercurrent.v1 import engine_pb2_grpc as engine_pb_grpc
 from undercurrent_client import (
     ActivationKey,
     AsyncEngineClient,
@@ -55,7 +56,7 @@ def admin_connection(address: str) -> Connection:
                       token=dev.admin_token)
 
 
-def greedy(prompt: str, rid: str, max_tokens: int = MAX_TOKENS, **fields) -> pb.GenerateRequest:
+def greedy(prompt: str, rid: str, max_tokens: int = MAX_TOKENS, **fields) -> engine_pb.GenerateRequest:
     return generate_request(prompt, request_id=rid, max_tokens=max_tokens, temperature=0.0,
                             ignore_eos=True, **fields)
 
@@ -100,10 +101,10 @@ async def firing_probe(baseline, router, engine_service, tmp_path_factory) -> fi
                 {"weight": probe.weight, "bias": np.array([probe.bias], np.float32)})
     async with AsyncProbeAdminClient(admin_connection(router.address)) as admin:
         info = await admin.load(upload=local)
-        assert (info.name, info.action) == (probe.name, pb.PROBE_ACTION_ABORT)
+        assert (info.name, info.action) == (probe.name, types_pb.PROBE_ACTION_ABORT)
         assert probe.name in [p.name for p in await admin.list()]
     async with stack.channel(engine_service.address) as channel:
-        await stack.wait_for_probe(pb_grpc.EngineServiceStub(channel), probe.name)
+        await stack.wait_for_probe(engine_pb_grpc.EngineServiceStub(channel), probe.name)
     return probe
 
 
@@ -136,7 +137,7 @@ async def test_blocking_client_scores_and_activations_match_the_first_capture(en
     """The blocking client runs in a thread (this event loop hosts no server, but the
     thread keeps the test's loop free anyway)."""
 
-    def observe() -> tuple[pb.ModelInfo, Generation]:
+    def observe() -> tuple[types_pb.ModelInfo, Generation]:
         with EngineClient(stack.engine_connection(engine_service.address), timeout=120) as engine:
             request = greedy(PROMPTS[0], "client-observed", points=[firing_probes.trace_point()],
                              probes=[Probe(firing_probe.name, action="observe")])
@@ -296,9 +297,9 @@ async def test_cli_model_info(engine_service):
 
 async def test_node_client_against_the_live_services(engine_service, router, baseline, firing_probe,
                                                      tmp_path):
-    prompt_point = pb.ExtractionPoint(
-        name="last_prompt", tensor_type=pb.TENSOR_TYPE_MLP_OUT, layers=[0, 2],
-        tokens=pb.TokenSelector(scope=pb.TokenSelector.SCOPE_PROMPT, indexes=[-1]), stream_to_client=True)
+    prompt_point = types_pb.ExtractionPoint(
+        name="last_prompt", tensor_type=types_pb.TENSOR_TYPE_MLP_OUT, layers=[0, 2],
+        tokens=types_pb.TokenSelector(scope=types_pb.TokenSelector.SCOPE_PROMPT, indexes=[-1]), stream_to_client=True)
     request = greedy(PROMPTS[1], "py-capture", max_tokens=6, points=[firing_probes.trace_point(), prompt_point])
     async with AsyncEngineClient(stack.engine_connection(engine_service.address), timeout=120) as engine:
         events = [e async for e in engine.generate(request)]
@@ -312,7 +313,7 @@ async def test_node_client_against_the_live_services(engine_service, router, bas
     for dtype in ("float32", "float16", "bfloat16"):
         batch = to_batch([Block(b.point, b.tensor_type, b.layer, b.rows, b.request_ids, b.token_positions,
                                 b.is_generated, dtype) for b in blocks])
-        response = pb.GenerateResponse(activations=batch).SerializeToString()
+        response = engine_pb.GenerateResponse(activations=batch).SerializeToString()
         encoded.append({"dtype": dtype, "response": base64.b64encode(response).decode(),
                         "rows": node_live.row_dicts(batch)})
     capture_request = MessageToDict(request)

@@ -9,7 +9,8 @@ import pytest
 
 from common.activations import from_batch
 from tools import stack
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 pytestmark = pytest.mark.vllm
 
@@ -25,12 +26,12 @@ def delta(before: dict[str, float], after: dict[str, float], name: str) -> float
 
 async def test_latency_histograms_count_each_request_once_within_its_client_time(engine, engine_metrics_port):
     before = await asyncio.to_thread(stack.scrape, engine_metrics_port)
-    request = pb.GenerateRequest(
+    request = engine_pb.GenerateRequest(
         text="metrics for one request",
-        sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
-        extraction_points=[pb.ExtractionPoint(
-            name="rows", tensor_type=pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=[1],
-            tokens=pb.TokenSelector(scope=pb.TokenSelector.SCOPE_GENERATED), stream_to_client=True)],
+        sampling=engine_pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
+        extraction_points=[types_pb.ExtractionPoint(
+            name="rows", tensor_type=types_pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=[1],
+            tokens=types_pb.TokenSelector(scope=types_pb.TokenSelector.SCOPE_GENERATED), stream_to_client=True)],
     )
     started = time.monotonic()
     outcome = await stack.generate(engine, request)

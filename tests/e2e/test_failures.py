@@ -11,7 +11,8 @@ import pytest
 
 from common.probe_format.files import write_probe
 from tools import stack
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 pytestmark = pytest.mark.vllm
 
@@ -27,10 +28,10 @@ def write_watch_probe(directory, hidden: int = 128) -> None:
     })
 
 
-def request(rid: str, policy: int, max_tokens: int = 12) -> pb.GenerateRequest:
-    message = pb.GenerateRequest(
+def request(rid: str, policy: int, max_tokens: int = 12) -> engine_pb.GenerateRequest:
+    message = engine_pb.GenerateRequest(
         request_id=rid, text=f"request {rid} says hello",
-        sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+        sampling=engine_pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
     )
     message.probes.add(probe=WATCH, failure_policy=policy)
     return message
@@ -59,14 +60,14 @@ async def wait_until_both_score(engine, addresses: set[str], timeout: float = 60
     while seen != addresses:
         assert asyncio.get_running_loop().time() < deadline, f"only {seen} scored"
         outcomes = await asyncio.gather(
-            *[stack.generate(engine, request(f"warm-{attempt}-{i}", pb.FAILURE_POLICY_FAIL_OPEN, 2)) for i in range(4)])
+            *[stack.generate(engine, request(f"warm-{attempt}-{i}", types_pb.FAILURE_POLICY_FAIL_OPEN, 2)) for i in range(4)])
         seen |= {event.router for outcome in outcomes for event in outcome.scores}
         attempt += 1
 
 
 async def test_two_replicas_split_requests_and_keep_each_on_one(engine, two_routers):
     outcomes = await asyncio.gather(
-        *[stack.generate(engine, request(f"split-{i}", pb.FAILURE_POLICY_FAIL_CLOSED, 6)) for i in range(12)]
+        *[stack.generate(engine, request(f"split-{i}", types_pb.FAILURE_POLICY_FAIL_CLOSED, 6)) for i in range(12)]
     )
     homes = {}
     for outcome in outcomes:
@@ -87,9 +88,9 @@ async def test_killed_router_fails_closed_and_open_requests_by_policy(engine, st
     long = 1000
     both_scored = [asyncio.Event(), asyncio.Event()]
     closed = asyncio.create_task(
-        stack.generate(engine, request("closed", pb.FAILURE_POLICY_FAIL_CLOSED, long), scored=both_scored[0]))
+        stack.generate(engine, request("closed", types_pb.FAILURE_POLICY_FAIL_CLOSED, long), scored=both_scored[0]))
     opened = asyncio.create_task(
-        stack.generate(engine, request("open", pb.FAILURE_POLICY_FAIL_OPEN, long), scored=both_scored[1]))
+        stack.generate(engine, request("open", types_pb.FAILURE_POLICY_FAIL_OPEN, long), scored=both_scored[1]))
     for event in both_scored:
         await asyncio.wait_for(event.wait(), 60)
     router.kill()
@@ -112,7 +113,7 @@ async def test_killed_router_fails_closed_and_open_requests_by_policy(engine, st
     # The router comes back on the same port: new requests are probed again, no engine restart.
     await start_router(0, tmp_path / "probes-0")
     await stack.wait_for_probe(engine, WATCH)
-    again = await stack.generate(engine, request("after-restart", pb.FAILURE_POLICY_FAIL_CLOSED, 8))
+    again = await stack.generate(engine, request("after-restart", types_pb.FAILURE_POLICY_FAIL_CLOSED, 8))
     assert again.reason == "LENGTH" and again.finished.unprobed_tokens == 0
     assert sum(len(e.token_positions) for e in again.scores) == 7
 
@@ -125,7 +126,7 @@ async def test_a_dead_routers_probes_leave_the_catalog(engine, start_router, tmp
     await asyncio.sleep(0.5)
     # The catalog forgets a dead router's probes: binding it is now NOT_FOUND.
     with pytest.raises(grpc.aio.AioRpcError) as failure:
-        await stack.generate(engine, request("orphan", pb.FAILURE_POLICY_FAIL_CLOSED, 4))
+        await stack.generate(engine, request("orphan", types_pb.FAILURE_POLICY_FAIL_CLOSED, 4))
     assert failure.value.code() == grpc.StatusCode.NOT_FOUND
     assert "'watch_norm' is not loaded in any reachable router" in failure.value.details()
 
@@ -140,7 +141,7 @@ async def test_request_of_a_lost_replica_is_rehomed_and_finishes(
     # whole request before a loaded client saw its first score.
     with stack.vllm_paused(engine_service) as vllm:
         running = asyncio.create_task(stack.generate(
-            engine, request("rehomed", pb.FAILURE_POLICY_FAIL_OPEN, 1000), outcome=progress))
+            engine, request("rehomed", types_pb.FAILURE_POLICY_FAIL_OPEN, 1000), outcome=progress))
         async with asyncio.timeout(120):
             while not progress.scores:
                 await vllm.run_for(0.02)

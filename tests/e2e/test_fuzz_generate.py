@@ -19,7 +19,8 @@ from common.grpc_server import MAX_MESSAGE_BYTES, channel_options
 from tests.message_strategies import messages, wire_bytes
 from tools import stack
 from tools.dev_security import DevSecurity
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 pytestmark = pytest.mark.vllm
 
@@ -47,7 +48,7 @@ def engine_channel(engine_service, engine_metrics_port):
 
 def generate_call(channel):
     return channel.unary_stream("/undercurrent.v1.EngineService/Generate",
-                                response_deserializer=pb.GenerateResponse.FromString)
+                                response_deserializer=engine_pb.GenerateResponse.FromString)
 
 
 def run_generate(channel, payload: bytes) -> None:
@@ -71,7 +72,7 @@ def settle(metrics_port: int, timeout: float = 20.0) -> int:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-@given(request=messages(pb.GenerateRequest, overrides=SMALL))
+@given(request=messages(engine_pb.GenerateRequest, overrides=SMALL))
 def test_random_generate_requests(engine_channel, engine_metrics_port, request):
     CASES["messages"] += 1
     run_generate(engine_channel, request.SerializeToString())
@@ -79,7 +80,7 @@ def test_random_generate_requests(engine_channel, engine_metrics_port, request):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-@given(payload=wire_bytes(pb.GenerateRequest, overrides=SMALL))
+@given(payload=wire_bytes(engine_pb.GenerateRequest, overrides=SMALL))
 def test_random_truncated_and_padded_generate_bytes(engine_channel, engine_metrics_port, payload):
     CASES["bytes"] += 1
     run_generate(engine_channel, payload)
@@ -90,7 +91,7 @@ def test_random_truncated_and_padded_generate_bytes(engine_channel, engine_metri
 @given(method=st.sampled_from(["Abort", "GetModelInfo"]), data=st.data())
 def test_random_abort_and_model_info_calls(engine_channel, method, data):
     CASES["other_rpcs"] += 1
-    request_class = pb.AbortRequest if method == "Abort" else pb.GetModelInfoRequest
+    request_class = engine_pb.AbortRequest if method == "Abort" else engine_pb.GetModelInfoRequest
     payload = data.draw(wire_bytes(request_class))
     call = engine_channel.unary_unary(f"/undercurrent.v1.EngineService/{method}")
     try:
@@ -100,14 +101,14 @@ def test_random_abort_and_model_info_calls(engine_channel, method, data):
 
 
 def test_oversized_and_duplicate_requests_then_the_engine_still_serves(engine_channel, engine_metrics_port):
-    huge = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * (MAX_MESSAGE_BYTES // 1 + 16)))
+    huge = engine_pb.GenerateRequest(token_ids=engine_pb.TokenIds(ids=[5] * (MAX_MESSAGE_BYTES // 1 + 16)))
     with pytest.raises(grpc.RpcError) as oversized:
         list(generate_call(engine_channel)(huge.SerializeToString(), timeout=120))
     assert oversized.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert settle(engine_metrics_port) == 0
-    request = pb.GenerateRequest(request_id="fuzz-still-serving", text="hello there",
-                                 sampling=pb.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    request = engine_pb.GenerateRequest(request_id="fuzz-still-serving", text="hello there",
+                                 sampling=engine_pb.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     responses = list(generate_call(engine_channel)(request.SerializeToString(), timeout=60))
-    assert responses[-1].finished.finish_reason == pb.FINISH_REASON_LENGTH
+    assert responses[-1].finished.finish_reason == types_pb.FINISH_REASON_LENGTH
     assert responses[-1].finished.generated_tokens == 3
     assert settle(engine_metrics_port) == 0

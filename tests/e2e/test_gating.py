@@ -13,12 +13,14 @@ import pytest
 
 from common.probe_format.files import write_probe
 from tools import stack
-from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent.v1 import admin_pb2 as admin_pb
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import types_pb2 as types_pb
+from undercurrent.v1 import admin_pb2_grpc as admin_pb_grpc
 
 pytestmark = pytest.mark.vllm
 
-CLOSED, OPEN = pb.FAILURE_POLICY_FAIL_CLOSED, pb.FAILURE_POLICY_FAIL_OPEN
+CLOSED, OPEN = types_pb.FAILURE_POLICY_FAIL_CLOSED, types_pb.FAILURE_POLICY_FAIL_OPEN
 GUARD = "always_fires"  # the norm of every generated row is >= 0: fires once min_tokens rows were seen
 OBSERVER = "observer"
 WATCH = "stateful_watch"  # never fires, but keeps state (min_tokens)
@@ -41,16 +43,16 @@ def write_norm_probe(directory, *args, **kwargs) -> None:
     write_probe(directory / manifest["name"], manifest)
 
 
-def request(rid: str, *bindings: tuple[str, int], max_tokens: int = 40, gate: bool = True) -> pb.GenerateRequest:
-    message = pb.GenerateRequest(
+def request(rid: str, *bindings: tuple[str, int], max_tokens: int = 40, gate: bool = True) -> engine_pb.GenerateRequest:
+    message = engine_pb.GenerateRequest(
         request_id=rid, text=f"request {rid} says hello", gate_tokens=gate,
-        sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        sampling=engine_pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     for probe, policy in bindings:
         message.probes.add(probe=probe, failure_policy=policy)
     return message
 
 
-def report(outcome: stack.Outcome, probe: str) -> pb.BindingReport:
+def report(outcome: stack.Outcome, probe: str) -> engine_pb.BindingReport:
     return next(b for b in outcome.finished.bindings if b.probe == probe)
 
 
@@ -109,8 +111,8 @@ async def test_a_reloaded_version_serves_new_requests_only_and_a_request_never_m
                 await asyncio.sleep(0.1)
         await stack.wait_metric(engine_metrics_port, IN_FLIGHT, lambda rows: rows == 0.0, timeout=60)
         async with stack.channel(routers[1].address) as admin:
-            reply = await pb_grpc.ProbeAdminServiceStub(admin).LoadProbe(pb.LoadProbeRequest(
-                inline=pb.InlineProbe(manifest_json=json.dumps(version_2)), replace=True))
+            reply = await admin_pb_grpc.ProbeAdminServiceStub(admin).LoadProbe(admin_pb.LoadProbeRequest(
+                inline=admin_pb.InlineProbe(manifest_json=json.dumps(version_2)), replace=True))
         assert reply.probe.version == "2"
         routers[0].kill()
         await stack.wait_metric(engine_metrics_port, REPLICAS_UP, lambda up: up == 1.0, timeout=60)
@@ -219,7 +221,7 @@ async def test_random_bindings_under_a_random_fault_schedule_keep_the_invariant(
     assert stack.running_requests(engine_metrics_port) == 0
 
 
-def check_fuzzed(message: pb.GenerateRequest, outcome: stack.Outcome, fault: bool) -> None:
+def check_fuzzed(message: engine_pb.GenerateRequest, outcome: stack.Outcome, fault: bool) -> None:
     policies = {b.probe: b.failure_policy for b in message.probes}
     finished = outcome.finished
     allowed = {"LENGTH"} | ({"PROBE_ABORT"} if FUZZ_GUARD in policies else set())

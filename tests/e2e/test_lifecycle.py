@@ -31,8 +31,9 @@ from probe_lifecycle.training import example_scores
 from common.probe_format.files import load_probe_path
 from tests.lifecycle import synthetic
 from tools import stack
-from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent.v1 import admin_pb2 as admin_pb
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import admin_pb2_grpc as admin_pb_grpc
 from undercurrent_client import AsyncEngineClient
 from undercurrent_client.connection import from_env
 
@@ -59,7 +60,7 @@ async def test_a_trained_probe_deployed_live_aborts_held_out_positives(
     captured = await run_capture(engine_service.address, input_path, tmp_path / "ds", SPEC,
                                  concurrency=4, show_progress=False)
     assert (captured.manifest["examples"], captured.manifest["rows"]) == (240, 240 * (MAX_TOKENS - 1))
-    model = (await engine.GetModelInfo(pb.GetModelInfoRequest())).model
+    model = (await engine.GetModelInfo(engine_pb.GetModelInfoRequest())).model
     assert captured.manifest["model"]["hidden_size"] == model.hidden_size == 128
 
     trained = train_probe(tmp_path / "ds", tmp_path / "probe",
@@ -74,7 +75,7 @@ async def test_a_trained_probe_deployed_live_aborts_held_out_positives(
     assert sorted(d.address for d in deployed) == sorted(r.address for r in routers)
     for router in routers:
         async with stack.channel(router.address) as channel:
-            listed = await pb_grpc.ProbeAdminServiceStub(channel).ListProbes(pb.ListProbesRequest())
+            listed = await admin_pb_grpc.ProbeAdminServiceStub(channel).ListProbes(admin_pb.ListProbesRequest())
         assert [(p.name, p.threshold) for p in listed.probes] == [("marker", held.threshold)]
 
     # Offline scores of the held-out prompts, computed with the router's probe code.
@@ -125,7 +126,7 @@ async def test_a_probe_of_another_hidden_size_is_refused_and_loads_nowhere(
     assert result.stderr.startswith("probe_lifecycle.deploy: error: --probe ")
     assert "hidden_size 16 does not match" in result.stderr and "Traceback" not in result.stderr
     async with stack.channel(router.address) as channel:
-        listed = await pb_grpc.ProbeAdminServiceStub(channel).ListProbes(pb.ListProbesRequest())
+        listed = await admin_pb_grpc.ProbeAdminServiceStub(channel).ListProbes(admin_pb.ListProbesRequest())
     assert list(listed.probes) == []
 
 

@@ -11,8 +11,10 @@ import pytest
 
 from tools import firing_probes, stack
 from tools.aborts import until_within
-from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import types_pb2 as types_pb
+from undercurrent.v1 import admin_pb2_grpc as admin_pb_grpc
+from undercurrent.v1 import engine_pb2_grpc as engine_pb_grpc
 
 pytestmark = pytest.mark.vllm
 
@@ -27,10 +29,10 @@ TRIGGER_MIN_INDEX = 4
 ABORT_LATENCY_BOUND = 8
 
 
-def request(prompt: str, rid: str, **fields) -> pb.GenerateRequest:
-    return pb.GenerateRequest(
+def request(prompt: str, rid: str, **fields) -> engine_pb.GenerateRequest:
+    return engine_pb.GenerateRequest(
         request_id=rid, text=prompt,
-        sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True), **fields,
+        sampling=engine_pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True), **fields,
     )
 
 
@@ -38,7 +40,7 @@ def request(prompt: str, rid: str, **fields) -> pb.GenerateRequest:
 async def baseline(engine_service):
     """Greedy tokens and layer-3 residual rows of each prompt, captured without any router."""
     async with stack.channel(engine_service.address) as ch:
-        stub = pb_grpc.EngineServiceStub(ch)
+        stub = engine_pb_grpc.EngineServiceStub(ch)
         outcomes = await asyncio.gather(*[
             stack.generate(stub, request(p, f"base-{i}", extraction_points=[firing_probes.trace_point()]))
             for i, p in enumerate(PROMPTS)
@@ -58,14 +60,14 @@ async def firing_probe(baseline, start_router, engine):
     probe = firing_probes.probe_firing_at("fires_on_a", rows[0], rows[1:], min_index=TRIGGER_MIN_INDEX)
     router = await start_router(0)
     async with stack.channel(router.address) as ch:
-        info = (await pb_grpc.ProbeAdminServiceStub(ch).LoadProbe(probe.load_request())).probe
-    assert info.name == probe.name and info.action == pb.PROBE_ACTION_ABORT
+        info = (await admin_pb_grpc.ProbeAdminServiceStub(ch).LoadProbe(probe.load_request())).probe
+    assert info.name == probe.name and info.action == types_pb.PROBE_ACTION_ABORT
     await stack.wait_for_probe(engine, probe.name)
     return probe
 
 
 async def test_probe_aborts_exactly_the_request_it_fires_on(engine, baseline, firing_probe, router_ports):
-    binding = pb.ProbeBinding(probe=firing_probe.name, failure_policy=pb.FAILURE_POLICY_FAIL_CLOSED)
+    binding = types_pb.ProbeBinding(probe=firing_probe.name, failure_policy=types_pb.FAILURE_POLICY_FAIL_CLOSED)
 
     async def attempt(number: int) -> int:
         outcomes = await asyncio.gather(*[
@@ -100,7 +102,7 @@ async def test_probe_aborts_exactly_the_request_it_fires_on(engine, baseline, fi
 
 
 async def test_gated_client_sees_no_token_at_or_after_the_trigger(engine, firing_probe):
-    binding = pb.ProbeBinding(probe=firing_probe.name, failure_policy=pb.FAILURE_POLICY_FAIL_CLOSED)
+    binding = types_pb.ProbeBinding(probe=firing_probe.name, failure_policy=types_pb.FAILURE_POLICY_FAIL_CLOSED)
     outcome = await stack.generate(engine, request(PROMPTS[0], "gated-0", probes=[binding], gate_tokens=True))
     assert outcome.reason == "PROBE_ABORT"
     trigger_index = firing_probe.position - outcome.finished.prompt_tokens
@@ -111,7 +113,7 @@ async def test_gated_client_sees_no_token_at_or_after_the_trigger(engine, firing
 
 
 async def test_observe_binding_reports_scores_and_never_aborts(engine, baseline, firing_probe):
-    binding = pb.ProbeBinding(probe=firing_probe.name, action=pb.PROBE_ACTION_OBSERVE, failure_policy=pb.FAILURE_POLICY_FAIL_CLOSED)
+    binding = types_pb.ProbeBinding(probe=firing_probe.name, action=types_pb.PROBE_ACTION_OBSERVE, failure_policy=types_pb.FAILURE_POLICY_FAIL_CLOSED)
     outcome = await stack.generate(engine, request(PROMPTS[0], "observed-0", probes=[binding]))
     assert outcome.reason == "LENGTH" and outcome.tokens == baseline[0].tokens
     scored = {p: s for event in outcome.scores for p, s in zip(event.token_positions, event.scores)}
@@ -130,9 +132,9 @@ async def test_a_gated_request_probed_on_its_prompt_alone_streams_once_the_promp
     probe = firing_probes.LinearProbe("prompt_watch", np.zeros(hidden_size, np.float32), bias=0.0, threshold=1.0)
     router = await start_router(0)
     async with stack.channel(router.address) as ch:
-        await pb_grpc.ProbeAdminServiceStub(ch).LoadProbe(probe.load_request("observe", scope="prompt"))
+        await admin_pb_grpc.ProbeAdminServiceStub(ch).LoadProbe(probe.load_request("observe", scope="prompt"))
     await stack.wait_for_probe(engine, "prompt_watch")
-    binding = pb.ProbeBinding(probe="prompt_watch", failure_policy=pb.FAILURE_POLICY_FAIL_CLOSED)
+    binding = types_pb.ProbeBinding(probe="prompt_watch", failure_policy=types_pb.FAILURE_POLICY_FAIL_CLOSED)
     progress = stack.Outcome()
     # vLLM runs in short bursts, so the request is still running when its first token shows.
     with stack.vllm_paused(engine_service) as vllm:

@@ -19,14 +19,14 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import numpy as np
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 from common.activations import Block
 from common.capture_spec import Scope
 
 HIDDEN = 8
-MODEL = pb.ModelInfo(model="fake", num_layers=2, hidden_size=HIDDEN, dtype="float32")
-TENSOR_TYPES = {"residual_stream": pb.TENSOR_TYPE_RESIDUAL_STREAM}
+MODEL = types_pb.ModelInfo(model="fake", num_layers=2, hidden_size=HIDDEN, dtype="float32")
+TENSOR_TYPES = {"residual_stream": types_pb.TENSOR_TYPE_RESIDUAL_STREAM}
 
 
 class FakeTokenizer:
@@ -63,10 +63,10 @@ class FakeCapture:
         # must notice on its own.
         self.silently_lost: set[int] = set()
 
-    async def start(self) -> pb.ModelInfo:
+    async def start(self) -> types_pb.ModelInfo:
         return MODEL
 
-    def model_info(self) -> pb.ModelInfo:
+    def model_info(self) -> types_pb.ModelInfo:
         return MODEL
 
     def validate(self, points, prompt_len=None) -> None:

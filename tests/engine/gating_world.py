@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import numpy as np
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import router_session_pb2 as session_pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 from common.activations import Block, from_batch, session_request_bytes
 from common.capture_spec import ExtractionPoint, TokenSelector
@@ -47,8 +48,8 @@ from router_service.registry import ProbeRegistry
 from router_service.session import SessionState
 
 HIDDEN = 4
-MODEL = pb.ModelInfo(model="sim", num_layers=2, hidden_size=HIDDEN, dtype="float32",
-                     tensor_types=[pb.TENSOR_TYPE_RESIDUAL_STREAM, pb.TENSOR_TYPE_FINAL_NORM])
+MODEL = types_pb.ModelInfo(model="sim", num_layers=2, hidden_size=HIDDEN, dtype="float32",
+                     tensor_types=[types_pb.TENSOR_TYPE_RESIDUAL_STREAM, types_pb.TENSOR_TYPE_FINAL_NORM])
 STAGE_LAYERS = {0: (("residual_stream", 0),), 1: (("residual_stream", 1), ("final_norm", None))}
 STAGES = len(STAGE_LAYERS)
 TP_RANKS = 2  # both ranks of a stage ship their rows; the driver's dedup keeps one
@@ -117,11 +118,11 @@ class SimRouter:
         self.truth = truth
         self.state: SessionState | None = None
         self.session = 0
-        self.outbox: list[pb.SessionResponse] = []
+        self.outbox: list[session_pb.SessionResponse] = []
         # Reads nothing and answers nothing; the connection stays, and what the
         # engine sends waits in it (TCP loses nothing) until the router reads again.
         self.blackholed = False
-        self.unread: list[pb.SessionRequest] = []
+        self.unread: list[session_pb.SessionRequest] = []
         self.draining = False  # refuses new requests (it said so with a Drain message)
         self.registry.subscribe(self._catalog_changed)
 
@@ -132,13 +133,13 @@ class SimRouter:
             for message in unread:
                 self.handle(message)
 
-    def receive(self, message: pb.SessionRequest) -> None:
+    def receive(self, message: session_pb.SessionRequest) -> None:
         if self.blackholed:
             self.unread.append(message)
         else:
             self.handle(message)
 
-    def open(self) -> pb.RouterHello:
+    def open(self) -> session_pb.RouterHello:
         SimRouter.sessions += 1
         self.unread = []
         self.session = SimRouter.sessions
@@ -146,12 +147,12 @@ class SimRouter:
         self.outbox = []
         probes, errors = self.state.catalog()
         self.outbox.extend(errors)
-        return pb.RouterHello(router_id=self.address, probes=probes)
+        return session_pb.RouterHello(router_id=self.address, probes=probes)
 
     def drain(self) -> None:
         self.draining = True
         if self.state is not None:
-            self.outbox.append(pb.SessionResponse(drain=pb.Drain(reason="rolling restart")))
+            self.outbox.append(session_pb.SessionResponse(drain=session_pb.Drain(reason="rolling restart")))
 
     def close(self) -> None:
         if self.state is not None:
@@ -163,9 +164,9 @@ class SimRouter:
     def _catalog_changed(self) -> None:
         if self.state is not None:
             probes, errors = self.state.catalog()
-            self.outbox.extend([*errors, pb.SessionResponse(catalog=pb.ProbeCatalog(probes=probes))])
+            self.outbox.extend([*errors, session_pb.SessionResponse(catalog=session_pb.ProbeCatalog(probes=probes))])
 
-    def handle(self, message: pb.SessionRequest) -> None:
+    def handle(self, message: session_pb.SessionRequest) -> None:
         """As the router's Session servicer: one engine message, its replies queued."""
         kind = message.WhichOneof("message")
         state = self.state
@@ -187,8 +188,8 @@ class SimRouter:
             replies = []
         self.outbox.extend(replies)
 
-    def _record(self, batch: pb.ActivationBatch, bound: dict[str, list[Probe]], prompts: dict[str, int],
-                replies: list[pb.SessionResponse]) -> None:
+    def _record(self, batch: types_pb.ActivationBatch, bound: dict[str, list[Probe]], prompts: dict[str, int],
+                replies: list[session_pb.SessionResponse]) -> None:
         """The truth of one batch: rows received, and per binding the rows scored (none
         for a request the batch's errors name; for a binding an error names, none of its)."""
         failed: dict[str, set[str] | None] = {}
@@ -201,7 +202,7 @@ class SimRouter:
             if reply.HasField("abort"):
                 self.truth.verdicts.add((reply.abort.request_id, reply.abort.incarnation, reply.abort.token_position))
         for block in from_batch(batch):
-            layer = None if block.tensor_type == pb.TENSOR_TYPE_FINAL_NORM else block.layer
+            layer = None if block.tensor_type == types_pb.TENSOR_TYPE_FINAL_NORM else block.layer
             point = point_name("final_norm" if layer is None else "residual_stream", layer)
             for key, position in zip(block.request_ids, block.token_positions.tolist()):
                 if key not in bound or failed.get(key, set()) is None:
@@ -244,7 +245,7 @@ class SimReplica(ReplicaSession):
             if isinstance(item, QueuedBatch):
                 step = self.steps.record(item, self.world.now)
                 self._listener.batch_sent(self, item, step)
-                message = pb.SessionRequest.FromString(session_request_bytes(item.batch_bytes, step))
+                message = session_pb.SessionRequest.FromString(session_request_bytes(item.batch_bytes, step))
                 item.batch_bytes = None
                 for block in message.batch.blocks:
                     for index in block.request_index:
@@ -297,10 +298,10 @@ class SimCapture:
     def recomputed_rows_discarded(self) -> int:
         return self.delivered_positions.discarded
 
-    async def start(self) -> pb.ModelInfo:
+    async def start(self) -> types_pb.ModelInfo:
         return MODEL
 
-    def model_info(self) -> pb.ModelInfo:
+    def model_info(self) -> types_pb.ModelInfo:
         return MODEL
 
     def validate(self, points, prompt_len=None) -> None:
@@ -349,7 +350,7 @@ class SimCapture:
             for _rank in range(TP_RANKS):
                 self.pending.append(Block(
                     point.name,
-                    pb.TENSOR_TYPE_FINAL_NORM if tensor_type == "final_norm" else pb.TENSOR_TYPE_RESIDUAL_STREAM,
+                    types_pb.TENSOR_TYPE_FINAL_NORM if tensor_type == "final_norm" else types_pb.TENSOR_TYPE_RESIDUAL_STREAM,
                     1 if layer is None else layer,
                     rows.copy(), [key] * len(kept), np.asarray(kept, np.int64),
                     np.asarray([p >= prompt_len for p in kept])))
@@ -527,5 +528,5 @@ class World:
         return replica
 
 
-def selects(tokens: pb.TokenSelector, position: int, prompt_len: int) -> bool:
+def selects(tokens: types_pb.TokenSelector, position: int, prompt_len: int) -> bool:
     return bool(TokenSelector.from_proto(tokens).mask(np.array([position]), prompt_len)[0])

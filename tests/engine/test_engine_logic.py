@@ -10,71 +10,72 @@ from engine_service.link.assignment import Wanted, choose_home, pin_versions
 from engine_service.request import bindings as pins
 from engine_service.request.probe_points import check_client_point_names, probe_points
 from common.capture_spec import ExtractionPoint
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 LIMITS = reqs.ModelLimits(vocab_size=512, max_model_len=64)
 
 
 def test_prompt_checks_name_the_field():
     with pytest.raises(InvalidArgument, match=r"prompt.token_ids: \[512, -1\] outside the vocabulary \[0, 512\)"):
-        reqs.prompt_ids(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[3, 512, -1])), None, LIMITS)
+        reqs.prompt_ids(engine_pb.GenerateRequest(token_ids=engine_pb.TokenIds(ids=[3, 512, -1])), None, LIMITS)
     with pytest.raises(InvalidArgument, match="prompt.text: tokenizes to no tokens"):
-        reqs.prompt_ids(pb.GenerateRequest(text=" "), lambda text: [], LIMITS)
+        reqs.prompt_ids(engine_pb.GenerateRequest(text=" "), lambda text: [], LIMITS)
     with pytest.raises(InvalidArgument, match="64 tokens leave no room"):
-        reqs.prompt_ids(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 64)), None, LIMITS)
-    assert reqs.prompt_ids(pb.GenerateRequest(text="ab"), lambda text: [7, 8], LIMITS) == [7, 8]
+        reqs.prompt_ids(engine_pb.GenerateRequest(token_ids=engine_pb.TokenIds(ids=[1] * 64)), None, LIMITS)
+    assert reqs.prompt_ids(engine_pb.GenerateRequest(text="ab"), lambda text: [7, 8], LIMITS) == [7, 8]
 
 
 def test_sampling_defaults_and_limits():
-    choice = reqs.sampling_choice(pb.SamplingParams(), prompt_len=10, limits=LIMITS)
+    choice = reqs.sampling_choice(engine_pb.SamplingParams(), prompt_len=10, limits=LIMITS)
     assert (choice.max_tokens, choice.temperature, choice.top_p, choice.top_k) == (54, 1.0, 1.0, 0)
     with pytest.raises(InvalidArgument, match="sampling.max_tokens: 55 plus the 10-token prompt"):
-        reqs.sampling_choice(pb.SamplingParams(max_tokens=55), 10, LIMITS)
+        reqs.sampling_choice(engine_pb.SamplingParams(max_tokens=55), 10, LIMITS)
     with pytest.raises(InvalidArgument, match=r"sampling.top_p: 1.5 must be in \(0, 1\]"):
-        reqs.sampling_choice(pb.SamplingParams(top_p=1.5), 10, LIMITS)
+        reqs.sampling_choice(engine_pb.SamplingParams(top_p=1.5), 10, LIMITS)
     with pytest.raises(InvalidArgument, match="sampling.temperature: -1.0 must be >= 0"):
-        reqs.sampling_choice(pb.SamplingParams(temperature=-1), 10, LIMITS)
-    greedy = reqs.sampling_choice(pb.SamplingParams(temperature=0, max_tokens=3), 10, LIMITS)
+        reqs.sampling_choice(engine_pb.SamplingParams(temperature=-1), 10, LIMITS)
+    greedy = reqs.sampling_choice(engine_pb.SamplingParams(temperature=0, max_tokens=3), 10, LIMITS)
     assert greedy.temperature == 0.0 and greedy.max_tokens == 3
 
 
 def test_request_ids():
-    assert reqs.request_id_of(pb.GenerateRequest(request_id="abc")) == "abc"
-    generated = {reqs.request_id_of(pb.GenerateRequest()) for _ in range(3)}
+    assert reqs.request_id_of(engine_pb.GenerateRequest(request_id="abc")) == "abc"
+    generated = {reqs.request_id_of(engine_pb.GenerateRequest()) for _ in range(3)}
     assert len(generated) == 3 and all(r.startswith("req-") for r in generated)
     with pytest.raises(InvalidArgument, match="request_id: 300 characters, at most 256"):
-        reqs.request_id_of(pb.GenerateRequest(request_id="x" * 300))
+        reqs.request_id_of(engine_pb.GenerateRequest(request_id="x" * 300))
 
 
-def probe(name, layers, scope=pb.TokenSelector.SCOPE_GENERATED, tensor_type=pb.TENSOR_TYPE_RESIDUAL_STREAM):
-    return pb.ProbeInfo(name=name, tensor_type=tensor_type, layers=layers,
-                        tokens=pb.TokenSelector(scope=scope))
+def probe(name, layers, scope=types_pb.TokenSelector.SCOPE_GENERATED, tensor_type=types_pb.TENSOR_TYPE_RESIDUAL_STREAM):
+    return types_pb.ProbeInfo(name=name, tensor_type=tensor_type, layers=layers,
+                        tokens=types_pb.TokenSelector(scope=scope))
 
 
-def catalog_of(names: list[str], action=pb.PROBE_ACTION_OBSERVE, version="1") -> dict[str, pb.ProbeInfo]:
-    return {n: pb.ProbeInfo(name=n, tensor_type=pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=[0], action=action,
+def catalog_of(names: list[str], action=types_pb.PROBE_ACTION_OBSERVE, version="1") -> dict[str, types_pb.ProbeInfo]:
+    return {n: types_pb.ProbeInfo(name=n, tensor_type=types_pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=[0], action=action,
                             version=version, digest=f"{n}@{version}") for n in names}
 
 
 def test_bindings_resolve_policy_and_action_and_pin_the_home_replicas_versions():
-    catalog = {**catalog_of(["watch"]), **catalog_of(["guard"], pb.PROBE_ACTION_ABORT)}
-    asked = [pb.ProbeBinding(probe="watch"), pb.ProbeBinding(probe="guard", failure_policy=pb.FAILURE_POLICY_FAIL_OPEN,
-                                                             action=pb.PROBE_ACTION_OBSERVE)]
-    wanted = pins.wanted(asked, pb.FAILURE_POLICY_FAIL_CLOSED)
+    catalog = {**catalog_of(["watch"]), **catalog_of(["guard"], types_pb.PROBE_ACTION_ABORT)}
+    asked = [types_pb.ProbeBinding(probe="watch"), types_pb.ProbeBinding(probe="guard", failure_policy=types_pb.FAILURE_POLICY_FAIL_OPEN,
+                                                             action=types_pb.PROBE_ACTION_OBSERVE)]
+    wanted = pins.wanted(asked, types_pb.FAILURE_POLICY_FAIL_CLOSED)
     assert wanted == [Wanted("watch", None, True), Wanted("guard", None, False)]
     infos = pin_versions("req", {"r1": catalog}, wanted)
-    bindings = pins.pinned(asked, infos, pb.FAILURE_POLICY_FAIL_CLOSED)
+    bindings = pins.pinned(asked, infos, types_pb.FAILURE_POLICY_FAIL_CLOSED)
     assert [(b.probe, b.failure_policy, b.action, b.digest) for b in bindings] == [
-        ("watch", pb.FAILURE_POLICY_FAIL_CLOSED, pb.PROBE_ACTION_OBSERVE, "watch@1"),  # the engine's default, the probe's own
-        ("guard", pb.FAILURE_POLICY_FAIL_OPEN, pb.PROBE_ACTION_OBSERVE, "guard@1"),  # the client's choices win
+        ("watch", types_pb.FAILURE_POLICY_FAIL_CLOSED, types_pb.PROBE_ACTION_OBSERVE, "watch@1"),  # the engine's default, the probe's own
+        ("guard", types_pb.FAILURE_POLICY_FAIL_OPEN, types_pb.PROBE_ACTION_OBSERVE, "guard@1"),  # the client's choices win
     ]
 
 
 def test_a_probe_bound_twice_or_unnamed_is_refused_naming_the_binding():
     with pytest.raises(InvalidArgument, match=r"probes\[1\]\.probe: 'watch' is bound twice \(also probes\[0\]\)"):
-        pins.wanted([pb.ProbeBinding(probe="watch"), pb.ProbeBinding(probe="watch")], 0)
+        pins.wanted([types_pb.ProbeBinding(probe="watch"), types_pb.ProbeBinding(probe="watch")], 0)
     with pytest.raises(InvalidArgument, match=r"probes\[0\]\.probe: empty"):
-        pins.wanted([pb.ProbeBinding()], 0)
+        pins.wanted([types_pb.ProbeBinding()], 0)
 
 
 def test_a_request_lives_on_a_replica_that_serves_its_bindings_at_their_versions():
@@ -92,7 +93,7 @@ def test_a_request_lives_on_a_replica_that_serves_its_bindings_at_their_versions
     assert {choose_home(f"req-{i}", {"b": catalogs["b"], "d": catalog_of(["observer"])}, [guard, observer])
             for i in range(20)} == {"b"}
     # An unloading version serves no new request.
-    unloading = {"guard": pb.ProbeInfo(name="guard", digest="guard@1", unloading=True)}
+    unloading = {"guard": types_pb.ProbeInfo(name="guard", digest="guard@1", unloading=True)}
     assert {choose_home(f"req-{i}", {"a": both, "u": unloading}, [guard]) for i in range(50)} == {"a"}
 
 
@@ -121,15 +122,15 @@ def test_open_requests_bindings_give_the_garbage_collector_nothing_to_walk():
 
     names = [f"probe_{i}" for i in range(200)]
     catalog = catalog_of(names)
-    link = RouterLink(RouterLinkConfig(targets="127.0.0.1:1", engine_id="test"), pb.ModelInfo(), lambda event: None)
-    messages = [pb.GenerateRequest(request_id=f"req-{i}", probes=[pb.ProbeBinding(probe=n) for n in names])
+    link = RouterLink(RouterLinkConfig(targets="127.0.0.1:1", engine_id="test"), types_pb.ModelInfo(), lambda event: None)
+    messages = [engine_pb.GenerateRequest(request_id=f"req-{i}", probes=[types_pb.ProbeBinding(probe=n) for n in names])
                 for i in range(20)]
     kept = []
     gc.collect()
     before = len(gc.get_objects())
     for i, message in enumerate(messages):
         infos = [catalog[n] for n in names]
-        bindings = pins.pinned(message.probes, infos, pb.FAILURE_POLICY_FAIL_OPEN)
+        bindings = pins.pinned(message.probes, infos, types_pb.FAILURE_POLICY_FAIL_OPEN)
         ledger = RequestLedger(1, pins.for_ledger(bindings, infos))
         link.start_request(message.request_id, i + 1, bindings, 1, ledger)
         kept.append((bindings, ledger))
@@ -140,7 +141,7 @@ def test_open_requests_bindings_give_the_garbage_collector_nothing_to_walk():
 
 
 def test_probe_points_capture_each_tensor_and_layer_once():
-    points = probe_points([probe("a", [1]), probe("b", [1, 3]), probe("c", [], tensor_type=pb.TENSOR_TYPE_FINAL_NORM)])
+    points = probe_points([probe("a", [1]), probe("b", [1, 3]), probe("c", [], tensor_type=types_pb.TENSOR_TYPE_FINAL_NORM)])
     assert [(p.name, p.tensor_type, p.layers, p.tokens.scope) for p in points] == [
         ("probe.final_norm", "final_norm", (), Scope.GENERATED),
         ("probe.residual_stream.1", "residual_stream", (1,), Scope.GENERATED),
@@ -149,16 +150,16 @@ def test_probe_points_capture_each_tensor_and_layer_once():
 
 
 def test_probes_with_different_scopes_on_one_layer_capture_every_token():
-    points = probe_points([probe("a", [2]), probe("b", [2], scope=pb.TokenSelector.SCOPE_PROMPT)])
+    points = probe_points([probe("a", [2]), probe("b", [2], scope=types_pb.TokenSelector.SCOPE_PROMPT)])
     assert len(points) == 1 and points[0].tokens.scope == Scope.ALL
 
 
 def test_probes_whose_selectors_differ_only_in_spelling_share_theirs():
     """An unspecified scope is every token: probes that spell it either way pick
     the same tokens, so the point keeps their selector rather than every token."""
-    spelled = [pb.TokenSelector(scope=pb.TokenSelector.SCOPE_ALL, indexes=[0, 5]),
-               pb.TokenSelector(indexes=[0, 5])]
-    infos = [pb.ProbeInfo(name=f"p{i}", tensor_type=pb.TENSOR_TYPE_MLP_OUT, layers=[4], tokens=tokens)
+    spelled = [types_pb.TokenSelector(scope=types_pb.TokenSelector.SCOPE_ALL, indexes=[0, 5]),
+               types_pb.TokenSelector(indexes=[0, 5])]
+    infos = [types_pb.ProbeInfo(name=f"p{i}", tensor_type=types_pb.TENSOR_TYPE_MLP_OUT, layers=[4], tokens=tokens)
              for i, tokens in enumerate(spelled)]
     (point,) = probe_points(infos)
     assert (point.tokens.scope, point.tokens.indexes) == (Scope.ALL, (0, 5))

@@ -39,7 +39,9 @@ from dataclasses import dataclass, field
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import router_session_pb2 as session_pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 from engine_service.link import RouterLink, RouterLinkConfig
 from engine_service.link.events import Abort, Scores, Unscored
@@ -57,8 +59,8 @@ REPLICAS = {
 }
 PROBES = ("guard", "early", "late", "observer")
 REQUEST_IDS = ("a", "b", "c", "d", "e")
-CLOSED, OPEN = pb.FAILURE_POLICY_FAIL_CLOSED, pb.FAILURE_POLICY_FAIL_OPEN
-SUCCESS = (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
+CLOSED, OPEN = types_pb.FAILURE_POLICY_FAIL_CLOSED, types_pb.FAILURE_POLICY_FAIL_OPEN
+SUCCESS = (types_pb.FINISH_REASON_STOP, types_pb.FINISH_REASON_LENGTH)
 REQUEST = st.fixed_dictionaries(dict(
     rid=st.sampled_from(REQUEST_IDS),
     bindings=st.lists(st.tuples(st.sampled_from(PROBES), st.sampled_from((CLOSED, OPEN))),
@@ -70,15 +72,15 @@ REQUEST = st.fixed_dictionaries(dict(
 class Client:
     """One Generate call as its client saw it."""
 
-    message: pb.GenerateRequest
-    responses: list[pb.GenerateResponse] = field(default_factory=list)
+    message: engine_pb.GenerateRequest
+    responses: list[engine_pb.GenerateResponse] = field(default_factory=list)
     error: Exception | None = None
     run: RequestRun | None = None  # the engine's run, once started
     task: asyncio.Task | None = None
     checked: bool = False  # its finish was checked (when first seen)
 
     @property
-    def finished(self) -> list[pb.GenerateFinished]:
+    def finished(self) -> list[engine_pb.GenerateFinished]:
         return [r.finished for r in self.responses if r.HasField("finished")]
 
     @property
@@ -177,8 +179,8 @@ class GatingMachine(RuleBasedStateMachine):
         self.start_request(**request)
 
     def start_request(self, rid, bindings, gate, max_tokens, prompt_len):
-        message = pb.GenerateRequest(request_id=rid, token_ids=pb.TokenIds(ids=list(range(1, prompt_len + 1))),
-                                     sampling=pb.SamplingParams(max_tokens=max_tokens), gate_tokens=gate)
+        message = engine_pb.GenerateRequest(request_id=rid, token_ids=engine_pb.TokenIds(ids=list(range(1, prompt_len + 1))),
+                                     sampling=engine_pb.SamplingParams(max_tokens=max_tokens), gate_tokens=gate)
         for probe, policy in bindings:
             message.probes.add(probe=probe, failure_policy=policy)
         client = Client(message)
@@ -294,7 +296,7 @@ class GatingMachine(RuleBasedStateMachine):
         if keys:
             key = data.draw(st.sampled_from(keys))
             incarnation = int(key.rsplit("#", 1)[1]) + data.draw(st.sampled_from((-1, 1)))
-            self.world.routers[replica].outbox.append(pb.SessionResponse(abort=pb.Verdict(
+            self.world.routers[replica].outbox.append(session_pb.SessionResponse(abort=types_pb.Verdict(
                 request_id=key, incarnation=incarnation, token_position=0, reason=self.stale_reasons)))
 
     @rule(data=st.data(), where=st.sampled_from(("link", "run")))
@@ -373,7 +375,7 @@ class GatingMachine(RuleBasedStateMachine):
                     if binding.failure_policy == CLOSED:
                         self.assert_scored(run, binding, info, position)
 
-    def assert_scored(self, run: RequestRun, binding: pb.SessionBinding, info: pb.ProbeInfo, position: int) -> None:
+    def assert_scored(self, run: RequestRun, binding: session_pb.SessionBinding, info: types_pb.ProbeInfo, position: int) -> None:
         scored = self.world.truth.scored[(run.key, binding.probe, binding.digest)]
         if not selects(info.tokens, position, run.prompt_len):
             return
@@ -415,10 +417,10 @@ class GatingMachine(RuleBasedStateMachine):
                     client.checked = True
                     self.check_finish(client, finished[0])
 
-    def check_finish(self, client: Client, finished: pb.GenerateFinished) -> None:
+    def check_finish(self, client: Client, finished: engine_pb.GenerateFinished) -> None:
         run = client.run
         verdict = finished.verdict
-        if finished.finish_reason == pb.FINISH_REASON_PROBE_ABORT:
+        if finished.finish_reason == types_pb.FINISH_REASON_PROBE_ABORT:
             assert verdict.reason != self.stale_reasons, f"I5: {run.key} ended by a stale verdict"
         if run.ledger is None:
             return
@@ -453,7 +455,7 @@ class GatingMachine(RuleBasedStateMachine):
         each token the engine received was sampled from the position before it."""
         return run.prompt_len + run.generated - 1 if run.generated else 0
 
-    def rows_fed(self, run: RequestRun, info: pb.ProbeInfo, below: int) -> int:
+    def rows_fed(self, run: RequestRun, info: types_pb.ProbeInfo, below: int) -> int:
         """Rows the binding reads that the model computed where the engine knows it
         did, and elsewhere below `below` the rows that reached the engine."""
         points = set(binding_points(info))

@@ -3,7 +3,7 @@ tokens may be shown, what went unscored, what was dropped."""
 
 import gc
 
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 from common.capture_spec import ExtractionPoint, Scope, TokenSelector
 from engine_service.request.gate import HeldScores
@@ -382,8 +382,8 @@ def test_a_fail_open_stateful_binding_restarts_counted_and_said():
 RECEIVED = 1000  # the tokens received so far reach past every position of these tests
 
 
-def scores(positions: list[int], probe: str = "p") -> pb.ProbeScores:
-    return pb.ProbeScores(request_id="q", probe=probe, token_positions=positions,
+def scores(positions: list[int], probe: str = "p") -> types_pb.ProbeScores:
+    return types_pb.ProbeScores(request_id="q", probe=probe, token_positions=positions,
                           scores=[float(p) for p in positions])
 
 
@@ -473,7 +473,7 @@ def test_a_message_per_binding_is_read_once_while_the_ledger_waits():
     step = sent(led, "r", 1, rows(r0=[10]))
     held = HeldScores()
     for i in range(1000):
-        assert held.add(pb.ProbeScores(request_id="q", probe=f"p{i}", token_positions=[10], scores=[0.5]), led,
+        assert held.add(types_pb.ProbeScores(request_id="q", probe=f"p{i}", token_positions=[10], scores=[0.5]), led,
                         RECEIVED) == []
     assert CountingLedger.reads == 1000  # one read per message (reading all held each time: 500,500)
     led.acknowledged(step)

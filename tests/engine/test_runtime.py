@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 import pytest
 import vllm.sampling_params  # noqa: F401  (the runtime imports it per request; pay once, not mid-test)
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import router_session_pb2 as session_pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 from common.errors import Unavailable
 from engine_service.link import RouterLinkConfig
@@ -24,7 +26,7 @@ from tools.router_double import PROBE, RouterDouble, of_client as of
 
 from .fakes import FakeCapture, FakeEngine
 
-CLOSED, OPEN = pb.FAILURE_POLICY_FAIL_CLOSED, pb.FAILURE_POLICY_FAIL_OPEN
+CLOSED, OPEN = types_pb.FAILURE_POLICY_FAIL_CLOSED, types_pb.FAILURE_POLICY_FAIL_OPEN
 PROMPT = [1, 2, 3, 4]
 
 
@@ -83,10 +85,10 @@ async def stack():
 
 
 def request(rid: str, policy: int | None = CLOSED, max_tokens: int = 40, gate: bool = True, **kw):
-    message = pb.GenerateRequest(
+    message = engine_pb.GenerateRequest(
         request_id=rid,
-        token_ids=pb.TokenIds(ids=PROMPT),
-        sampling=pb.SamplingParams(max_tokens=max_tokens),
+        token_ids=engine_pb.TokenIds(ids=PROMPT),
+        sampling=engine_pb.SamplingParams(max_tokens=max_tokens),
         gate_tokens=gate,
         **kw,
     )
@@ -102,7 +104,7 @@ def ran(keys, client_id: str) -> bool:
 
 class Outcome:
     def __init__(self) -> None:
-        self.responses: list[pb.GenerateResponse] = []
+        self.responses: list[engine_pb.GenerateResponse] = []
         self.changed = asyncio.Event()
 
     @property
@@ -114,7 +116,7 @@ class Outcome:
         return [t for c in chunks for t in c.token_ids]
 
     @property
-    def scores(self) -> list[pb.ProbeScores]:
+    def scores(self) -> list[types_pb.ProbeScores]:
         return [r.probe_event.scores for r in self.responses if r.HasField("probe_event")]
 
     @property
@@ -122,12 +124,12 @@ class Outcome:
         return {p for s in self.scores for p in s.token_positions}
 
     @property
-    def finished(self) -> pb.GenerateFinished:
+    def finished(self) -> engine_pb.GenerateFinished:
         assert self.responses[-1].HasField("finished")
         return self.responses[-1].finished
 
 
-async def run(runtime: EngineRuntime, message: pb.GenerateRequest, outcome: Outcome | None = None) -> Outcome:
+async def run(runtime: EngineRuntime, message: engine_pb.GenerateRequest, outcome: Outcome | None = None) -> Outcome:
     outcome = outcome or Outcome()
     async for response in runtime.generate(message):
         outcome.responses.append(response)
@@ -155,7 +157,7 @@ async def test_a_silent_router_ends_fail_closed_within_the_timeout_and_shows_no_
     outcome = await running
     ended = time.monotonic() - silenced
     finished = outcome.finished
-    assert finished.finish_reason == pb.FINISH_REASON_ROUTER_UNAVAILABLE, finished
+    assert finished.finish_reason == types_pb.FINISH_REASON_ROUTER_UNAVAILABLE, finished
     assert ended < 0.4 + 1.0, ended  # the router timeout, far before the 5 s heartbeat timeout
     assert s.runtime.routers_up() == 1  # the replica itself is not (yet) down
     assert "acknowledged no rows for 0.4 s" in finished.message and "(fail_closed)" in finished.message
@@ -179,7 +181,7 @@ async def test_a_silent_router_lets_fail_open_finish_and_counts_what_it_missed(s
     assert not progress.responses[-1].HasField("finished")
     outcome = await running
     finished = outcome.finished
-    assert finished.finish_reason == pb.FINISH_REASON_LENGTH, finished
+    assert finished.finish_reason == types_pb.FINISH_REASON_LENGTH, finished
     assert len(outcome.tokens) == 80
     captured = of(s.capture.captured, "open")
     missed = len(captured - outcome.scored_positions)
@@ -204,7 +206,7 @@ async def test_a_batch_level_router_error_ends_fail_closed_and_counts_for_fail_o
     await until(lambda: len(s.llm.running) == 2)
     s.start_stepping()
     closed, opened = await closed, await opened
-    assert closed.finished.finish_reason == pb.FINISH_REASON_ROUTER_UNAVAILABLE
+    assert closed.finished.finish_reason == types_pb.FINISH_REASON_ROUTER_UNAVAILABLE
     assert "INTERNAL: scoring the batch failed" in closed.finished.message
     [failed] = [b for b in s.router.batches if b.step == 4]
     positions = {
@@ -214,7 +216,7 @@ async def test_a_batch_level_router_error_ends_fail_closed_and_counts_for_fail_o
         if failed.request_ids[r].rsplit("#", 1)[0] == "closed"
     }
     assert positions and len(closed.tokens) == min(positions) - len(PROMPT)
-    assert opened.finished.finish_reason == pb.FINISH_REASON_LENGTH
+    assert opened.finished.finish_reason == types_pb.FINISH_REASON_LENGTH
     assert len(opened.tokens) == 30
     assert opened.finished.unprobed_tokens == len(positions)  # the same step's rows
 
@@ -223,11 +225,11 @@ async def test_rejected_rows_end_fail_closed_before_any_token_is_shown(stack):
     s = await stack()
     s.router.bad_rows = {"closed", "open"}
     closed = await run(s.runtime, request("closed", max_tokens=30))
-    assert closed.finished.finish_reason == pb.FINISH_REASON_ROUTER_UNAVAILABLE
+    assert closed.finished.finish_reason == types_pb.FINISH_REASON_ROUTER_UNAVAILABLE
     assert "INVALID_ARGUMENT: rows: NaN or Inf" in closed.finished.message
     assert closed.tokens == [] and closed.finished.verdict.token_position == 0
     opened = await run(s.runtime, request("open", OPEN, max_tokens=30))
-    assert opened.finished.finish_reason == pb.FINISH_REASON_LENGTH
+    assert opened.finished.finish_reason == types_pb.FINISH_REASON_LENGTH
     assert opened.finished.unprobed_tokens == len(of(s.capture.captured, "open")) == len(PROMPT) + 29
 
 
@@ -235,11 +237,11 @@ async def test_a_refused_request_start_ends_fail_closed(stack):
     s = await stack()
     s.router.refuse = {"closed", "open"}
     closed = await run(s.runtime, request("closed", max_tokens=30))
-    assert closed.finished.finish_reason == pb.FINISH_REASON_ROUTER_UNAVAILABLE
+    assert closed.finished.finish_reason == types_pb.FINISH_REASON_ROUTER_UNAVAILABLE
     assert "RESOURCE_EXHAUSTED: too many requests" in closed.finished.message
     assert closed.tokens == []
     opened = await run(s.runtime, request("open", OPEN, max_tokens=30))
-    assert opened.finished.finish_reason == pb.FINISH_REASON_LENGTH
+    assert opened.finished.finish_reason == types_pb.FINISH_REASON_LENGTH
     assert opened.finished.unprobed_tokens == len(of(s.capture.captured, "open"))
 
 
@@ -251,7 +253,7 @@ async def test_a_killed_router_ends_fail_closed_at_its_first_unacknowledged_posi
     await s.router.kill()
     outcome = await running
     finished = outcome.finished
-    assert finished.finish_reason == pb.FINISH_REASON_ROUTER_UNAVAILABLE, finished
+    assert finished.finish_reason == types_pb.FINISH_REASON_ROUTER_UNAVAILABLE, finished
     assert len(outcome.tokens) == finished.verdict.token_position - len(PROMPT)
     assert finished.generated_tokens > len(outcome.tokens)
 
@@ -262,12 +264,12 @@ async def test_send_queue_overflow_ends_fail_closed_and_counts_for_fail_open(sta
     s = await stack(router_timeout_s=5.0, hidden=65536, queue_max_batches=2, step_s=0.01)
     s.router.reading.clear()
     closed = await asyncio.wait_for(run(s.runtime, request("closed", max_tokens=400)), 30)
-    assert closed.finished.finish_reason == pb.FINISH_REASON_ROUTER_UNAVAILABLE
+    assert closed.finished.finish_reason == types_pb.FINISH_REASON_ROUTER_UNAVAILABLE
     assert "rows dropped before reaching a router (drop_oldest)" in closed.finished.message
     assert closed.finished.dropped_records > 0
     assert len(closed.tokens) == max(0, closed.finished.verdict.token_position - len(PROMPT))
     opened = await asyncio.wait_for(run(s.runtime, request("open", OPEN, max_tokens=60)), 30)
-    assert opened.finished.finish_reason == pb.FINISH_REASON_LENGTH and len(opened.tokens) == 60
+    assert opened.finished.finish_reason == types_pb.FINISH_REASON_LENGTH and len(opened.tokens) == 60
     finished = opened.finished
     assert finished.dropped_records > 0 and finished.unprobed_tokens >= finished.dropped_records
     s.router.reading.set()
@@ -279,7 +281,7 @@ async def test_send_queue_overflow_ends_fail_closed_and_counts_for_fail_open(sta
 async def test_a_late_verdict_of_an_earlier_run_does_not_touch_a_new_run_of_the_same_id(stack):
     s = await stack(step_s=0.01)
     first = await run(s.runtime, request("same", max_tokens=5))
-    assert first.finished.finish_reason == pb.FINISH_REASON_LENGTH
+    assert first.finished.finish_reason == types_pb.FINISH_REASON_LENGTH
     [old_key] = s.router.incarnations
     old = s.router.incarnations[old_key]
     # Scores reach the client under its own id, without the Session's incarnation, with the router named.
@@ -289,18 +291,18 @@ async def test_a_late_verdict_of_an_earlier_run_does_not_touch_a_new_run_of_the_
     second = asyncio.create_task(run(s.runtime, request("same", max_tokens=60), progress))
     await until(lambda: len(s.router.incarnations) == 2)
     [key] = set(s.router.incarnations) - {old_key}  # the new run's key differs from the old one's
-    s.router.push(pb.SessionResponse(abort=pb.Verdict(request_id=old_key, incarnation=old, reason="late")))
-    s.router.push(pb.SessionResponse(abort=pb.Verdict(request_id=key, incarnation=old, reason="late")))
+    s.router.push(session_pb.SessionResponse(abort=types_pb.Verdict(request_id=old_key, incarnation=old, reason="late")))
+    s.router.push(session_pb.SessionResponse(abort=types_pb.Verdict(request_id=key, incarnation=old, reason="late")))
     await wait_for(progress, lambda: len(progress.tokens) >= 10)  # it went on
     ignored = s.runtime.metrics.registry.get_sample_value
     assert ignored("undercurrent_router_link_ignored_messages_total", {"reason": "unknown_request"}) == 1
     assert ignored("undercurrent_router_link_ignored_messages_total", {"reason": "stale_incarnation"}) == 1
     current = s.router.incarnations[key]
     s.router.push(
-        pb.SessionResponse(abort=pb.Verdict(request_id=key, incarnation=current, reason="now", token_position=50))
+        session_pb.SessionResponse(abort=types_pb.Verdict(request_id=key, incarnation=current, reason="now", token_position=50))
     )
     outcome = await second
-    assert outcome.finished.finish_reason == pb.FINISH_REASON_PROBE_ABORT
+    assert outcome.finished.finish_reason == types_pb.FINISH_REASON_PROBE_ABORT
     assert outcome.finished.verdict.reason == "now" and outcome.finished.verdict.incarnation == 0
     assert outcome.finished.verdict.request_id == "same"
     assert len(outcome.tokens) <= 50 - len(PROMPT)
@@ -313,7 +315,7 @@ async def test_a_verdict_and_its_ack_in_one_message_show_no_gated_token_at_or_af
     trigger = len(PROMPT) + 6
     s = await stack(step_s=0.01, score=lambda request_id, position: 500.0 if position == trigger else 0.0)
     outcome = await run(s.runtime, request("gated", max_tokens=40))
-    assert outcome.finished.finish_reason == pb.FINISH_REASON_PROBE_ABORT
+    assert outcome.finished.finish_reason == types_pb.FINISH_REASON_PROBE_ABORT
     assert outcome.finished.verdict.token_position == trigger
     assert len(outcome.tokens) == trigger - len(PROMPT)  # tokens 0..5: every one before the trigger
 
@@ -327,7 +329,7 @@ async def test_tokens_generated_after_a_verdict_before_the_abort_lands_are_never
     s = await stack(step_s=0.01, abort_lag_steps=4,
                     score=lambda request_id, position: 500.0 if position == trigger else 0.0)
     outcome = await run(s.runtime, request("gated-lag", max_tokens=40))
-    assert outcome.finished.finish_reason == pb.FINISH_REASON_PROBE_ABORT
+    assert outcome.finished.finish_reason == types_pb.FINISH_REASON_PROBE_ABORT
     assert outcome.finished.verdict.token_position == trigger
     assert outcome.finished.generated_tokens >= trigger - len(PROMPT) + 4  # tokens past the trigger were made
     assert outcome.tokens == [100 + g for g in range(trigger - len(PROMPT))]
@@ -343,7 +345,7 @@ async def test_a_gated_token_whose_rows_capture_lost_without_a_word_is_never_sho
     s.capture.silently_lost.add(lost)
     outcome = await run(s.runtime, request("lost-rows", max_tokens=12))
     finished = outcome.finished
-    assert finished.finish_reason == pb.FINISH_REASON_ROUTER_UNAVAILABLE
+    assert finished.finish_reason == types_pb.FINISH_REASON_ROUTER_UNAVAILABLE
     assert finished.verdict.token_position == lost
     assert "capture delivered no rows or too few at 1 position(s), 1 rows missing" in finished.message
     assert outcome.tokens == [100 + g for g in range(lost - len(PROMPT))]
@@ -358,7 +360,7 @@ async def test_rows_capture_lost_without_a_word_are_counted_for_a_fail_open_requ
     s.capture.silently_lost.add(lost)
     outcome = await run(s.runtime, request("lost-open", OPEN, max_tokens=12))
     finished = outcome.finished
-    assert finished.finish_reason == pb.FINISH_REASON_LENGTH and len(outcome.tokens) == 12
+    assert finished.finish_reason == types_pb.FINISH_REASON_LENGTH and len(outcome.tokens) == 12
     assert (finished.unprobed_tokens, finished.dropped_records) == (1, 1)
     assert finished.message.startswith("1 tokens unprobed (fail_open): capture delivered no rows")
 
@@ -379,10 +381,10 @@ async def test_a_failed_delivery_ends_the_requests_it_concerned_and_the_loop_goe
 
     monkeypatch.setattr(s.runtime, "_deliver", deliver_once_broken)
     broken = await run(s.runtime, request("broken", OPEN, max_tokens=20))
-    assert broken.finished.finish_reason == pb.FINISH_REASON_ERROR
+    assert broken.finished.finish_reason == types_pb.FINISH_REASON_ERROR
     assert "delivering its activations failed: RuntimeError: delivery bug" in broken.finished.message
     after = await run(s.runtime, request("after", max_tokens=20))
-    assert after.finished.finish_reason == pb.FINISH_REASON_LENGTH
+    assert after.finished.finish_reason == types_pb.FINISH_REASON_LENGTH
     assert after.finished.unprobed_tokens == 0 and len(after.tokens) == 20
     assert s.runtime.metrics.registry.get_sample_value("undercurrent_engine_drain_failures_total") == 1
     assert s.runtime.health(routers_optional=False) == (True, "")
@@ -403,7 +405,7 @@ async def test_rows_a_worker_dropped_past_its_backlog_bound_are_counted_in_the_r
     s.capture.dropped_rows[(key, "rows_for_the_client")] = list(range(7))
     outcome = await running
     finished = outcome.finished
-    assert finished.finish_reason == pb.FINISH_REASON_ERROR
+    assert finished.finish_reason == types_pb.FINISH_REASON_ERROR
     assert "--capture-backlog-bytes" in finished.message
     assert finished.dropped_records == 7
     assert s.runtime.metrics.registry.get_sample_value(
@@ -417,7 +419,7 @@ async def test_recomputed_rows_the_capture_discards_are_counted_and_lose_nothing
     s = await stack()
     s.capture.recomputed_rows_discarded = 9
     outcome = await run(s.runtime, request("recomputed", max_tokens=8))
-    assert outcome.finished.finish_reason == pb.FINISH_REASON_LENGTH and len(outcome.tokens) == 8
+    assert outcome.finished.finish_reason == types_pb.FINISH_REASON_LENGTH and len(outcome.tokens) == 8
     assert (outcome.finished.unprobed_tokens, outcome.finished.dropped_records) == (0, 0)
     sample = s.runtime.metrics.registry.get_sample_value
     assert sample("undercurrent_engine_recomputed_rows_discarded_total") == 9
@@ -436,7 +438,7 @@ async def test_a_stopped_drain_loop_ends_every_request_and_the_engine_stops_serv
     await wait_for(progress, lambda: len(progress.tokens) >= 3)
     s.capture.drain_error = LoopKiller("worker gone")
     outcome = await asyncio.wait_for(running, 10)
-    assert outcome.finished.finish_reason == pb.FINISH_REASON_ERROR
+    assert outcome.finished.finish_reason == types_pb.FINISH_REASON_ERROR
     assert "the capture drain loop stopped: LoopKiller: worker gone" in outcome.finished.message
     serving, why = s.runtime.health(routers_optional=True)
     assert not serving and "LoopKiller" in why
@@ -448,7 +450,7 @@ async def test_a_failing_unregister_still_finishes_the_stream(stack):
     s = await stack()
     s.capture.unregister_error = RuntimeError("rpc failed")
     outcome = await asyncio.wait_for(run(s.runtime, request("r", OPEN, max_tokens=10)), 10)
-    assert outcome.finished.finish_reason == pb.FINISH_REASON_ERROR
+    assert outcome.finished.finish_reason == types_pb.FINISH_REASON_ERROR
     assert "engine error after generation: RuntimeError: rpc failed" in outcome.finished.message
 
 
@@ -460,10 +462,10 @@ async def test_client_only_capture_finishes_after_the_last_rows_arrived(stack):
     for attempt in range(5):
         message = request(f"client-{attempt}", policy=None, gate=False, max_tokens=8)
         message.extraction_points.add(
-            name="resid", tensor_type=pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=[1], stream_to_client=True
+            name="resid", tensor_type=types_pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=[1], stream_to_client=True
         )
         outcome = await run(s.runtime, message)
-        assert outcome.finished.finish_reason == pb.FINISH_REASON_LENGTH
+        assert outcome.finished.finish_reason == types_pb.FINISH_REASON_LENGTH
         positions = sorted(
             int(p)
             for r in outcome.responses
@@ -496,6 +498,6 @@ async def test_an_abort_before_vllm_runs_the_request_ends_it_and_vllm_never_runs
     assert await s.runtime.abort("early")
     release.set()
     outcome = await asyncio.wait_for(running, 10)
-    assert outcome.finished.finish_reason == pb.FINISH_REASON_CLIENT_ABORT
+    assert outcome.finished.finish_reason == types_pb.FINISH_REASON_CLIENT_ABORT
     assert outcome.tokens == [] and outcome.finished.generated_tokens == 0
     assert not ran(s.llm.running, "early") and not ran(s.llm.aborted[1:], "early")

@@ -6,7 +6,7 @@ import asyncio
 import itertools
 
 import numpy as np
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 from common.activations import Block
 from engine_service.link import LinkEvent, RouterLink
@@ -15,9 +15,9 @@ from engine_service.request.ledger import RequestLedger
 from engine_service.request.probe_points import point_name
 from tools.router_double import PROBE
 
-FAIL_OPEN = [pb.ProbeBinding(probe="first_element", failure_policy=pb.FAILURE_POLICY_FAIL_OPEN)]
-FAIL_CLOSED = [pb.ProbeBinding(probe="first_element", failure_policy=pb.FAILURE_POLICY_FAIL_CLOSED)]
-MODEL = pb.ModelInfo(model="tiny", num_layers=2, hidden_size=8, dtype="float32")
+FAIL_OPEN = [types_pb.ProbeBinding(probe="first_element", failure_policy=types_pb.FAILURE_POLICY_FAIL_OPEN)]
+FAIL_CLOSED = [types_pb.ProbeBinding(probe="first_element", failure_policy=types_pb.FAILURE_POLICY_FAIL_CLOSED)]
+MODEL = types_pb.ModelInfo(model="tiny", num_layers=2, hidden_size=8, dtype="float32")
 HIDDEN = 8
 
 # Fast timings so failures are detected in tens of milliseconds.
@@ -71,7 +71,7 @@ def step(
     rows[:, 1] = positions
     return Block(
         point_name("residual_stream", layer),
-        pb.TENSOR_TYPE_RESIDUAL_STREAM,
+        types_pb.TENSOR_TYPE_RESIDUAL_STREAM,
         layer,
         rows,
         request_ids,
@@ -97,9 +97,9 @@ def start(
     current. Returns the ledger; the test says what the model computed
     (`computed_below`), as the engine does when tokens come."""
     bindings = list(bindings if bindings is not None else FAIL_OPEN)
-    infos = [pb.ProbeInfo(name=b.probe, tensor_type=PROBE.tensor_type, layers=layers,
+    infos = [types_pb.ProbeInfo(name=b.probe, tensor_type=PROBE.tensor_type, layers=layers,
                           digest=PROBE.digest if b.probe == PROBE.name else "") for b in bindings]
-    pinned = pins.pinned(bindings, infos, pb.FAILURE_POLICY_FAIL_CLOSED)
+    pinned = pins.pinned(bindings, infos, types_pb.FAILURE_POLICY_FAIL_CLOSED)
     ledger = RequestLedger(prompt_length, pins.for_ledger(pinned, infos))
     incarnation = next(_incarnations) if incarnation is None else incarnation
     link.start_request(request_id, incarnation, pinned, prompt_length, ledger)

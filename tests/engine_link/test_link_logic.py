@@ -8,7 +8,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import router_session_pb2 as session_pb
 
 from common.activations import Block, from_batch, to_batch
 from common import router_targets as targets
@@ -130,7 +130,7 @@ def test_split_by_size_fits_limit_and_keeps_every_row_in_order():
     parts = batching.split_by_size(blocks, limit)
     assert len(parts) > 1
     for part in parts:
-        message = pb.SessionRequest(batch=to_batch(part, step=2**40))
+        message = session_pb.SessionRequest(batch=to_batch(part, step=2**40))
         assert message.ByteSize() <= limit
     sent = [
         (b.layer, r, int(p))

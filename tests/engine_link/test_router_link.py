@@ -10,7 +10,8 @@ import numpy as np
 import prometheus_client
 import pytest
 import zmq
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import router_session_pb2 as session_pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 from common.activations import Block, decode_parts, encode_part
 from engine_service.capture.channel import shipment_frames, shipment_from_frames
@@ -69,7 +70,7 @@ async def test_two_replicas_split_requests_and_each_request_stays_on_one(routers
     for ledger in ledgers.values():
         ledger.computed_below(4)
     for request_id in ids:
-        link.end_request(request_id, pb.FINISH_REASON_STOP)
+        link.end_request(request_id, types_pb.FINISH_REASON_STOP)
     for router in (a, b):
         mine = [r for r in ids if owners[r] == router.address]
         await router.wait_for(
@@ -124,7 +125,7 @@ async def test_a_refused_request_start_leaves_the_stream_up_and_the_request_unsc
     link, events = links(router.address)
     await link.start()
     await link.wait_ready(timeout=10)
-    bad = start(link, "bad", [pb.ProbeBinding(probe="missing", failure_policy=pb.FAILURE_POLICY_FAIL_CLOSED)])
+    bad = start(link, "bad", [types_pb.ProbeBinding(probe="missing", failure_policy=types_pb.FAILURE_POLICY_FAIL_CLOSED)])
     start(link, "good", prompt_length=1)
     link.send_step([step({"good": [0], "bad": [0]})])
     await events.wait_for(lambda: events.of(Processed, "good"))
@@ -326,7 +327,7 @@ async def test_a_step_over_the_message_limit_is_split(routers, links):
     await events.wait_for(lambda: ledger.releasable_through() == 99)
     assert len(router.batches) >= 2
     assert [b.step for b in router.batches] == list(range(1, len(router.batches) + 1))
-    assert all(pb.SessionRequest(batch=b).ByteSize() <= limit for b in router.batches)
+    assert all(session_pb.SessionRequest(batch=b).ByteSize() <= limit for b in router.batches)
     assert router.requests["big"].positions == list(range(100))
 
 
@@ -404,7 +405,7 @@ async def test_a_request_started_before_any_replica_is_up_starts_clean(routers, 
 
 
 async def test_drain_moves_requests_away_and_drops_its_probes_from_the_catalog(routers, links):
-    only_a = pb.ProbeInfo(name="only_on_a", tensor_type=pb.TENSOR_TYPE_MLP_OUT, layers=[1])
+    only_a = types_pb.ProbeInfo(name="only_on_a", tensor_type=types_pb.TENSOR_TYPE_MLP_OUT, layers=[1])
     a = await routers(probes=[PROBE, only_a])
     b = await routers()
     link, events = links(f"{a.address},{b.address}")
@@ -463,7 +464,7 @@ async def test_catalog_follows_router_pushes(routers, links):
     await link.start()
     await link.wait_ready(timeout=10)
     assert loaded(link) == ["first_element"]
-    router.set_probes([pb.ProbeInfo(name="second", tensor_type=pb.TENSOR_TYPE_ATTN_OUT, layers=[0, 1])])
+    router.set_probes([types_pb.ProbeInfo(name="second", tensor_type=types_pb.TENSOR_TYPE_ATTN_OUT, layers=[0, 1])])
     await until(lambda: loaded(link) == ["second"])
     assert list(link.catalogs()[router.address]["second"].layers) == [0, 1]
 
@@ -507,7 +508,7 @@ def received_step(rows: np.ndarray, request_id: str, layers: int) -> list[Block]
     worker's push brought (`capture.channel`), one block per layer of `rows`."""
     per_layer = len(rows) // layers
     header, buffers = shipment_frames({"rank": 0, "parts": [
-        encode_part(Block("probe.residual_stream.0", pb.TENSOR_TYPE_RESIDUAL_STREAM, layer,
+        encode_part(Block("probe.residual_stream.0", types_pb.TENSOR_TYPE_RESIDUAL_STREAM, layer,
                           rows[layer * per_layer : (layer + 1) * per_layer], [request_id] * per_layer,
                           np.arange(per_layer), np.ones(per_layer, bool)), copy=False)
         for layer in range(layers)]})

@@ -14,7 +14,7 @@ import pytest
 from tests.faults import harness
 from tools import stack
 from tools.tcp_proxy import TcpProxy
-from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent.v1 import engine_pb2_grpc as engine_pb_grpc
 
 pytestmark = pytest.mark.vllm
 
@@ -42,7 +42,7 @@ async def engine_service(tiny_llama_path, proxy, engine_metrics_port):
     ).start()
     try:
         async with stack.channel(service.address) as channel:
-            await stack.wait_model_info(pb_grpc.EngineServiceStub(channel), service, timeout=400)
+            await stack.wait_model_info(engine_pb_grpc.EngineServiceStub(channel), service, timeout=400)
         yield service
     finally:
         service.kill()
@@ -51,7 +51,7 @@ async def engine_service(tiny_llama_path, proxy, engine_metrics_port):
 @pytest.fixture
 async def engine(engine_service):
     async with stack.channel(engine_service.address) as channel:
-        yield pb_grpc.EngineServiceStub(channel)
+        yield engine_pb_grpc.EngineServiceStub(channel)
 
 
 class RouterProcess:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from common.probe_format.files import write_probe
 from tools import stack
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 WATCH = "fault_watch"
 WATCH_LAYER = 1
@@ -41,10 +42,10 @@ def write_watch_probe(directory: Path, hidden: int = 128) -> None:
 
 
 def request(rid: str, policy: int, max_tokens: int, probe: str = WATCH, gate: bool = False,
-            action: int = pb.PROBE_ACTION_UNSPECIFIED) -> pb.GenerateRequest:
-    message = pb.GenerateRequest(
+            action: int = types_pb.PROBE_ACTION_UNSPECIFIED) -> engine_pb.GenerateRequest:
+    message = engine_pb.GenerateRequest(
         request_id=rid, text=f"request {rid} says hello",
-        sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+        sampling=engine_pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
         gate_tokens=gate,
     )
     message.probes.add(probe=probe, failure_policy=policy, action=action)

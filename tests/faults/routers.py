@@ -11,17 +11,18 @@ from collections import defaultdict
 from common.activations import from_batch
 from tools.dev_security import DevSecurity
 from tools.router_double import RouterDouble
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import router_session_pb2 as session_pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 LAYERS = [0, 1, 2, 3]
 
 
-def probe_info(name: str, layers=LAYERS) -> pb.ProbeInfo:
+def probe_info(name: str, layers=LAYERS) -> types_pb.ProbeInfo:
     """An observe probe on the residual stream of `layers` for every generated token."""
-    return pb.ProbeInfo(
-        name=name, kind="norm", tensor_type=pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=list(layers),
-        hidden_size=128, dtype="float32", action=pb.PROBE_ACTION_OBSERVE, threshold=1e9,
-        version="1", tokens=pb.TokenSelector(scope=pb.TokenSelector.SCOPE_GENERATED),
+    return types_pb.ProbeInfo(
+        name=name, kind="norm", tensor_type=types_pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=list(layers),
+        hidden_size=128, dtype="float32", action=types_pb.PROBE_ACTION_OBSERVE, threshold=1e9,
+        version="1", tokens=types_pb.TokenSelector(scope=types_pb.TokenSelector.SCOPE_GENERATED),
     )
 
 
@@ -41,14 +42,14 @@ class KeyRecordingRouter(_TLSRouterDouble):
         # request id -> one list of (position, layer) keys per batch, in arrival order
         self.keys: dict[str, list[list[tuple[int, int]]]] = defaultdict(list)
 
-    def _score(self, batch: pb.ActivationBatch) -> list[pb.SessionResponse]:
+    def _score(self, batch: types_pb.ActivationBatch) -> list[session_pb.SessionResponse]:
         arrived: dict[str, list[tuple[int, int]]] = defaultdict(list)
         for block in from_batch(batch):
             for request_id, position in zip(block.request_ids, block.token_positions):
                 arrived[request_id].append((int(position), block.layer))
         for request_id, keys in arrived.items():
             self.keys[request_id].append(keys)
-        return [pb.SessionResponse(ack=pb.StepAck(step=batch.step))]
+        return [session_pb.SessionResponse(ack=session_pb.StepAck(step=batch.step))]
 
 
 class ErroringRouter(_TLSRouterDouble):
@@ -61,12 +62,12 @@ class ErroringRouter(_TLSRouterDouble):
         self.errors_sent = 0
         self.errored: set[str] = set()  # the requests that were sent an error
 
-    def _score(self, batch: pb.ActivationBatch) -> list[pb.SessionResponse]:
+    def _score(self, batch: types_pb.ActivationBatch) -> list[session_pb.SessionResponse]:
         replies = []
         for request_id in dict.fromkeys(r for b in from_batch(batch) for r in b.request_ids):
             self.errors_sent += 1
             self.errored.add(request_id)
-            replies.append(self._error(request_id, pb.STATUS_CODE_INTERNAL, "probe evaluation failed",
+            replies.append(self._error(request_id, session_pb.STATUS_CODE_INTERNAL, "probe evaluation failed",
                                        probe=self.probe, step=batch.step))
-        replies.append(pb.SessionResponse(ack=pb.StepAck(step=batch.step)))
+        replies.append(session_pb.SessionResponse(ack=session_pb.StepAck(step=batch.step)))
         return replies

@@ -14,11 +14,12 @@ from tests.faults.harness import ROUTER_TIMEOUT_S
 from tests.faults.routers import ErroringRouter, KeyRecordingRouter, probe_info
 from tools import stack
 from tools.router_double import of_client
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 pytestmark = pytest.mark.vllm
 
-CLOSED, OPEN = pb.FAILURE_POLICY_FAIL_CLOSED, pb.FAILURE_POLICY_FAIL_OPEN
+CLOSED, OPEN = types_pb.FAILURE_POLICY_FAIL_CLOSED, types_pb.FAILURE_POLICY_FAIL_OPEN
 LONG = 900  # tokens: far more than a request generates before any fault ends it
 POLICY_ENDS = 'undercurrent_engine_aborts_total{reason="ROUTER_UNAVAILABLE"}'
 # Router state after a silent fault heals: the engine gave up on the silent
@@ -204,9 +205,9 @@ async def test_send_queue_overflow(engine, proxy, engine_metrics_port, policy):
     # queue fills before the router timeout depends on the host's speed.
     router.transport_options = [("grpc.http2.bdp_probe", 0)]
     router.probes = [probe_info("slow"), probe_info("slow_mlp")]
-    router.probes[1].tensor_type = pb.TENSOR_TYPE_MLP_OUT
+    router.probes[1].tensor_type = types_pb.TENSOR_TYPE_MLP_OUT
     for info in router.probes:
-        info.tokens.scope = pb.TokenSelector.SCOPE_ALL
+        info.tokens.scope = types_pb.TokenSelector.SCOPE_ALL
     await router.start()
     try:
         proxy.retarget(router.address)
@@ -216,9 +217,9 @@ async def test_send_queue_overflow(engine, proxy, engine_metrics_port, policy):
         requests = []
         for i in range(3):
             # Long prompts with every row captured fill the transport's windows at once.
-            message = pb.GenerateRequest(
-                request_id=f"overflow-{policy}-{i}", token_ids=pb.TokenIds(ids=[5 + i + 10 * policy] * 700),
-                sampling=pb.SamplingParams(max_tokens=OVERFLOW_TOKENS, temperature=0, ignore_eos=True))
+            message = engine_pb.GenerateRequest(
+                request_id=f"overflow-{policy}-{i}", token_ids=engine_pb.TokenIds(ids=[5 + i + 10 * policy] * 700),
+                sampling=engine_pb.SamplingParams(max_tokens=OVERFLOW_TOKENS, temperature=0, ignore_eos=True))
             message.probes.add(probe="slow", failure_policy=policy)
             message.probes.add(probe="slow_mlp", failure_policy=policy)
             requests.append(asyncio.create_task(stack.generate(engine, message)))

@@ -13,8 +13,8 @@ import pytest
 
 from tests.faults import harness
 from tools import stack
-from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent.v1 import types_pb2 as types_pb
+from undercurrent.v1 import engine_pb2_grpc as engine_pb_grpc
 
 pytestmark = pytest.mark.vllm
 
@@ -26,7 +26,7 @@ ROUTER_FREES_WITHIN_S = 3.0
 async def test_engine_sigkill_frees_router_state(engine_service, engine, start_router,
                                                  tiny_llama_path):
     router = await start_router()
-    policies = [pb.FAILURE_POLICY_FAIL_CLOSED, pb.FAILURE_POLICY_FAIL_OPEN] * 2
+    policies = [types_pb.FAILURE_POLICY_FAIL_CLOSED, types_pb.FAILURE_POLICY_FAIL_OPEN] * 2
     running = []
     for i, policy in enumerate(policies):
         progress = stack.Outcome()
@@ -51,11 +51,11 @@ async def test_engine_sigkill_frees_router_state(engine_service, engine, start_r
     fresh = stack.engine(tiny_llama_path, router.address, max_model_len=1024).start()
     try:
         async with stack.channel(fresh.address) as channel:
-            stub = pb_grpc.EngineServiceStub(channel)
+            stub = engine_pb_grpc.EngineServiceStub(channel)
             await stack.wait_model_info(stub, fresh, timeout=400)
             await stack.wait_for_probe(stub, harness.WATCH, timeout=120)
             outcome = await stack.generate(
-                stub, harness.request("new-engine", pb.FAILURE_POLICY_FAIL_CLOSED, 12))
+                stub, harness.request("new-engine", types_pb.FAILURE_POLICY_FAIL_CLOSED, 12))
         assert outcome.reason == "LENGTH" and outcome.finished.unprobed_tokens == 0
         assert len(stack.scored_positions(outcome)) == 11
         await harness.wait_router_state(router.metrics_port, sessions=1, live_requests=0)

@@ -6,7 +6,7 @@ from pathlib import Path
 import yaml
 
 from tools import node_client
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import admin_pb2, engine_pb2, router_session_pb2, types_pb2
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -47,6 +47,10 @@ def test_lint_reports_an_unprefixed_enum_value_and_a_missing_comment(tmp_path):
 
 
 def test_file_options_name_go_and_java_packages():
-    options = pb.DESCRIPTOR.GetOptions()
-    assert options.go_package.endswith("/gen/go/undercurrent/v1;undercurrentv1")
-    assert (options.java_package, options.java_multiple_files) == ("dev.undercurrent.v1", True)
+    outer_names = set()
+    for contract in (admin_pb2, engine_pb2, router_session_pb2, types_pb2):
+        options = contract.DESCRIPTOR.GetOptions()
+        assert options.go_package.endswith("/gen/go/undercurrent/v1;undercurrentv1")
+        assert (options.java_package, options.java_multiple_files) == ("dev.undercurrent.v1", True)
+        outer_names.add(options.java_outer_classname)
+    assert len(outer_names) == 4  # one Java outer class per file, none clashing

@@ -2,7 +2,9 @@ import numpy as np
 import pytest
 
 from common import activations, tensor_codec
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import router_session_pb2 as session_pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
@@ -24,20 +26,20 @@ def test_bfloat16_matches_torch_rounding():
 
 
 def test_byte_length_mismatch_names_the_field():
-    message = pb.Tensor(dtype="float32", shape=[2, 4], data=b"\0" * 12)
+    message = types_pb.Tensor(dtype="float32", shape=[2, 4], data=b"\0" * 12)
     with pytest.raises(tensor_codec.TensorDecodeError, match="tensor.data has 12 bytes but shape"):
         tensor_codec.decode(message)
 
 
 def test_unknown_dtype_is_refused():
     with pytest.raises(tensor_codec.TensorDecodeError, match="'int8' is not supported"):
-        tensor_codec.decode(pb.Tensor(dtype="int8", shape=[1], data=b"\0"))
+        tensor_codec.decode(types_pb.Tensor(dtype="int8", shape=[1], data=b"\0"))
 
 
 def test_batch_round_trip_interns_request_ids_and_keeps_order():
     rng = np.random.default_rng(2)
     blocks = [
-        activations.Block("p", pb.TENSOR_TYPE_RESIDUAL_STREAM, layer, rng.normal(size=(3, 8)).astype(np.float32),
+        activations.Block("p", types_pb.TENSOR_TYPE_RESIDUAL_STREAM, layer, rng.normal(size=(3, 8)).astype(np.float32),
                           ["a", "b", "a"], np.array([4, 4, 5]), np.array([True, False, True]))
         for layer in (1, 3)
     ]
@@ -54,8 +56,8 @@ def test_forward_order_interleaves_layers_by_token():
     """Two pipeline stages deliver layer 1 and layer 3 as separate blocks; a
     probe must see them in the order the forward pass computed them."""
     rows = np.zeros((2, 4), np.float32)
-    early = activations.Block("p", pb.TENSOR_TYPE_RESIDUAL_STREAM, 1, rows, ["r", "r"], np.array([7, 8]), np.array([True, True]))
-    late = activations.Block("p", pb.TENSOR_TYPE_RESIDUAL_STREAM, 3, rows, ["r", "r"], np.array([7, 8]), np.array([True, True]))
+    early = activations.Block("p", types_pb.TENSOR_TYPE_RESIDUAL_STREAM, 1, rows, ["r", "r"], np.array([7, 8]), np.array([True, True]))
+    late = activations.Block("p", types_pb.TENSOR_TYPE_RESIDUAL_STREAM, 3, rows, ["r", "r"], np.array([7, 8]), np.array([True, True]))
     order = [(rec.token_position, rec.layer) for rec in activations.forward_order([late, early])]
     assert order == [(7, 1), (7, 3), (8, 1), (8, 3)]
 
@@ -65,18 +67,18 @@ def test_batch_bytes_are_the_batch_protobuf_makes_with_the_step_set_at_write_tim
     rng = np.random.default_rng(3)
     bits = tensor_codec.float32_to_bfloat16_bits(rng.normal(size=(3, 8)).astype(np.float32))
     blocks = [
-        activations.Block("p", pb.TENSOR_TYPE_RESIDUAL_STREAM, 1, bits, ["a", "b", "a"], np.array([4, 4, 5]),
+        activations.Block("p", types_pb.TENSOR_TYPE_RESIDUAL_STREAM, 1, bits, ["a", "b", "a"], np.array([4, 4, 5]),
                           np.array([True, False, True]), "bfloat16"),
-        activations.Block("q", pb.TENSOR_TYPE_MLP_OUT, 2, rng.normal(size=(2, 8)).astype(np.float32), ["c", "a"],
+        activations.Block("q", types_pb.TENSOR_TYPE_MLP_OUT, 2, rng.normal(size=(2, 8)).astype(np.float32), ["c", "a"],
                           np.array([9, 5]), np.array([True, True]), "bfloat16"),  # rounded to bfloat16
-        activations.Block("r", pb.TENSOR_TYPE_ATTN_OUT, 3, rng.normal(size=(2, 300)), ["c", "a"],
+        activations.Block("r", types_pb.TENSOR_TYPE_ATTN_OUT, 3, rng.normal(size=(2, 300)), ["c", "a"],
                           np.array([9, 5]), np.array([True, True])),  # float64, a 2-byte length
-        activations.Block("z", pb.TENSOR_TYPE_FINAL_NORM, 4, np.zeros((0, 8), np.float32), [], np.zeros(0, np.int64),
+        activations.Block("z", types_pb.TENSOR_TYPE_FINAL_NORM, 4, np.zeros((0, 8), np.float32), [], np.zeros(0, np.int64),
                           np.zeros(0, bool)),
     ]
     packed = activations.batch_bytes(blocks)
     wire = activations.session_request_bytes(packed, step)
-    message = pb.SessionRequest.FromString(wire)
+    message = session_pb.SessionRequest.FromString(wire)
     assert message.WhichOneof("message") == "batch"
     assert message.batch == activations.to_batch(blocks, step=step)
     assert packed.nbytes == len(b"".join(packed.pieces)) == activations.to_batch(blocks).ByteSize()
@@ -84,7 +86,7 @@ def test_batch_bytes_are_the_batch_protobuf_makes_with_the_step_set_at_write_tim
 
 def test_batch_with_bad_request_index_is_refused_with_the_block_named():
     batch = activations.to_batch(
-        [activations.Block("p", pb.TENSOR_TYPE_MLP_OUT, 2, np.zeros((1, 4), np.float32), ["a"], np.array([0]), np.array([False]))]
+        [activations.Block("p", types_pb.TENSOR_TYPE_MLP_OUT, 2, np.zeros((1, 4), np.float32), ["a"], np.array([0]), np.array([False]))]
     )
     batch.blocks[0].request_index[0] = 5
     with pytest.raises(activations.BatchDecodeError, match=r"blocks\[0\] \(p@2\).request_index"):
@@ -98,10 +100,10 @@ def test_batch_with_bad_request_index_is_refused_with_the_block_named():
     ([-1, 4], "negative dimension"),
 ])
 def test_shapes_that_overflow_are_refused_as_decode_errors(shape, reason):
-    message = pb.Tensor(dtype="float32", shape=shape, data=b"")
+    message = types_pb.Tensor(dtype="float32", shape=shape, data=b"")
     with pytest.raises(tensor_codec.TensorDecodeError, match=reason):
         tensor_codec.decode(message)
-    batch = pb.ActivationBatch(request_ids=["r"], blocks=[pb.ActivationBlock(point="p", rows=message)])
+    batch = types_pb.ActivationBatch(request_ids=["r"], blocks=[types_pb.ActivationBlock(point="p", rows=message)])
     with pytest.raises(activations.BatchDecodeError, match=r"blocks\[0\] \(p@0\)\.rows"):
         activations.BatchReader(batch).block(0)
 
@@ -110,15 +112,15 @@ def test_unknown_enum_values_are_named_with_their_field_path():
     from common.enum_checks import check_enums, unknown_enum
     from common.errors import InvalidArgument
 
-    assert unknown_enum(pb.GenerateRequest(probes=[pb.ProbeBinding(failure_policy=2, action=2)])) is None
-    assert unknown_enum(pb.GenerateRequest(probes=[pb.ProbeBinding(), pb.ProbeBinding(failure_policy=9)])) == (
+    assert unknown_enum(engine_pb.GenerateRequest(probes=[types_pb.ProbeBinding(failure_policy=2, action=2)])) is None
+    assert unknown_enum(engine_pb.GenerateRequest(probes=[types_pb.ProbeBinding(), types_pb.ProbeBinding(failure_policy=9)])) == (
         "probes[1].failure_policy: 9 is not a FailurePolicy")
-    nested = pb.GenerateRequest(extraction_points=[pb.ExtractionPoint(tokens=pb.TokenSelector(scope=7))])
+    nested = engine_pb.GenerateRequest(extraction_points=[types_pb.ExtractionPoint(tokens=types_pb.TokenSelector(scope=7))])
     assert unknown_enum(nested) == "extraction_points[0].tokens.scope: 7 is not a TokenSelector.Scope"
-    assert unknown_enum(pb.ModelInfo(tensor_types=[1, 8]), "hello.model") == (
+    assert unknown_enum(types_pb.ModelInfo(tensor_types=[1, 8]), "hello.model") == (
         "hello.model.tensor_types[1]: 8 is not a TensorType")
     with pytest.raises(InvalidArgument, match=r"probes\[0\]\.action: 3 is not a ProbeAction"):
-        check_enums(pb.GenerateRequest(probes=[pb.ProbeBinding(action=3)]))
+        check_enums(engine_pb.GenerateRequest(probes=[types_pb.ProbeBinding(action=3)]))
 
 
 def test_worker_part_round_trip_keeps_bfloat16_as_bits():
@@ -126,10 +128,10 @@ def test_worker_part_round_trip_keeps_bfloat16_as_bits():
     rows = np.array([[1.5, -2.0], [0.25, 3.0]], dtype=np.float32)
     bits = (rows.view(np.uint32) >> 16).astype(np.uint16)
     for array, dtype in ((rows, "float32"), (bits, "bfloat16")):
-        block = activations.Block("p", pb.TENSOR_TYPE_MLP_OUT, 2, array, ["a", "b"], np.array([4, 0]),
+        block = activations.Block("p", types_pb.TENSOR_TYPE_MLP_OUT, 2, array, ["a", "b"], np.array([4, 0]),
                                   np.array([True, False]), dtype)
         got = activations.decode_part(activations.encode_part(block))
-        assert (got.point, got.tensor_type, got.layer, got.wire_dtype) == ("p", pb.TENSOR_TYPE_MLP_OUT, 2, dtype)
+        assert (got.point, got.tensor_type, got.layer, got.wire_dtype) == ("p", types_pb.TENSOR_TYPE_MLP_OUT, 2, dtype)
         assert got.request_ids == ["a", "b"] and got.token_positions.tolist() == [4, 0]
         assert got.is_generated.tolist() == [True, False]
         assert got.rows.dtype == array.dtype
@@ -151,7 +153,7 @@ def test_decoded_parts_share_key_objects_only_with_equal_keys():
 
     def part(layer, ids, positions):
         return activations.encode_part(activations.Block(
-            "p", pb.TENSOR_TYPE_MLP_OUT, layer, rows, ids, np.array(positions), np.array([True, True])))
+            "p", types_pb.TENSOR_TYPE_MLP_OUT, layer, rows, ids, np.array(positions), np.array([True, True])))
 
     a, b, c, d = activations.decode_parts([
         part(0, ["x", "y"], [4, 4]), part(1, ["x", "y"], [4, 4]), part(2, ["x", "y"], [4, 5]), part(3, ["x", "y"], [4, 5])])

@@ -14,7 +14,7 @@ from common.capture_spec import ExtractionPoint, Scope, TokenSelector
 from engine_service.capture.worker.row_mapping import Registration, RowMapper
 from common.probe_format.files import write_probe
 from tests.router.helpers import HIDDEN, SessionClient, manifest, start_router
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 # Every request runs positions 0..TOTAL-1; prompt lengths differ per request so a
 # rule that mixed up one request's prompt length with another's would show.
@@ -80,7 +80,7 @@ async def router_selection(tmp_path, selector: TokenSelector) -> dict[str, list[
                 ids.append(request_id)
                 positions.append(position)
         positions = np.array(positions, dtype=np.int64)
-        client.batch(Block("p", pb.TENSOR_TYPE_RESIDUAL_STREAM, 1, np.stack(rows), ids, positions,
+        client.batch(Block("p", types_pb.TENSOR_TYPE_RESIDUAL_STREAM, 1, np.stack(rows), ids, positions,
                            positions >= np.array([PROMPT_LENGTHS[r] for r in ids])))
         got = {r: [] for r in PROMPT_LENGTHS}
         for message in await client.sync():

@@ -8,16 +8,16 @@ from pathlib import Path
 import numpy as np
 
 from probe_lifecycle.dataset import DatasetSpec, DatasetWriter, ExampleRows
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 HIDDEN = 16
 TOKENS = 5
 
 
-def model_info(hidden: int = HIDDEN, name: str = "synthetic") -> pb.ModelInfo:
-    return pb.ModelInfo(model=name, architecture="LlamaForCausalLM", num_layers=4,
+def model_info(hidden: int = HIDDEN, name: str = "synthetic") -> types_pb.ModelInfo:
+    return types_pb.ModelInfo(model=name, architecture="LlamaForCausalLM", num_layers=4,
                         hidden_size=hidden, dtype="float32", vocab_size=512,
-                        tensor_types=[pb.TENSOR_TYPE_RESIDUAL_STREAM, pb.TENSOR_TYPE_ATTN_OUT])
+                        tensor_types=[types_pb.TENSOR_TYPE_RESIDUAL_STREAM, types_pb.TENSOR_TYPE_ATTN_OUT])
 
 
 def spec(pooling: str = "all", layers=(1, 2)) -> DatasetSpec:

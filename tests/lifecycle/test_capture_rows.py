@@ -13,22 +13,23 @@ from common.activations import Block, to_batch
 from probe_lifecycle.capture import ATTEMPTS, CaptureError, capture_example
 from probe_lifecycle.dataset import DatasetSpec
 from probe_lifecycle.examples import Example
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import types_pb2 as types_pb
 from undercurrent_client.events import event_of
 
 SPEC = DatasetSpec(("residual_stream",), (1,), "generated", "all", 4)
 PROMPT = 5
 
 
-def responses(positions: list[int]) -> list[pb.GenerateResponse]:
+def responses(positions: list[int]) -> list[engine_pb.GenerateResponse]:
     rows = np.arange(len(positions) * 3, dtype=np.float32).reshape(len(positions), 3)
-    block = Block("residual_stream", pb.TENSOR_TYPE_RESIDUAL_STREAM, 1, rows, ["r"] * len(positions),
+    block = Block("residual_stream", types_pb.TENSOR_TYPE_RESIDUAL_STREAM, 1, rows, ["r"] * len(positions),
                   np.array(positions, np.int64), np.ones(len(positions), bool))
     return [
-        pb.GenerateResponse(started=pb.GenerateStarted(request_id="r", prompt_tokens=PROMPT)),
-        pb.GenerateResponse(activations=to_batch([block])),
-        pb.GenerateResponse(finished=pb.GenerateFinished(
-            finish_reason=pb.FINISH_REASON_LENGTH, prompt_tokens=PROMPT, generated_tokens=4)),
+        engine_pb.GenerateResponse(started=engine_pb.GenerateStarted(request_id="r", prompt_tokens=PROMPT)),
+        engine_pb.GenerateResponse(activations=to_batch([block])),
+        engine_pb.GenerateResponse(finished=engine_pb.GenerateFinished(
+            finish_reason=types_pb.FINISH_REASON_LENGTH, prompt_tokens=PROMPT, generated_tokens=4)),
     ]
 
 
@@ -36,9 +37,9 @@ class ScriptedEngine:
     """Answers AsyncEngineClient.generate with one scripted stream per call, in order,
     read into events by the client's own reader."""
 
-    def __init__(self, *streams: list[pb.GenerateResponse]):
+    def __init__(self, *streams: list[engine_pb.GenerateResponse]):
         self.streams = list(streams)
-        self.requests: list[pb.GenerateRequest] = []
+        self.requests: list[engine_pb.GenerateRequest] = []
 
     async def generate(self, request):
         self.requests.append(request)

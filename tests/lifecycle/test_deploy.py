@@ -8,8 +8,9 @@ from probe_lifecycle.deploy import DeployError, Replicas, deploy, router_replica
 from probe_lifecycle.train import TrainOptions, train_probe
 from tests.lifecycle import synthetic
 from tools import stack
-from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent.v1 import admin_pb2 as admin_pb
+from undercurrent.v1 import types_pb2 as types_pb
+from undercurrent.v1 import admin_pb2_grpc as admin_pb_grpc
 
 
 @pytest.fixture
@@ -36,7 +37,7 @@ async def routers(tmp_path):
 
 async def listed(address: str) -> list[tuple[str, int]]:
     async with stack.channel(address) as channel:
-        reply = await pb_grpc.ProbeAdminServiceStub(channel).ListProbes(pb.ListProbesRequest())
+        reply = await admin_pb_grpc.ProbeAdminServiceStub(channel).ListProbes(admin_pb.ListProbesRequest())
     return [(p.name, p.action) for p in reply.probes]
 
 
@@ -55,10 +56,10 @@ async def test_a_probe_reaches_every_replica_and_a_shadow_copy_observes(routers,
     assert [(d.address, d.probe.name, d.replaced) for d in deployed] == [
         (r.address, "planted", False) for r in routers]
     again = await deploy(probe_dir, targets, name="planted_shadow", action="observe")
-    assert all(d.probe.action == pb.PROBE_ACTION_OBSERVE for d in again)
+    assert all(d.probe.action == types_pb.PROBE_ACTION_OBSERVE for d in again)
     for router in routers:
         assert sorted(await listed(router.address)) == [
-            ("planted", pb.PROBE_ACTION_ABORT), ("planted_shadow", pb.PROBE_ACTION_OBSERVE)]
+            ("planted", types_pb.PROBE_ACTION_ABORT), ("planted_shadow", types_pb.PROBE_ACTION_OBSERVE)]
     assert all(d.replaced for d in await deploy(probe_dir, targets))
 
 

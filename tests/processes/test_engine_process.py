@@ -15,15 +15,15 @@ import grpc
 import pytest
 
 from tools import processes, stack
-from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import engine_pb2_grpc as engine_pb_grpc
 
 pytestmark = pytest.mark.vllm
 
 
-def request(rid: str, max_tokens: int) -> pb.GenerateRequest:
-    return pb.GenerateRequest(request_id=rid, text="graceful",
-                              sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0,
+def request(rid: str, max_tokens: int) -> engine_pb.GenerateRequest:
+    return engine_pb.GenerateRequest(request_id=rid, text="graceful",
+                              sampling=engine_pb.SamplingParams(max_tokens=max_tokens, temperature=0,
                                                          ignore_eos=True))
 
 
@@ -35,7 +35,7 @@ async def test_routerless_engine_serves_reports_metrics_and_drains_on_sigterm(ti
         # Without --router the engine needs no router to be SERVING.
         await service.wait_health(want_serving=True, timeout=240)
         async with stack.channel(service.address) as channel:
-            engine = pb_grpc.EngineServiceStub(channel)
+            engine = engine_pb_grpc.EngineServiceStub(channel)
             first = await stack.generate(engine, request("m1", 5))
             assert first.reason == "LENGTH"
             metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics").read().decode()
@@ -122,7 +122,7 @@ async def test_the_engine_exits_when_vllms_engine_core_dies(tiny_llama_path):
     try:
         await service.wait_health(want_serving=True, timeout=240)
         async with stack.channel(service.address) as channel:
-            engine = pb_grpc.EngineServiceStub(channel)
+            engine = engine_pb_grpc.EngineServiceStub(channel)
             progress = stack.Outcome()
             # vLLM runs in short bursts until the client has seen 5 tokens and is
             # killed while held: unpaced, the tiny model decoded all 1000 tokens

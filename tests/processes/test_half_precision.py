@@ -31,7 +31,7 @@ from tests.capture.wrong_captures import WRONG_CAPTURES
 from tests.e2e import node_live
 from tools import stack
 from tools.capture_engines import Request
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import types_pb2 as types_pb
 from undercurrent_client import Activations, AsyncEngineClient, Generation
 
 pytestmark = pytest.mark.vllm
@@ -62,9 +62,9 @@ class Served:
     tp: int
     pp: int
     address: str
-    info: pb.ModelInfo
+    info: types_pb.ModelInfo
     generations: dict[str, Generation]
-    batches: dict[str, list[pb.ActivationBatch]]
+    batches: dict[str, list[types_pb.ActivationBatch]]
 
     @property
     def name(self) -> str:

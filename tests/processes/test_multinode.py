@@ -19,8 +19,8 @@ from tests.capture.workloads import every_tensor_type, prompt
 from tools import processes, stack
 from tools.aborts import ABORT_LATENCY_BOUND, ROUTER_TIMEOUT_S, arm
 from tools.capture_engines import CaptureRun, Request
-from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import engine_pb2_grpc as engine_pb_grpc
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiworker]
 
@@ -44,7 +44,7 @@ async def two_nodes(tiny_llama_path, tmp_path_factory):
         await engine.wait_health(want_serving=True, timeout=300)
         assert worker.process.poll() is None, worker.log_tail()
         async with stack.channel(engine.address) as channel:
-            yield engine, worker, router, pb_grpc.EngineServiceStub(channel)
+            yield engine, worker, router, engine_pb_grpc.EngineServiceStub(channel)
     finally:
         engine.kill()
         worker.kill()
@@ -53,7 +53,7 @@ async def two_nodes(tiny_llama_path, tmp_path_factory):
 
 async def test_node_1_holds_the_second_stage_and_is_drained_by_rpc(two_nodes):
     engine_service, worker, _, engine = two_nodes
-    info = (await engine.GetModelInfo(pb.GetModelInfoRequest())).model
+    info = (await engine.GetModelInfo(engine_pb.GetModelInfoRequest())).model
     assert (info.tensor_parallel_size, info.pipeline_parallel_size) == (1, 2)
     assert [(r.rank, r.pp_rank, r.start_layer, r.end_layer, r.has_final_norm) for r in info.ranks] == [
         (0, 0, 0, 2, False), (1, 1, 2, 4, True)]
@@ -111,8 +111,8 @@ async def test_the_engine_exits_when_node_1_goes_away(two_nodes):
     # A request sent at the loss ends with the reason (it does not hang with the engine):
     # ended ERROR if it was running when the engine noticed, refused if it came after.
     try:
-        outcome = await stack.generate(engine, pb.GenerateRequest(
-            text="anyone there", sampling=pb.SamplingParams(max_tokens=4, temperature=0)),
+        outcome = await stack.generate(engine, engine_pb.GenerateRequest(
+            text="anyone there", sampling=engine_pb.SamplingParams(max_tokens=4, temperature=0)),
             timeout=ENGINE_EXIT_BOUND_S)
         assert outcome.reason == "ERROR", outcome.finished
         assert outcome.finished.message.startswith("engine error: a node may be lost: "), outcome.finished

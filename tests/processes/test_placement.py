@@ -11,8 +11,8 @@ import pytest
 from engine_service.cpu_host.placement import core_list
 from tools import stack
 from tools.processes import vllm_engine_core
-from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import engine_pb2_grpc as engine_pb_grpc
 
 pytestmark = pytest.mark.vllm
 
@@ -41,8 +41,8 @@ async def test_the_engine_service_moves_off_its_workers_core_and_its_engine_core
         assert expected in service.log_path.read_text(errors="replace"), service.log_tail()
         # Serving from there: a request completes.
         async with stack.channel(service.address) as channel:
-            outcome = await stack.generate(pb_grpc.EngineServiceStub(channel), pb.GenerateRequest(
-                text="placed", sampling=pb.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)))
+            outcome = await stack.generate(engine_pb_grpc.EngineServiceStub(channel), engine_pb.GenerateRequest(
+                text="placed", sampling=engine_pb.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)))
         assert outcome.reason == "LENGTH" and len(outcome.tokens) == 4
     finally:
         service.kill()

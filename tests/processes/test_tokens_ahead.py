@@ -15,7 +15,7 @@ import signal
 from contextlib import asynccontextmanager
 
 import pytest
-from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent.v1 import engine_pb2_grpc as engine_pb_grpc
 
 from tools import stack
 from tools.aborts import PROMPTS, ROUTER_TIMEOUT_S, arm, request
@@ -40,7 +40,7 @@ async def held_stack(tiny_llama_path, tmp_path_factory):
         await router.wait_health(want_serving=None, timeout=60)
         await engine.wait_health(want_serving=True, timeout=300)
         async with stack.channel(engine.address) as ch:
-            armed = await arm("ahead", pb_grpc.EngineServiceStub(ch), router.address)
+            armed = await arm("ahead", engine_pb_grpc.EngineServiceStub(ch), router.address)
             yield armed, router
     finally:
         engine.kill()

@@ -13,8 +13,11 @@ from tools import stack
 from tools.aborts import (
     ABORT_LATENCY_BOUND, PROMPTS, ROUTER_TIMEOUT_S, arm, request, until_within,
 )
-from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent.v1 import admin_pb2 as admin_pb
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import types_pb2 as types_pb
+from undercurrent.v1 import admin_pb2_grpc as admin_pb_grpc
+from undercurrent.v1 import engine_pb2_grpc as engine_pb_grpc
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiworker]
 
@@ -44,8 +47,8 @@ async def topology_stack(request, tiny_llama_path, tmp_path_factory):
 async def armed(topology_stack):
     name, engine_service, router = topology_stack
     async with stack.channel(engine_service.address) as ch:
-        engine = pb_grpc.EngineServiceStub(ch)
-        info = (await engine.GetModelInfo(pb.GetModelInfoRequest())).model
+        engine = engine_pb_grpc.EngineServiceStub(ch)
+        info = (await engine.GetModelInfo(engine_pb.GetModelInfoRequest())).model
         expected_ranks = {"tp2": [(0, 4), (0, 4)], "pp2": [(0, 2), (2, 4)]}[name]
         assert [(r.start_layer, r.end_layer) for r in info.ranks] == expected_ranks
         yield await arm(name, engine, router.address)
@@ -112,15 +115,15 @@ async def test_gated_tokens_wait_for_every_stage_and_every_fail_closed_probe(top
     if name != "pp2":
         pytest.skip("the stages only differ under pipeline parallelism")
     async with stack.channel(router.address) as admin_channel:
-        admin = pb_grpc.ProbeAdminServiceStub(admin_channel)
+        admin = admin_pb_grpc.ProbeAdminServiceStub(admin_channel)
         for manifest in (norm_probe("early_watch", 0, "observe", 1e9, "all"),
                          norm_probe("late_guard", 3, "abort", 0.0, "generated", min_tokens=GATE_MIN_TOKENS)):
-            await admin.LoadProbe(pb.LoadProbeRequest(inline=pb.InlineProbe(manifest_json=manifest)))
+            await admin.LoadProbe(admin_pb.LoadProbeRequest(inline=admin_pb.InlineProbe(manifest_json=manifest)))
     await stack.wait_for_probe(armed.engine, "late_guard")
     outcomes = await asyncio.gather(*[stack.generate(armed.engine, request(
         PROMPTS[i % 2], f"pp-gated-{i}", gate_tokens=True, probes=[
-            pb.ProbeBinding(probe="early_watch", failure_policy=pb.FAILURE_POLICY_FAIL_CLOSED),
-            pb.ProbeBinding(probe="late_guard", failure_policy=pb.FAILURE_POLICY_FAIL_CLOSED)]))
+            types_pb.ProbeBinding(probe="early_watch", failure_policy=types_pb.FAILURE_POLICY_FAIL_CLOSED),
+            types_pb.ProbeBinding(probe="late_guard", failure_policy=types_pb.FAILURE_POLICY_FAIL_CLOSED)]))
         for i in range(12)])
     for outcome in outcomes:
         finished = outcome.finished

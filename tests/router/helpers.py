@@ -11,14 +11,15 @@ from common.activations import Block
 from common.probe_format.files import write_probe
 from router_service.server import Router, RouterConfig
 from tools import session_client
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import router_session_pb2 as session_pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 HIDDEN = 16
 LAYERS = 4
 
 
-def model_info(hidden: int = HIDDEN, layers: int = LAYERS, tensor_types=(pb.TENSOR_TYPE_RESIDUAL_STREAM, pb.TENSOR_TYPE_MLP_OUT)):
-    return pb.ModelInfo(model="test-model", hidden_size=hidden, num_layers=layers, dtype="bfloat16",
+def model_info(hidden: int = HIDDEN, layers: int = LAYERS, tensor_types=(types_pb.TENSOR_TYPE_RESIDUAL_STREAM, types_pb.TENSOR_TYPE_MLP_OUT)):
+    return types_pb.ModelInfo(model="test-model", hidden_size=hidden, num_layers=layers, dtype="bfloat16",
                         tensor_types=list(tensor_types))
 
 
@@ -47,7 +48,7 @@ def channel(router: Router | int) -> grpc.aio.Channel:
     return session_client.channel(router if isinstance(router, int) else router.port)
 
 
-def block(rows, request_ids, positions, generated=None, layer=1, tensor_type=pb.TENSOR_TYPE_RESIDUAL_STREAM,
+def block(rows, request_ids, positions, generated=None, layer=1, tensor_type=types_pb.TENSOR_TYPE_RESIDUAL_STREAM,
           dtype="float32", point="p") -> Block:
     rows = np.asarray(rows, dtype=np.float32)
     positions = np.asarray(positions, dtype=np.int64)
@@ -63,19 +64,19 @@ class SessionClient(session_client.SessionClient):
                  open_channel: grpc.aio.Channel | None = None):
         super().__init__(router if isinstance(router, int) else router.port, engine_id, open_channel)
 
-    async def open(self, model: pb.ModelInfo | None = None, accepts_replies: bool = False) -> pb.RouterHello:
+    async def open(self, model: types_pb.ModelInfo | None = None, accepts_replies: bool = False) -> session_pb.RouterHello:
         return await super().open(model or model_info(), accepts_replies)
 
 
-def bound(registry, *probes, **fields) -> list[pb.SessionBinding]:
+def bound(registry, *probes, **fields) -> list[session_pb.SessionBinding]:
     """request_start bindings of these probes at the versions `registry` holds."""
     loaded = {p.name: p.digest for p in registry.probes()}
-    return [pb.SessionBinding(probe=p, digest=loaded.get(p, ""), **fields) for p in probes]
+    return [session_pb.SessionBinding(probe=p, digest=loaded.get(p, ""), **fields) for p in probes]
 
 
 def kinds(messages) -> list[str]:
     return [m.WhichOneof("message") for m in messages]
 
 
-def errors(messages) -> list[pb.RequestError]:
+def errors(messages) -> list[session_pb.RequestError]:
     return [m.error for m in messages if m.WhichOneof("message") == "error"]

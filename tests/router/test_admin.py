@@ -10,19 +10,20 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.probe_format.files import ProbeRoot, encode_safetensors
 from tests.router.helpers import HIDDEN, SessionClient, block, channel, errors, kinds, linear_probe, manifest
-from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc
+from undercurrent.v1 import admin_pb2 as admin_pb
+from undercurrent.v1 import router_session_pb2 as session_pb
+from undercurrent.v1 import admin_pb2_grpc as admin_pb_grpc
 
 E0 = np.eye(HIDDEN)[0]
 
 
 def admin(router):
-    return undercurrent_pb2_grpc.ProbeAdminServiceStub(channel(router))
+    return admin_pb_grpc.ProbeAdminServiceStub(channel(router))
 
 
 def inline(name, weight, **fields):
     spec = manifest(name, "linear", threshold=0.0, action="observe", **fields)
-    return pb.InlineProbe(manifest_json=json.dumps(spec),
+    return admin_pb.InlineProbe(manifest_json=json.dumps(spec),
                           weights_safetensors=encode_safetensors({"weight": weight}, "float32"))
 
 
@@ -41,14 +42,14 @@ async def test_load_list_unload_live_without_dropping_the_session(make_router, t
 
     # Load by path and inline: each pushes a catalog to the open session.
     path = linear_probe(tmp_path / "more", "by_path", E0 * 2, kind="linear", threshold=0.0, action="observe")
-    info = (await stub.LoadProbe(pb.LoadProbeRequest(path=str(path.relative_to(tmp_path))))).probe
+    info = (await stub.LoadProbe(admin_pb.LoadProbeRequest(path=str(path.relative_to(tmp_path))))).probe
     assert (info.name, info.kind, list(info.layers)) == ("by_path", "linear", [1])
     catalog = (await client.until("catalog")).catalog
     assert [p.name for p in catalog.probes] == ["by_path", "first"]
-    await stub.LoadProbe(pb.LoadProbeRequest(inline=inline("inline", E0 * 3)))
+    await stub.LoadProbe(admin_pb.LoadProbeRequest(inline=inline("inline", E0 * 3)))
     catalog = (await client.until("catalog")).catalog
     assert [p.name for p in catalog.probes] == ["by_path", "first", "inline"]
-    listed = await stub.ListProbes(pb.ListProbesRequest())
+    listed = await stub.ListProbes(admin_pb.ListProbesRequest())
     assert [p.name for p in listed.probes] == ["by_path", "first", "inline"]
 
     # The new probes score on the same session.
@@ -58,20 +59,20 @@ async def test_load_list_unload_live_without_dropping_the_session(make_router, t
         ("by_path", 2.0), ("inline", 3.0)]
 
     # Unload of a probe in use waits for its request; new requests may not bind it.
-    reply = await stub.UnloadProbe(pb.UnloadProbeRequest(name="by_path"))
+    reply = await stub.UnloadProbe(admin_pb.UnloadProbeRequest(name="by_path"))
     assert reply.unloaded is False
-    listed = {p.name: p for p in (await stub.ListProbes(pb.ListProbesRequest())).probes}
+    listed = {p.name: p for p in (await stub.ListProbes(admin_pb.ListProbesRequest())).probes}
     assert (listed["by_path"].unloading, listed["by_path"].active_requests) == (True, 1)
     client.start("s", "by_path")
     replies = await client.sync()
-    assert [(e.request_id, e.code) for e in errors(replies)] == [("s", pb.STATUS_CODE_FAILED_PRECONDITION)]
+    assert [(e.request_id, e.code) for e in errors(replies)] == [("s", session_pb.STATUS_CODE_FAILED_PRECONDITION)]
     assert "being unloaded" in errors(replies)[0].message
     replies = await client.until_ack(client.batch(block(np.ones((1, HIDDEN)), ["r"], [1])))
     assert "by_path" in [m.scores.probe for m in replies]  # still scoring its running request
     client.end("r")
     catalog = (await client.until("catalog")).catalog
     assert [p.name for p in catalog.probes] == ["first", "inline"]
-    assert [p.name for p in (await stub.ListProbes(pb.ListProbesRequest())).probes] == ["first", "inline"]
+    assert [p.name for p in (await stub.ListProbes(admin_pb.ListProbesRequest())).probes] == ["first", "inline"]
     assert router.live_requests() == 1  # "s" is running, with no bindings
     await client.close()
 
@@ -84,10 +85,10 @@ async def test_forced_unload_detaches_running_requests_with_an_error(make_router
     await client.open()
     client.start("r", "p", prompt_length=0)
     await client.sync()
-    assert (await stub.UnloadProbe(pb.UnloadProbeRequest(name="p", force=True))).unloaded is True
+    assert (await stub.UnloadProbe(admin_pb.UnloadProbeRequest(name="p", force=True))).unloaded is True
     replies = await client.until_ack(client.batch(block(np.ones((1, HIDDEN)), ["r"], [0])))
     assert kinds(replies) == ["error", "ack"]
-    assert (replies[0].error.request_id, replies[0].error.probe, replies[0].error.code) == ("r", "p", pb.STATUS_CODE_NOT_FOUND)
+    assert (replies[0].error.request_id, replies[0].error.probe, replies[0].error.code) == ("r", "p", session_pb.STATUS_CODE_NOT_FOUND)
     assert "unloaded by force" in replies[0].error.message
     client.end("r")
     await client.sync()
@@ -104,11 +105,11 @@ async def test_replace_keeps_running_requests_on_the_old_version_and_refuses_it_
     client.start("old", "p", prompt_length=0)
     await client.sync()
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await stub.LoadProbe(pb.LoadProbeRequest(inline=inline("p", E0 * 10, version="2")))
+        await stub.LoadProbe(admin_pb.LoadProbeRequest(inline=inline("p", E0 * 10, version="2")))
     assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
     assert "probe 'p' is already loaded (version '1'); set replace" in err.value.details()
     old_digest = client.digests["p"]
-    info = (await stub.LoadProbe(pb.LoadProbeRequest(inline=inline("p", E0 * 10, version="2"), replace=True))).probe
+    info = (await stub.LoadProbe(admin_pb.LoadProbeRequest(inline=inline("p", E0 * 10, version="2"), replace=True))).probe
     assert info.version == "2" and info.digest != old_digest
     assert (await client.until("catalog")).catalog.probes[0].digest == info.digest
     client.start("new", "p", prompt_length=0)
@@ -119,7 +120,7 @@ async def test_replace_keeps_running_requests_on_the_old_version_and_refuses_it_
     assert {m.scores.request_id: m.scores.scores[0] for m in replies if m.scores.probe} == {
         "old": 1.0, "new": 10.0}
     refusal = next(m.error for m in replies if m.error.request_id == "late" and not m.error.step)
-    assert (refusal.code, refusal.probe) == (pb.STATUS_CODE_FAILED_PRECONDITION, "p")
+    assert (refusal.code, refusal.probe) == (session_pb.STATUS_CODE_FAILED_PRECONDITION, "p")
     assert refusal.message == (f"request_start.bindings[0]: probe 'p' is version '2' ({info.digest}) on this "
                                f"router; the request was bound to {old_digest}")
     await client.close()
@@ -129,13 +130,13 @@ async def test_admin_errors_map_to_status_codes(make_router, tmp_path):
     router = await make_router(tmp_path, probe_root=ProbeRoot(tmp_path))
     stub = admin(router)
     cases = [
-        (stub.UnloadProbe(pb.UnloadProbeRequest(name="ghost")), grpc.StatusCode.NOT_FOUND,
+        (stub.UnloadProbe(admin_pb.UnloadProbeRequest(name="ghost")), grpc.StatusCode.NOT_FOUND,
          "probe 'ghost' is not loaded"),
-        (stub.LoadProbe(pb.LoadProbeRequest(path="missing")),
+        (stub.LoadProbe(admin_pb.LoadProbeRequest(path="missing")),
          grpc.StatusCode.INVALID_ARGUMENT, "missing: no such file or directory"),
-        (stub.LoadProbe(pb.LoadProbeRequest(inline=pb.InlineProbe(manifest_json='{"name": "x"}'))),
+        (stub.LoadProbe(admin_pb.LoadProbeRequest(inline=admin_pb.InlineProbe(manifest_json='{"name": "x"}'))),
          grpc.StatusCode.INVALID_ARGUMENT, "manifest.version: missing"),
-        (stub.LoadProbe(pb.LoadProbeRequest()), grpc.StatusCode.INVALID_ARGUMENT,
+        (stub.LoadProbe(admin_pb.LoadProbeRequest()), grpc.StatusCode.INVALID_ARGUMENT,
          "LoadProbeRequest: set path or inline"),
     ]
     for call, code, message in cases:
@@ -148,11 +149,11 @@ async def test_health_follows_loaded_probes_and_drain(make_router, tmp_path):
     router = await make_router(tmp_path)  # an empty probes dir
     assert await health_status(router) == health_pb2.HealthCheckResponse.NOT_SERVING
     stub = admin(router)
-    await stub.LoadProbe(pb.LoadProbeRequest(inline=inline("p", E0)))
+    await stub.LoadProbe(admin_pb.LoadProbeRequest(inline=inline("p", E0)))
     assert await health_status(router) == health_pb2.HealthCheckResponse.SERVING
-    await stub.UnloadProbe(pb.UnloadProbeRequest(name="p"))
+    await stub.UnloadProbe(admin_pb.UnloadProbeRequest(name="p"))
     assert await health_status(router) == health_pb2.HealthCheckResponse.NOT_SERVING
-    await stub.LoadProbe(pb.LoadProbeRequest(inline=inline("p", E0)))
+    await stub.LoadProbe(admin_pb.LoadProbeRequest(inline=inline("p", E0)))
     assert await health_status(router) == health_pb2.HealthCheckResponse.SERVING
     client = SessionClient(router)
     await client.open()

@@ -22,15 +22,17 @@ from common.activations import Block, to_batch
 from common.grpc_server import channel_options
 from tests.message_strategies import messages, wire_bytes
 from tests.router.helpers import HIDDEN, LAYERS, linear_probe, model_info, start_router
-from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc
+from undercurrent.v1 import admin_pb2 as admin_pb
+from undercurrent.v1 import router_session_pb2 as session_pb
+from undercurrent.v1 import types_pb2 as types_pb
+from undercurrent.v1 import router_session_pb2_grpc as session_pb_grpc
 
 # Statuses a well-behaved service may answer hostile input with.
 PROPER = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
           grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION,
           grpc.StatusCode.ALREADY_EXISTS}
-IN_BAND = {pb.STATUS_CODE_INVALID_ARGUMENT, pb.STATUS_CODE_NOT_FOUND, pb.STATUS_CODE_RESOURCE_EXHAUSTED,
-           pb.STATUS_CODE_FAILED_PRECONDITION, pb.STATUS_CODE_ALREADY_EXISTS}
+IN_BAND = {session_pb.STATUS_CODE_INVALID_ARGUMENT, session_pb.STATUS_CODE_NOT_FOUND, session_pb.STATUS_CODE_RESOURCE_EXHAUSTED,
+           session_pb.STATUS_CODE_FAILED_PRECONDITION, session_pb.STATUS_CODE_ALREADY_EXISTS}
 MAX_MESSAGE_BYTES = 1024 * 1024
 REQUEST_IDS = ("r1", "r2", "r3")
 PROBES = ("watch", "stop", "absent")
@@ -92,12 +94,12 @@ def live(tmp_path_factory):
     print(f"\nrouter fuzz cases run: {CASES} (total {sum(CASES.values())})")
 
 
-def hello() -> pb.SessionRequest:
-    return pb.SessionRequest(hello=pb.SessionHello(engine_id="fuzz", model=model_info()))
+def hello() -> session_pb.SessionRequest:
+    return session_pb.SessionRequest(hello=session_pb.SessionHello(engine_id="fuzz", model=model_info()))
 
 
 @st.composite
-def plausible_batches(draw) -> pb.ActivationBatch:
+def plausible_batches(draw) -> types_pb.ActivationBatch:
     """Batches close to what an engine sends: real encoding, any request ids,
     positions (negative too), layers, tensor types, NaN/Inf rows."""
     blocks = []
@@ -133,25 +135,25 @@ def plausible_batches(draw) -> pb.ActivationBatch:
     return batch
 
 
-def session_messages() -> st.SearchStrategy[pb.SessionRequest]:
+def session_messages() -> st.SearchStrategy[session_pb.SessionRequest]:
     start = st.builds(
-        lambda rid, incarnation, bindings, prompt: pb.SessionRequest(request_start=pb.RequestStart(
+        lambda rid, incarnation, bindings, prompt: session_pb.SessionRequest(request_start=session_pb.RequestStart(
             request_id=rid, incarnation=incarnation, prompt_length=prompt,
-            bindings=[pb.SessionBinding(probe=name, failure_policy=policy, action=action,
+            bindings=[session_pb.SessionBinding(probe=name, failure_policy=policy, action=action,
                                         digest=LOADED_DIGESTS.get(name, "") if version == "loaded" else version)
                       for name, policy, action, version in bindings])),
         st.sampled_from(REQUEST_IDS + ("",)), st.integers(0, 3),
         st.lists(st.tuples(st.sampled_from(PROBES), st.integers(-1, 4), st.integers(-1, 4),
                            st.sampled_from(("loaded", "", "sha256:another"))), max_size=3),
         st.integers(-2, 8))
-    end = st.builds(lambda rid, incarnation: pb.SessionRequest(request_end=pb.RequestEnd(
+    end = st.builds(lambda rid, incarnation: session_pb.SessionRequest(request_end=session_pb.RequestEnd(
         request_id=rid, incarnation=incarnation)), st.sampled_from(REQUEST_IDS), st.integers(0, 3))
-    batch = plausible_batches().map(lambda b: pb.SessionRequest(batch=b))
-    anything = messages(pb.SessionRequest, names=REQUEST_IDS + PROBES)
+    batch = plausible_batches().map(lambda b: session_pb.SessionRequest(batch=b))
+    anything = messages(session_pb.SessionRequest, names=REQUEST_IDS + PROBES)
     return st.one_of(start, end, batch, anything)
 
 
-def read_session(call) -> list[pb.SessionResponse]:
+def read_session(call) -> list[session_pb.SessionResponse]:
     """Every reply until the router ends the stream; the status must be proper."""
     replies = []
     try:
@@ -166,12 +168,12 @@ def read_session(call) -> list[pb.SessionResponse]:
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
-@given(first=st.one_of(st.just(hello()), messages(pb.SessionRequest, names=PROBES)),
+@given(first=st.one_of(st.just(hello()), messages(session_pb.SessionRequest, names=PROBES)),
        body=st.lists(session_messages(), max_size=8))
 def test_random_and_out_of_order_session_messages(live, first, body):
     CASES["session"] += 1
     before = live.settled_state(live.state())
-    stub = undercurrent_pb2_grpc.ProbeRouterServiceStub(live.channel)
+    stub = session_pb_grpc.ProbeRouterServiceStub(live.channel)
     replies = read_session(stub.Session(iter([first, *body]), timeout=20))
     if first.WhichOneof("message") == "hello" and replies:
         acked = [r.ack.step for r in replies if r.WhichOneof("message") == "ack"]
@@ -181,22 +183,22 @@ def test_random_and_out_of_order_session_messages(live, first, body):
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
-@given(body=st.lists(wire_bytes(pb.SessionRequest, names=REQUEST_IDS + PROBES), min_size=1, max_size=4),
+@given(body=st.lists(wire_bytes(session_pb.SessionRequest, names=REQUEST_IDS + PROBES), min_size=1, max_size=4),
        with_hello=st.booleans())
 def test_random_truncated_and_padded_session_bytes(live, body, with_hello):
     CASES["session_bytes"] += 1
     before = live.settled_state(live.state())
     call = live.channel.stream_stream("/undercurrent.v1.ProbeRouterService/Session",
-                                      response_deserializer=pb.SessionResponse.FromString)
+                                      response_deserializer=session_pb.SessionResponse.FromString)
     frames = [hello().SerializeToString()] * with_hello + body
     read_session(call(iter(frames), timeout=20))
     assert live.settled_state(before) == before
 
 
 ADMIN = {
-    "LoadProbe": pb.LoadProbeRequest,
-    "ListProbes": pb.ListProbesRequest,
-    "UnloadProbe": pb.UnloadProbeRequest,
+    "LoadProbe": admin_pb.LoadProbeRequest,
+    "ListProbes": admin_pb.ListProbesRequest,
+    "UnloadProbe": admin_pb.UnloadProbeRequest,
 }
 
 
@@ -219,29 +221,29 @@ def test_random_and_truncated_admin_calls(live, data, method, as_bytes):
 
 def test_oversized_messages_are_resource_exhausted_and_the_router_still_serves(live):
     before = live.settled_state(live.state())
-    huge = pb.LoadProbeRequest(path="x" * (MAX_MESSAGE_BYTES + 10)).SerializeToString()
+    huge = admin_pb.LoadProbeRequest(path="x" * (MAX_MESSAGE_BYTES + 10)).SerializeToString()
     with pytest.raises(grpc.RpcError) as unary:
         live.channel.unary_unary("/undercurrent.v1.ProbeAdminService/LoadProbe")(huge, timeout=20)
     assert unary.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    big_batch = pb.SessionRequest(batch=pb.ActivationBatch(request_ids=["r1"] * (MAX_MESSAGE_BYTES // 3)))
-    call = undercurrent_pb2_grpc.ProbeRouterServiceStub(live.channel).Session(iter([hello(), big_batch]),
+    big_batch = session_pb.SessionRequest(batch=types_pb.ActivationBatch(request_ids=["r1"] * (MAX_MESSAGE_BYTES // 3)))
+    call = session_pb_grpc.ProbeRouterServiceStub(live.channel).Session(iter([hello(), big_batch]),
                                                                               timeout=20)
     with pytest.raises(grpc.RpcError) as streaming:
         list(call)
     assert streaming.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert live.settled_state(before) == before
     # Still serving: a clean session scores a row.
-    stub = undercurrent_pb2_grpc.ProbeRouterServiceStub(live.channel)
+    stub = session_pb_grpc.ProbeRouterServiceStub(live.channel)
     rows = np.zeros((1, HIDDEN), np.float32)
     rows[0, 0] = 0.25
-    batch = to_batch([Block("p", pb.TENSOR_TYPE_RESIDUAL_STREAM, 0, rows, ["ok"], np.array([0]),
+    batch = to_batch([Block("p", types_pb.TENSOR_TYPE_RESIDUAL_STREAM, 0, rows, ["ok"], np.array([0]),
                             np.array([True]))], step=1)
     replies = read_session(stub.Session(iter([
         hello(),
-        pb.SessionRequest(request_start=pb.RequestStart(request_id="ok", bindings=[
-            pb.SessionBinding(probe="watch", digest=LOADED_DIGESTS["watch"])])),
-        pb.SessionRequest(batch=batch),
-        pb.SessionRequest(request_end=pb.RequestEnd(request_id="ok")),
+        session_pb.SessionRequest(request_start=session_pb.RequestStart(request_id="ok", bindings=[
+            session_pb.SessionBinding(probe="watch", digest=LOADED_DIGESTS["watch"])])),
+        session_pb.SessionRequest(batch=batch),
+        session_pb.SessionRequest(request_end=session_pb.RequestEnd(request_id="ok")),
     ]), timeout=20))
     scores = [r.scores for r in replies if r.WhichOneof("message") == "scores"]
     assert [(list(s.token_positions), list(s.scores)) for s in scores] == [([0], [0.25])]

@@ -13,8 +13,10 @@ from common.activations import to_batch
 from router_service import session as session_module
 from router_service.servicers import AdminServicer
 from tests.router.helpers import HIDDEN, SessionClient, block, channel, errors, kinds, linear_probe
-from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc
+from undercurrent.v1 import admin_pb2 as admin_pb
+from undercurrent.v1 import router_session_pb2 as session_pb
+from undercurrent.v1 import types_pb2 as types_pb
+from undercurrent.v1 import admin_pb2_grpc as admin_pb_grpc
 
 E0 = np.eye(HIDDEN)[0]
 
@@ -27,10 +29,10 @@ def probes_dir(tmp_path):
     return tmp_path
 
 
-def start(client: SessionClient, rid: str, incarnation: int, *bindings: pb.SessionBinding) -> None:
+def start(client: SessionClient, rid: str, incarnation: int, *bindings: session_pb.SessionBinding) -> None:
     """request_start of these bindings, or of "watch" at the version the router listed."""
-    bindings = list(bindings) or [pb.SessionBinding(probe="watch", digest=client.digests["watch"])]
-    client.send(request_start=pb.RequestStart(request_id=rid, incarnation=incarnation, bindings=bindings))
+    bindings = list(bindings) or [session_pb.SessionBinding(probe="watch", digest=client.digests["watch"])]
+    client.send(request_start=session_pb.RequestStart(request_id=rid, incarnation=incarnation, bindings=bindings))
 
 
 def scored(replies) -> dict[str, list[tuple[int, float]]]:
@@ -62,7 +64,7 @@ async def test_an_overflowing_shape_is_refused_alone_and_the_rest_of_the_batch_i
     step = client.raw_batch(batch)
     replies = await client.until_ack(step)
     [err] = errors(replies)
-    assert (err.request_id, err.incarnation, err.step, err.code) == ("a", 11, step, pb.STATUS_CODE_INVALID_ARGUMENT)
+    assert (err.request_id, err.incarnation, err.step, err.code) == ("a", 11, step, session_pb.STATUS_CODE_INVALID_ARGUMENT)
     assert "blocks[0] (p@1).rows: tensor.data has 0 bytes but shape [4294967296, 4294967296]" in err.message
     assert scored(replies) == {"b": [(0, 2.0)]}
     assert [m.scores.incarnation for m in replies if m.scores.request_id] == [12]
@@ -87,7 +89,7 @@ async def test_a_block_that_fails_unexpectedly_is_internal_for_its_requests_only
     step = client.batch(block(rows(1.0), ["a"], [0], layer=1), block(rows(2.0), ["b"], [0], layer=1))
     replies = await client.until_ack(step)
     assert [(e.request_id, e.incarnation, e.step, e.code) for e in errors(replies)] == [
-        ("a", 1, step, pb.STATUS_CODE_INTERNAL)]
+        ("a", 1, step, session_pb.STATUS_CODE_INTERNAL)]
     assert errors(replies)[0].message == "blocks[0]: internal error: MemoryError: injected; the block was not scored"
     assert scored(replies) == {"b": [(0, 2.0)]}
     await client.close()
@@ -105,12 +107,12 @@ async def test_nonfinite_and_negative_position_rows_are_refused_per_request_and_
     replies = await client.until_ack(step)
     got = sorted((e.request_id, e.incarnation, e.step, e.code, e.message) for e in errors(replies))
     assert got == [
-        ("a", 5, step, pb.STATUS_CODE_INVALID_ARGUMENT,
+        ("a", 5, step, session_pb.STATUS_CODE_INVALID_ARGUMENT,
          "blocks[0] (p@1).rows: 1 row(s) with NaN or Inf at token_positions [1]; those rows were not scored"),
-        ("a", 5, step, pb.STATUS_CODE_INVALID_ARGUMENT,
+        ("a", 5, step, session_pb.STATUS_CODE_INVALID_ARGUMENT,
          "blocks[0] (p@1).rows: 1 row(s) with a negative token position at token_positions [-2]; "
          "those rows were not scored"),
-        ("b", 6, step, pb.STATUS_CODE_INVALID_ARGUMENT,
+        ("b", 6, step, session_pb.STATUS_CODE_INVALID_ARGUMENT,
          "blocks[0] (p@1).rows: 1 row(s) with NaN or Inf at token_positions [1]; those rows were not scored"),
     ]
     assert scored(replies) == {"a": [(0, 1.0)], "b": [(0, 4.0)]}
@@ -149,13 +151,13 @@ async def test_records_of_unknown_and_ended_requests_name_the_step_and_the_last_
     client = SessionClient(router)
     await client.open()
     start(client, "done", 3)
-    client.send(request_end=pb.RequestEnd(request_id="done", incarnation=3))
+    client.send(request_end=session_pb.RequestEnd(request_id="done", incarnation=3))
     # An end for an incarnation that is not running is refused, not applied.
     start(client, "live", 4)
-    client.send(request_end=pb.RequestEnd(request_id="live", incarnation=99))
+    client.send(request_end=session_pb.RequestEnd(request_id="live", incarnation=99))
     step = client.batch(block(rows(1.0, 2.0, 3.0), ["done", "never", "live"], [0, 0, 0]))
     replies = await client.until_ack(step)
-    got = sorted((e.request_id, e.incarnation, e.step, pb.StatusCode.Name(e.code)) for e in errors(replies))
+    got = sorted((e.request_id, e.incarnation, e.step, session_pb.StatusCode.Name(e.code)) for e in errors(replies))
     assert got == [("done", 3, step, "STATUS_CODE_FAILED_PRECONDITION"),
                    ("live", 99, 0, "STATUS_CODE_NOT_FOUND"),
                    ("never", 0, step, "STATUS_CODE_NOT_FOUND")]
@@ -168,12 +170,12 @@ async def test_unknown_enum_values_in_request_start_are_refused_naming_the_field
     router = await make_router(probes_dir)
     client = SessionClient(router)
     await client.open()
-    start(client, "r", 8, pb.SessionBinding(probe="watch", failure_policy=9, digest=client.digests["watch"]),
-          pb.SessionBinding(probe="watch", action=5, digest=client.digests["watch"]))
+    start(client, "r", 8, session_pb.SessionBinding(probe="watch", failure_policy=9, digest=client.digests["watch"]),
+          session_pb.SessionBinding(probe="watch", action=5, digest=client.digests["watch"]))
     replies = await client.sync()
     assert [(e.request_id, e.incarnation, e.code, e.message) for e in errors(replies)] == [
-        ("r", 8, pb.STATUS_CODE_INVALID_ARGUMENT, "request_start.bindings[0].failure_policy: 9 is not a FailurePolicy"),
-        ("r", 8, pb.STATUS_CODE_INVALID_ARGUMENT, "request_start.bindings[1].action: 5 is not a ProbeAction"),
+        ("r", 8, session_pb.STATUS_CODE_INVALID_ARGUMENT, "request_start.bindings[0].failure_policy: 9 is not a FailurePolicy"),
+        ("r", 8, session_pb.STATUS_CODE_INVALID_ARGUMENT, "request_start.bindings[1].action: 5 is not a ProbeAction"),
     ]
     await client.close()
 
@@ -186,10 +188,10 @@ async def test_requests_past_the_per_session_limit_get_resource_exhausted(make_r
         start(client, f"r{i}", 100 + i)
     replies = await client.sync()
     assert [(e.request_id, e.incarnation, e.code) for e in errors(replies)] == [
-        ("r2", 102, pb.STATUS_CODE_RESOURCE_EXHAUSTED)]
+        ("r2", 102, session_pb.STATUS_CODE_RESOURCE_EXHAUSTED)]
     assert "--max-requests-per-session" in errors(replies)[0].message
     assert router.live_requests() == 2
-    client.send(request_end=pb.RequestEnd(request_id="r0", incarnation=100))
+    client.send(request_end=session_pb.RequestEnd(request_id="r0", incarnation=100))
     start(client, "r2", 103)
     assert errors(await client.sync()) == []
     assert router.live_requests() == 2
@@ -231,7 +233,7 @@ async def test_bytes_that_are_no_message_are_invalid_argument_on_unary_and_strea
 
         # A valid hello, then garbage: the session ends INVALID_ARGUMENT.
         session = ch.stream_stream("/undercurrent.v1.ProbeRouterService/Session")
-        hello = pb.SessionRequest(hello=pb.SessionHello(engine_id="e", model=pb.ModelInfo(
+        hello = session_pb.SessionRequest(hello=session_pb.SessionHello(engine_id="e", model=types_pb.ModelInfo(
             hidden_size=HIDDEN, num_layers=4))).SerializeToString()
         call = session(iter([hello, payload]), timeout=10)
         with pytest.raises(grpc.aio.AioRpcError) as streaming:
@@ -253,9 +255,9 @@ async def test_an_unexpected_exception_in_a_servicer_is_internal_and_logged(make
 
     monkeypatch.setattr(AdminServicer, "ListProbes", broken)  # before the server binds its handlers
     router = await make_router(probes_dir)
-    stub = undercurrent_pb2_grpc.ProbeAdminServiceStub(channel(router))
+    stub = admin_pb_grpc.ProbeAdminServiceStub(channel(router))
     with pytest.raises(grpc.aio.AioRpcError) as failed:
-        await stub.ListProbes(pb.ListProbesRequest(), timeout=10)
+        await stub.ListProbes(admin_pb.ListProbesRequest(), timeout=10)
     assert failed.value.code() == grpc.StatusCode.INTERNAL
     assert failed.value.details() == "internal error: ZeroDivisionError: injected"
     [record] = [r for r in caplog.records if r.message == "unexpected error in handler"]
@@ -266,7 +268,7 @@ async def test_an_unknown_enum_in_hello_refuses_the_session_naming_the_field(mak
     router = await make_router(probes_dir)
     client = SessionClient(router)
     with pytest.raises(grpc.aio.AioRpcError) as refused:
-        await client.open(pb.ModelInfo(model="m", hidden_size=HIDDEN, num_layers=4, tensor_types=[1, 12]))
+        await client.open(types_pb.ModelInfo(model="m", hidden_size=HIDDEN, num_layers=4, tensor_types=[1, 12]))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert refused.value.details() == "hello.model.tensor_types[1]: 12 is not a TensorType"
     await client.close()
@@ -287,5 +289,5 @@ async def test_an_internal_failure_on_request_start_names_the_request_and_incarn
     start(client, "r", 42)
     replies = await client.sync()
     assert [(e.request_id, e.incarnation, e.code, e.message) for e in errors(replies)] == [
-        ("r", 42, pb.STATUS_CODE_INTERNAL, "request_start: internal error: KeyError: 'injected'")]
+        ("r", 42, session_pb.STATUS_CODE_INTERNAL, "request_start: internal error: KeyError: 'injected'")]
     await client.close()

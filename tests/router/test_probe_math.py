@@ -12,7 +12,6 @@ from common.probe_format import probes as probes_module
 from common.probe_format.manifest import manifest_from_dict
 from common.probe_format.probes import ProjectionPlan, build_probe, first_firing_segments
 from tests.router.helpers import manifest
-from undercurrent.v1 import undercurrent_pb2 as pb
 
 H = 16
 

@@ -15,7 +15,8 @@ from router_service.servicers import INLINE_SCORING_BYTES, LiveSession, row_byte
 from tests.router.helpers import (
     HIDDEN, SessionClient, block, bound, errors, kinds, linear_probe, manifest, model_info,
 )
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import router_session_pb2 as session_pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 E0 = np.eye(HIDDEN)[0]  # weight that reads a row's first element
 THRESHOLD = 5.0
@@ -60,7 +61,7 @@ async def test_many_interleaved_requests_abort_exactly_where_the_rule_fired(make
     next_position = {rid: prompt_length for rid in request_ids}
     sent: dict[str, list[tuple[int, float]]] = {rid: [] for rid in request_ids}
     watch_sent: dict[str, list[tuple[int, float]]] = {rid: [] for rid in request_ids}
-    aborts: dict[str, pb.Verdict] = {}
+    aborts: dict[str, types_pb.Verdict] = {}
     abort_step: dict[str, int] = {}
     watch_got: dict[str, list[tuple[int, float]]] = {rid: [] for rid in request_ids}
     for _ in range(12):
@@ -184,7 +185,7 @@ async def test_token_scope_and_action_override(make_router, probes_dir):
     client = SessionClient(router)
     await client.open()
     # tox bound as observe: scores, never an abort.
-    client.start("r", "tox", "prompt", prompt_length=2, actions={"tox": pb.PROBE_ACTION_OBSERVE})
+    client.start("r", "tox", "prompt", prompt_length=2, actions={"tox": types_pb.PROBE_ACTION_OBSERVE})
     rows = np.zeros((4, HIDDEN))
     rows[:, 0] = 9.0
     rows[:, 3] = [1, 2, 3, 4]
@@ -306,7 +307,7 @@ def test_a_batchs_row_bytes_are_what_its_blocks_shapes_declare():
     assert row_bytes(batch) == 3 * HIDDEN * (4 + 2 + 2)
 
 
-def corrupt(batch: pb.ActivationBatch, edit) -> pb.ActivationBatch:
+def corrupt(batch: types_pb.ActivationBatch, edit) -> types_pb.ActivationBatch:
     edit(batch.blocks[0])
     return batch
 
@@ -337,19 +338,19 @@ async def test_bad_records_get_in_band_errors_and_the_stream_lives_on(make_route
         b.rows.shape[0] = 2**40
 
     cases = [
-        (corrupt(good_batch(), set_dtype), "r", pb.STATUS_CODE_INVALID_ARGUMENT,
+        (corrupt(good_batch(), set_dtype), "r", session_pb.STATUS_CODE_INVALID_ARGUMENT,
          "blocks[0] (p@1).rows: tensor.dtype 'int8' is not supported"),
-        (corrupt(good_batch(), cut_bytes), "r", pb.STATUS_CODE_INVALID_ARGUMENT,
+        (corrupt(good_batch(), cut_bytes), "r", session_pb.STATUS_CODE_INVALID_ARGUMENT,
          "blocks[0] (p@1).rows: tensor.data has 125 bytes but shape [2, 16] of float32 needs 128"),
-        (to_batch([block(np.zeros((2, HIDDEN + 1)), ["r", "r"], [0, 1])]), "r", pb.STATUS_CODE_INVALID_ARGUMENT,
+        (to_batch([block(np.zeros((2, HIDDEN + 1)), ["r", "r"], [0, 1])]), "r", session_pb.STATUS_CODE_INVALID_ARGUMENT,
          "blocks[0] (p@1).rows.shape: hidden size 17 does not match the model's hidden_size 16"),
-        (corrupt(good_batch(), bad_index), "r", pb.STATUS_CODE_INVALID_ARGUMENT,
+        (corrupt(good_batch(), bad_index), "r", session_pb.STATUS_CODE_INVALID_ARGUMENT,
          "blocks[0] (p@1).request_index: index out of range of 1 request ids"),
-        (corrupt(good_batch(), huge_shape), "r", pb.STATUS_CODE_INVALID_ARGUMENT,
+        (corrupt(good_batch(), huge_shape), "r", session_pb.STATUS_CODE_INVALID_ARGUMENT,
          f"blocks[0] (p@1).rows: tensor.data has 128 bytes but shape [{2**40}, 16] of float32 needs"),
-        (good_batch("never"), "never", pb.STATUS_CODE_NOT_FOUND,
+        (good_batch("never"), "never", session_pb.STATUS_CODE_NOT_FOUND,
          "blocks[0] (p@1): request 'never' was never started on this session"),
-        (good_batch("gone"), "gone", pb.STATUS_CODE_FAILED_PRECONDITION,
+        (good_batch("gone"), "gone", session_pb.STATUS_CODE_FAILED_PRECONDITION,
          "blocks[0] (p@1): records for request 'gone' after its request_end"),
     ]
     for batch, rid, code, message in cases:
@@ -375,7 +376,7 @@ async def test_bad_records_get_in_band_errors_and_the_stream_lives_on(make_route
     client.start("s", "nope", "tox")
     replies = await client.sync()
     assert [(e.request_id, e.probe, e.code) for e in errors(replies)] == [
-        ("r", "", pb.STATUS_CODE_ALREADY_EXISTS), ("s", "nope", pb.STATUS_CODE_NOT_FOUND)]
+        ("r", "", session_pb.STATUS_CODE_ALREADY_EXISTS), ("s", "nope", session_pb.STATUS_CODE_NOT_FOUND)]
     assert "probe 'nope' is not loaded" in errors(replies)[1].message
     assert router.live_requests() == 2
     await client.close()
@@ -456,7 +457,7 @@ async def test_a_fault_in_blocks_read_alike_spares_the_blocks_other_probes_read(
     step = client.batch(block(hot, ["r"] * 2, [0, 1], layer=1), block(hot, ["r"] * 2, [0, 1], layer=2))
     replies = await client.until_ack(step)
     assert kinds(replies) == ["error", "scores", "abort", "ack"]
-    assert (replies[0].error.code, replies[0].error.step) == (pb.STATUS_CODE_INTERNAL, step)
+    assert (replies[0].error.code, replies[0].error.step) == (session_pb.STATUS_CODE_INTERNAL, step)
     assert replies[0].error.message == (
         "blocks[1]: internal error: RuntimeError: injected fault; the block was not scored")
     assert (replies[1].scores.probe, list(replies[1].scores.token_positions)) == ("deep", [0, 1])
@@ -475,15 +476,15 @@ async def test_incompatible_probes_are_left_out_of_the_catalog_and_reported(make
     assert [p.name for p in hello.probes] == ["fits"]
     reported = [await client.recv() for _ in range(3)]
     assert {(m.error.request_id, m.error.probe, m.error.code) for m in reported} == {
-        ("", "attn", pb.STATUS_CODE_FAILED_PRECONDITION), ("", "deep", pb.STATUS_CODE_FAILED_PRECONDITION),
-        ("", "wide", pb.STATUS_CODE_FAILED_PRECONDITION)}
+        ("", "attn", session_pb.STATUS_CODE_FAILED_PRECONDITION), ("", "deep", session_pb.STATUS_CODE_FAILED_PRECONDITION),
+        ("", "wide", session_pb.STATUS_CODE_FAILED_PRECONDITION)}
     messages = {m.error.probe: m.error.message for m in reported}
     assert messages["wide"] == "probe 'wide': hidden_size 32 does not match the model's hidden_size 16"
     assert "layers [7] are out of range" in messages["deep"]
     assert "tensor_type 'attn_out' is not offered" in messages["attn"]
     client.start("r", "deep")
     replies = await client.sync()
-    assert [(e.code, e.probe) for e in errors(replies)] == [(pb.STATUS_CODE_FAILED_PRECONDITION, "deep")]
+    assert [(e.code, e.probe) for e in errors(replies)] == [(session_pb.STATUS_CODE_FAILED_PRECONDITION, "deep")]
     await client.close()
 
 
@@ -491,7 +492,7 @@ async def test_heartbeats_are_echoed_and_sent_on_an_interval(make_router, probes
     router = await make_router(probes_dir, heartbeat_interval=0.1)
     client = SessionClient(router)
     await client.open()
-    client.send(heartbeat=pb.Heartbeat(sent_unix_nanos=42))
+    client.send(heartbeat=session_pb.Heartbeat(sent_unix_nanos=42))
     beats = [(await client.until("heartbeat")).heartbeat.sent_unix_nanos for _ in range(3)]
     assert 42 in beats and any(b > 10**18 for b in beats)
     await client.close()
@@ -520,7 +521,7 @@ async def test_drain_refuses_new_requests_and_stops_after_active_ones_end(make_r
     assert "shutting down" in drain.drain.reason
     client.start("late", "tox")
     replies = await client.sync()
-    assert [(e.request_id, e.code) for e in errors(replies)] == [("late", pb.STATUS_CODE_UNAVAILABLE)]
+    assert [(e.request_id, e.code) for e in errors(replies)] == [("late", session_pb.STATUS_CODE_UNAVAILABLE)]
     # The running request is still scored while draining.
     hot = np.full((2, HIDDEN), 6.0)
     replies = await client.until_ack(client.batch(block(hot, ["running"] * 2, [0, 1])))
@@ -576,9 +577,9 @@ async def test_an_internal_failure_still_acks_the_step_and_keeps_the_session(mak
     router = await make_router(probes_dir)
     client = SessionClient(router)
     await client.open()
-    client.send(request_start=pb.RequestStart(request_id="r", bindings=bound(router.registry, "tox"),
+    client.send(request_start=session_pb.RequestStart(request_id="r", bindings=bound(router.registry, "tox"),
                                               incarnation=7))
-    client.send(request_start=pb.RequestStart(request_id="q", bindings=bound(router.registry, "tox"),
+    client.send(request_start=session_pb.RequestStart(request_id="q", bindings=bound(router.registry, "tox"),
                                               incarnation=8))
 
     def broken(*args):
@@ -590,7 +591,7 @@ async def test_an_internal_failure_still_acks_the_step_and_keeps_the_session(mak
     # One error per request of the batch, each naming its request, incarnation and step.
     assert kinds(replies) == ["error", "error", "ack"]
     assert [(e.request_id, e.incarnation, e.step, e.code) for e in errors(replies)] == [
-        ("q", 8, step, pb.STATUS_CODE_INTERNAL), ("r", 7, step, pb.STATUS_CODE_INTERNAL)]
+        ("q", 8, step, session_pb.STATUS_CODE_INTERNAL), ("r", 7, step, session_pb.STATUS_CODE_INTERNAL)]
     assert replies[0].error.message == (
         "batch: internal error: RuntimeError: injected fault; the batch was not scored")
     monkeypatch.undo()

@@ -36,12 +36,13 @@ from tests.router.test_probe_math import (
     max_rolling_mean_loop,
     rolling_mean_loop,
 )
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import router_session_pb2 as session_pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 HIDDEN = 16
 LAYERS = 3
-TENSOR_TYPES = {"residual_stream": pb.TENSOR_TYPE_RESIDUAL_STREAM, "mlp_out": pb.TENSOR_TYPE_MLP_OUT,
-                "final_norm": pb.TENSOR_TYPE_FINAL_NORM}
+TENSOR_TYPES = {"residual_stream": types_pb.TENSOR_TYPE_RESIDUAL_STREAM, "mlp_out": types_pb.TENSOR_TYPE_MLP_OUT,
+                "final_norm": types_pb.TENSOR_TYPE_FINAL_NORM}
 # What the engine captures every step; final_norm rows carry layer index num_layers.
 CAPTURED = [(t, layer) for t in ("residual_stream", "mlp_out") for layer in range(LAYERS)] + [
     ("final_norm", LAYERS)]
@@ -163,7 +164,7 @@ class Request:
 
 def binding_aborts(probe: ProbeSpec, action: int) -> bool:
     """A binding's action, or the manifest's when the binding leaves it unspecified."""
-    return action == pb.PROBE_ACTION_ABORT or (action == pb.PROBE_ACTION_UNSPECIFIED and probe.action == "abort")
+    return action == types_pb.PROBE_ACTION_ABORT or (action == types_pb.PROBE_ACTION_UNSPECIFIED and probe.action == "abort")
 
 
 def selects(tokens: dict, position: int, prompt_length: int) -> bool:
@@ -264,7 +265,7 @@ def random_requests(rng: np.random.Generator, probes: list[ProbeSpec], steps: in
             elif pick < 0.6:
                 bound += [p for p in family if rng.random() < 0.5]
         bound = [bound[j] for j in rng.permutation(len(bound))] if rng.random() < 0.9 else []
-        actions = rng.choice([pb.PROBE_ACTION_UNSPECIFIED, pb.PROBE_ACTION_OBSERVE, pb.PROBE_ACTION_ABORT],
+        actions = rng.choice([types_pb.PROBE_ACTION_UNSPECIFIED, types_pb.PROBE_ACTION_OBSERVE, types_pb.PROBE_ACTION_ABORT],
                              size=len(bound), p=[0.5, 0.25, 0.25])
         requests.append(Request(reuse.request_id if reuse else f"r{i}", reuse.incarnation + 1 if reuse else 1,
                                 int(rng.integers(1, 9)), list(zip(bound, map(int, actions))), start, end))
@@ -302,7 +303,7 @@ def calibrate(probe: ProbeSpec, rows_per_request: list[np.ndarray], rng: np.rand
         [v for rows in rows_per_request for v in probe.scores(rows)], rng)
 
 
-def batch_of(requests: list[Request], step: int, rng: np.random.Generator) -> pb.ActivationBatch:
+def batch_of(requests: list[Request], step: int, rng: np.random.Generator) -> types_pb.ActivationBatch:
     """The step's rows as an engine sends them: a block per captured (tensor type,
     layer), in bfloat16 or float32, blocks and the rows inside each in random order."""
     keys = [(r, p) for r in requests for p in r.positions.get(step, [])]
@@ -327,7 +328,7 @@ def batch_of(requests: list[Request], step: int, rng: np.random.Generator) -> pb
 
 
 def run_session(probes: list[ProbeSpec], requests: list[Request], steps: int, directory: Path,
-                rng: np.random.Generator) -> tuple[list[pb.SessionResponse], RouterMetrics]:
+                rng: np.random.Generator) -> tuple[list[session_pb.SessionResponse], RouterMetrics]:
     """Every reply of a session fed the scenario; checks each batch's replies are
     scores, then aborts, then its one ack."""
     registry = ProbeRegistry()
@@ -341,12 +342,12 @@ def run_session(probes: list[ProbeSpec], requests: list[Request], steps: int, di
     for step in range(steps + 1):
         for r in requests:
             if r.end == step:
-                assert state.end(pb.RequestEnd(request_id=r.request_id, incarnation=r.incarnation)) == []
+                assert state.end(session_pb.RequestEnd(request_id=r.request_id, incarnation=r.incarnation)) == []
         for r in requests:
             if r.start == step:
-                assert state.start(pb.RequestStart(
+                assert state.start(session_pb.RequestStart(
                     request_id=r.request_id, incarnation=r.incarnation, prompt_length=r.prompt_length,
-                    bindings=[pb.SessionBinding(probe=p.name, action=a, digest=digests[p.name])
+                    bindings=[session_pb.SessionBinding(probe=p.name, action=a, digest=digests[p.name])
                               for p, a in r.bindings])) == []
         if step < steps:
             out = state.batch(batch_of(requests, step, rng))

@@ -11,7 +11,7 @@ from common.probe_format.files import load_probe_path
 from router_service.registry import ProbeRegistry
 from router_service.session import SessionState
 from tests.router.helpers import HIDDEN, block, bound, linear_probe, model_info
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import router_session_pb2 as session_pb
 
 
 @pytest.fixture
@@ -23,7 +23,7 @@ def state(tmp_path):
 
 
 def start(state, rid, incarnation, **binding):
-    return state.start(pb.RequestStart(request_id=rid, incarnation=incarnation,
+    return state.start(session_pb.RequestStart(request_id=rid, incarnation=incarnation,
                                        bindings=bound(state.registry, "watch", **binding)))
 
 
@@ -44,7 +44,7 @@ def test_a_batch_that_fails_whole_names_each_request_with_its_incarnation_and_st
     batch = to_batch([block(rows(1.0, 2.0), ["a", "b"], [0, 0])], step=9)
     replies = state.batch_failed(batch, RuntimeError("boom"))
     assert summary(replies) == [("error", "a", 1, 9), ("error", "b", 2, 9), ("ack", "", 0, 9)]
-    assert {m.error.code for m in replies[:2]} == {pb.STATUS_CODE_INTERNAL}
+    assert {m.error.code for m in replies[:2]} == {session_pb.STATUS_CODE_INTERNAL}
 
 
 def test_rows_of_a_refused_request_start_are_refused_naming_its_incarnation(state):
@@ -54,7 +54,7 @@ def test_rows_of_a_refused_request_start_are_refused_naming_its_incarnation(stat
     start(state, "a", 1)
     start(state, "b", 2)
     [full] = start(state, "c", 3)  # the state holds two requests
-    assert (full.error.code, full.error.incarnation) == (pb.STATUS_CODE_RESOURCE_EXHAUSTED, 3)
+    assert (full.error.code, full.error.incarnation) == (session_pb.STATUS_CODE_RESOURCE_EXHAUSTED, 3)
     replies = state.batch(to_batch([block(rows(1.0, 2.0), ["a", "c"], [0, 0])], step=5))
     assert summary(replies) == [("error", "c", 3, 5), ("scores", "a", 1, 0), ("ack", "", 0, 5)]
     assert replies[0].error.message == ("blocks[0] (p@1): records for request 'c', whose request_start this "
@@ -87,7 +87,7 @@ def test_unknown_enums_and_the_request_limit(state):
     assert start(state, "b", 2) == []
     [over] = start(state, "c", 3)
     assert (over.error.code, over.error.request_id, over.error.incarnation) == (
-        pb.STATUS_CODE_RESOURCE_EXHAUSTED, "c", 3)
+        session_pb.STATUS_CODE_RESOURCE_EXHAUSTED, "c", 3)
     assert sorted(state.requests) == ["a", "b"]
 
 
@@ -113,7 +113,7 @@ def test_probes_reading_the_same_rows_keep_their_own_rules_and_state(tmp_path):
     }
     order = {rid: ["low", "mid", "high"] for rid in values} | {"g": ["mid", "high", "low"]}
     for rid, names in order.items():
-        assert state.start(pb.RequestStart(request_id=rid, bindings=bound(state.registry, *names))) == []
+        assert state.start(session_pb.RequestStart(request_id=rid, bindings=bound(state.registry, *names))) == []
     verdicts = {}
     for step, first in enumerate(range(0, 6, 2), 1):  # two positions per request and batch
         ids = [rid for rid in values for _ in (0, 1)]
@@ -151,7 +151,7 @@ def test_rule_state_survives_the_grid_growing_and_freed_cells_start_clean(tmp_pa
     state = SessionState(registry, model_info(), RouterMetrics())
 
     def bind(rid, *probes):
-        assert state.start(pb.RequestStart(request_id=rid, bindings=bound(state.registry, *probes))) == []
+        assert state.start(session_pb.RequestStart(request_id=rid, bindings=bound(state.registry, *probes))) == []
 
     def aborts(step, ids, positions, values):
         replies = state.batch(to_batch([block(rows(*values), ids, positions)], step=step))
@@ -168,8 +168,8 @@ def test_rule_state_survives_the_grid_growing_and_freed_cells_start_clean(tmp_pa
 
     bind("first", "p22")
     assert aborts(3, ["first"], [0], [1.0]) == {}  # a streak of one in the cell ("first", "p22")
-    state.end(pb.RequestEnd(request_id="held"))
-    state.end(pb.RequestEnd(request_id="first"))  # p0 and p22 are bound by no request now: columns freed
+    state.end(session_pb.RequestEnd(request_id="held"))
+    state.end(session_pb.RequestEnd(request_id="first"))  # p0 and p22 are bound by no request now: columns freed
     bind("second", "p23")  # takes the row and the column freed last: that cell
     assert aborts(4, ["second"], [0], [1.0]) == {}  # no streak inherited
     assert aborts(5, ["second"], [1], [0.7]) == {"second": ("p23", 1)}  # p23's own threshold
@@ -187,7 +187,7 @@ def test_a_request_named_twice_in_one_batch_has_the_second_slots_rows_refused(st
     batch.blocks[0].request_index[2] = 2  # the row at position 1 names "a" through [2]
     replies = state.batch(batch)
     assert summary(replies) == [("error", "a", 1, 6), ("scores", "a", 1, 0), ("scores", "b", 2, 0), ("ack", "", 0, 6)]
-    assert replies[0].error.code == pb.STATUS_CODE_INVALID_ARGUMENT
+    assert replies[0].error.code == session_pb.STATUS_CODE_INVALID_ARGUMENT
     assert replies[0].error.message == (
         "batch.request_ids[2]: request 'a' is named again (first at [0]); the rows naming [2] were not scored")
     assert (list(replies[1].scores.token_positions), list(replies[1].scores.scores)) == ([0], [1.0])
@@ -203,7 +203,7 @@ def test_open_bindings_give_the_garbage_collector_nothing_to_walk(tmp_path):
 
     def open_requests(first, count):
         for i in range(first, first + count):
-            assert state.start(pb.RequestStart(request_id=f"r{i}", bindings=bound(state.registry, *names))) == []
+            assert state.start(session_pb.RequestStart(request_id=f"r{i}", bindings=bound(state.registry, *names))) == []
         gc.collect()
         return len(gc.get_objects())
 

@@ -18,7 +18,7 @@ from tests.security.certs import CertFactory
 from tools import processes, stack
 from tools.dev_security import DevSecurity
 from tools.processes import Service, free_port
-from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent.v1 import engine_pb2_grpc as engine_pb_grpc
 
 ADMIN_TOKEN = "admin-token-0123456789abcdef"
 CLIENT_TOKEN = "client-token-0123456789abcdef"
@@ -110,7 +110,7 @@ async def attacked_engine(tiny_llama_path, tmp_path_factory) -> Target:
     ).start()
     try:
         async with service.channel() as channel:
-            await stack.wait_model_info(pb_grpc.EngineServiceStub(channel), service)
+            await stack.wait_model_info(engine_pb_grpc.EngineServiceStub(channel), service)
         yield Target(service, tokens, metrics_port)
     finally:
         service.kill()

@@ -20,8 +20,9 @@ import pytest
 from tests.security.conftest import MAX_QUEUED_BYTES_PER_CALLER, MAX_STREAMS_PER_CALLER
 from tools import stack
 from tools.dev_security import DevSecurity
-from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import types_pb2 as types_pb
+from undercurrent.v1 import engine_pb2_grpc as engine_pb_grpc
 
 pytestmark = pytest.mark.vllm
 
@@ -29,11 +30,11 @@ LAYERS = [0, 1, 2, 3]
 ROW_BYTES = 128 * 4  # hidden size x float32
 
 
-def long_request(max_tokens: int, capture: bool = False, prompt=(5, 6, 7, 8)) -> pb.GenerateRequest:
-    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(prompt)),
-                                 sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+def long_request(max_tokens: int, capture: bool = False, prompt=(5, 6, 7, 8)) -> engine_pb.GenerateRequest:
+    request = engine_pb.GenerateRequest(token_ids=engine_pb.TokenIds(ids=list(prompt)),
+                                 sampling=engine_pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     if capture:
-        for name, tensor_type in (("residual", pb.TENSOR_TYPE_RESIDUAL_STREAM), ("mlp", pb.TENSOR_TYPE_MLP_OUT)):
+        for name, tensor_type in (("residual", types_pb.TENSOR_TYPE_RESIDUAL_STREAM), ("mlp", types_pb.TENSOR_TYPE_MLP_OUT)):
             request.extraction_points.add(name=name, tensor_type=tensor_type, layers=LAYERS, stream_to_client=True)
     return request
 
@@ -48,8 +49,8 @@ async def test_one_caller_cannot_hold_more_than_its_streams_and_others_are_still
     dev = DevSecurity.ensure()
     address = attacked_engine.service.address
     async with stack.channel(address) as demo_channel, stack.channel(address, dev.other_client_token) as other_channel:
-        demo, other = pb_grpc.EngineServiceStub(demo_channel), pb_grpc.EngineServiceStub(other_channel)
-        await other.GetModelInfo(pb.GetModelInfoRequest())
+        demo, other = engine_pb_grpc.EngineServiceStub(demo_channel), engine_pb_grpc.EngineServiceStub(other_channel)
+        await other.GetModelInfo(engine_pb.GetModelInfoRequest())
         with stack.vllm_paused(attacked_engine.service):  # the hog's streams stay open
             outcomes = [stack.Outcome() for _ in range(MAX_STREAMS_PER_CALLER)]
             hogs = [asyncio.create_task(stack.generate(demo, long_request(400), outcome=o)) for o in outcomes]
@@ -68,7 +69,7 @@ async def test_one_caller_cannot_hold_more_than_its_streams_and_others_are_still
         "(--max-streams-per-caller); retry when one ends")
 
 
-async def read_all(call) -> tuple[int, pb.GenerateFinished]:
+async def read_all(call) -> tuple[int, engine_pb.GenerateFinished]:
     """(activation bytes received, the finished message) of a Generate call."""
     received, finished = 0, None
     while (response := await call.read()) is not grpc.aio.EOF:
@@ -86,7 +87,7 @@ async def test_a_caller_that_stops_reading_pins_at_most_its_queued_bytes(attacke
     hog_bytes = (4 + hog_tokens - 1) * len(LAYERS) * 2 * ROW_BYTES  # per stream: 1.9 MiB, 4 MiB in all
     async with dev.channel(address, options=no_window_growth()) as hog_channel, \
             stack.channel(address, dev.other_client_token) as other_channel:
-        hog = pb_grpc.EngineServiceStub(hog_channel)
+        hog = engine_pb_grpc.EngineServiceStub(hog_channel)
         generated = stack.scrape(attacked_engine.metrics_port).get("undercurrent_engine_tokens_generated_total", 0)
         calls = [hog.Generate(long_request(hog_tokens, capture=True)) for _ in range(MAX_STREAMS_PER_CALLER)]
         for call in calls:  # started, then read nothing more
@@ -94,7 +95,7 @@ async def test_a_caller_that_stops_reading_pins_at_most_its_queued_bytes(attacke
         await stack.wait_metric(attacked_engine.metrics_port, "undercurrent_engine_tokens_generated_total",
                                 lambda value: value >= generated + MAX_STREAMS_PER_CALLER * hog_tokens, timeout=120)
         # Meanwhile another caller's stream gets every row.
-        honest = await read_all(pb_grpc.EngineServiceStub(other_channel).Generate(long_request(honest_tokens, True)))
+        honest = await read_all(engine_pb_grpc.EngineServiceStub(other_channel).Generate(long_request(honest_tokens, True)))
         hogged = [await read_all(call) for call in calls]
     assert honest[1].dropped_records == 0 and honest[0] == (4 + honest_tokens - 1) * len(LAYERS) * 2 * ROW_BYTES
     received = sum(r for r, _ in hogged)
@@ -124,7 +125,7 @@ async def test_callers_never_share_cached_prompt_prefixes(attacked_engine):
     request = long_request(1, prompt=secret_prefix)
     port = attacked_engine.metrics_port
     async with stack.channel(address, dev.other_client_token) as victim_channel, stack.channel(address) as spy_channel:
-        victim, spy = pb_grpc.EngineServiceStub(victim_channel), pb_grpc.EngineServiceStub(spy_channel)
+        victim, spy = engine_pb_grpc.EngineServiceStub(victim_channel), engine_pb_grpc.EngineServiceStub(spy_channel)
         await stack.generate(victim, request)
         before_spy = prefix_cache_hits(port)
         await stack.generate(spy, request)

@@ -87,7 +87,9 @@ def test_a_compromised_engine_cannot_administer_probes_and_a_router_cannot_open_
     certificate (server usage only): no Session on another replica."""
     attempt = ("python - <<'EOF'\n"
                "import grpc\n"
-               "from undercurrent.v1 import undercurrent_pb2 as pb, undercurrent_pb2_grpc as pbg\n"
+               "from undercurrent.v1 import admin_pb2 as admin_pb, router_session_pb2 as session_pb\n"
+               "from undercurrent.v1 import types_pb2 as types_pb\n"
+               "from undercurrent.v1 import admin_pb2_grpc, router_session_pb2_grpc\n"
                "r = lambda p: open(p, 'rb').read()\n"
                "c = grpc.ssl_channel_credentials(r('/secrets/ca.pem'), r('/secrets/{me}.key'),\n"
                "                                 r('/secrets/{me}.pem'))\n"
@@ -98,10 +100,10 @@ def test_a_compromised_engine_cannot_administer_probes_and_a_router_cannot_open_
                "except grpc.RpcError as e:\n"
                "    print(e.code().name)\n"
                "EOF")
-    unload = ("pbg.ProbeAdminServiceStub(ch).UnloadProbe(pb.UnloadProbeRequest(name='residual_norm', force=True),"
+    unload = ("admin_pb2_grpc.ProbeAdminServiceStub(ch).UnloadProbe(admin_pb.UnloadProbeRequest(name='residual_norm', force=True),"
               " timeout=10)")
-    session = ("next(iter(pbg.ProbeRouterServiceStub(ch).Session(iter([pb.SessionRequest(hello=pb.SessionHello("
-               "engine_id='x', model=pb.ModelInfo(hidden_size=128, num_layers=4)))]), timeout=10)))")
+    session = ("next(iter(router_session_pb2_grpc.ProbeRouterServiceStub(ch).Session(iter([session_pb.SessionRequest(hello=session_pb.SessionHello("
+               "engine_id='x', model=types_pb.ModelInfo(hidden_size=128, num_layers=4)))]), timeout=10)))")
     from_engine = sh(stack, "engine", attempt.format(me="engine", call=unload))
     from_router = sh(stack, "router", attempt.format(me="router", call=session))
     assert from_engine.stdout.split()[-1:] == ["UNAUTHENTICATED"], from_engine.stderr[-2000:]

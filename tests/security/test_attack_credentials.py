@@ -28,8 +28,8 @@ from tests.models import EMBEDDED_MODELS
 from tests.security.attacks import connects, listening_addresses, outside_address
 from tools.dev_security import DevSecurity
 from tools.processes import Service, free_port
-from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent.v1 import admin_pb2 as admin_pb
+from undercurrent.v1 import admin_pb2_grpc as admin_pb_grpc
 from undercurrent_client import EngineClient
 from undercurrent_client.connection import Connection, PlaintextToken
 
@@ -40,7 +40,7 @@ UNUSABLE = ("this service cannot check tokens now (its token file is unusable); 
 async def list_probes(router, token: str) -> tuple[str, str]:
     async with router.service.channel(token) as channel:
         try:
-            listed = await pb_grpc.ProbeAdminServiceStub(channel).ListProbes(pb.ListProbesRequest(), timeout=10)
+            listed = await admin_pb_grpc.ProbeAdminServiceStub(channel).ListProbes(admin_pb.ListProbesRequest(), timeout=10)
         except grpc.aio.AioRpcError as err:
             return err.code().name, err.details()
     return "OK", ",".join(p.name for p in listed.probes)

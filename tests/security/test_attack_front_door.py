@@ -30,8 +30,10 @@ from tests.router.test_admin import inline
 from tests.security.attacks import MIB, MemoryWatch, channels, flood
 from tools import stack
 from tools.dev_security import DevSecurity
-from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent.v1 import admin_pb2 as admin_pb
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import admin_pb2_grpc as admin_pb_grpc
+from undercurrent.v1 import engine_pb2_grpc as engine_pb_grpc
 
 CALLS = 16
 CONNECTIONS = 8
@@ -49,13 +51,13 @@ def bearer(token: str) -> tuple:
 async def test_large_unauthenticated_calls_leave_the_engine_within_its_bound_and_callers_served(
         attacked_engine, capsys):
     dev = DevSecurity.ensure()
-    huge = pb.GenerateRequest(text="x" * MESSAGE_BYTES).SerializeToString()
+    huge = engine_pb.GenerateRequest(text="x" * MESSAGE_BYTES).SerializeToString()
     ca_only = grpc.ssl_channel_credentials(dev.ca.read_bytes())  # what any client of the engine has
     attackers = channels(attacked_engine.service.address, CONNECTIONS, ca_only)
-    request = pb.GenerateRequest(text="Still served", sampling=pb.SamplingParams(max_tokens=48, ignore_eos=True))
+    request = engine_pb.GenerateRequest(text="Still served", sampling=engine_pb.SamplingParams(max_tokens=48, ignore_eos=True))
     async with stack.channel(attacked_engine.service.address) as honest:
-        engine = pb_grpc.EngineServiceStub(honest)
-        await engine.GetModelInfo(pb.GetModelInfoRequest())
+        engine = engine_pb_grpc.EngineServiceStub(honest)
+        await engine.GetModelInfo(engine_pb.GetModelInfoRequest())
         async with MemoryWatch(attacked_engine.pid) as watch:
             served = asyncio.create_task(stack.generate(engine, request))
             no_token, oversized = [], []
@@ -81,15 +83,15 @@ async def test_large_calls_without_an_admin_token_leave_a_router_within_its_boun
     engine_cert, engine_key = dev.pem("engine")
     credentials = grpc.ssl_channel_credentials(dev.ca.read_bytes(), engine_key.read_bytes(),
                                                engine_cert.read_bytes())
-    huge = pb.LoadProbeRequest(inline=pb.InlineProbe(manifest_json="{}",
+    huge = admin_pb.LoadProbeRequest(inline=admin_pb.InlineProbe(manifest_json="{}",
                                                      weights_safetensors=b"\0" * MESSAGE_BYTES)).SerializeToString()
     attackers = channels(router.service.address, CONNECTIONS, credentials)
     async with router.service.channel() as channel:
-        admin = pb_grpc.ProbeAdminServiceStub(channel)
+        admin = admin_pb_grpc.ProbeAdminServiceStub(channel)
         async with MemoryWatch(router.pid) as watch:
             flooding = asyncio.create_task(flood(attackers, LOAD_PROBE, huge, CALLS * 2))
-            listed = await admin.ListProbes(pb.ListProbesRequest())  # the operator meanwhile
-            loaded = await admin.LoadProbe(pb.LoadProbeRequest(inline=inline("during", np.ones(HIDDEN))))
+            listed = await admin.ListProbes(admin_pb.ListProbesRequest())  # the operator meanwhile
+            loaded = await admin.LoadProbe(admin_pb.LoadProbeRequest(inline=inline("during", np.ones(HIDDEN))))
             codes = await flooding
     for channel in attackers:
         await channel.close()

@@ -18,8 +18,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.grpc_server import DEFAULT_MAX_HEALTH_WATCHERS, SERVICE_FULL_NAMES, start_server
 from tools.dev_security import DevSecurity
-from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent.v1 import admin_pb2 as admin_pb
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import admin_pb2_grpc as admin_pb_grpc
+from undercurrent.v1 import engine_pb2_grpc as engine_pb_grpc
 
 WATCH_CALLS = 5000
 BATCH = 50
@@ -73,13 +75,13 @@ async def test_watch_follows_a_routers_status_on_its_loopback_health_port(start_
         call = health_pb2_grpc.HealthStub(plaintext).Watch(health_pb2.HealthCheckRequest(), timeout=60)
         first = await call.read()
         async with router.service.channel() as channel:
-            await pb_grpc.ProbeAdminServiceStub(channel).UnloadProbe(pb.UnloadProbeRequest(name="p"))
+            await admin_pb_grpc.ProbeAdminServiceStub(channel).UnloadProbe(admin_pb.UnloadProbeRequest(name="p"))
         second = await call.read()
         call.cancel()
     assert (first.status, second.status) == (SERVING, NOT_SERVING)
 
 
-class Broken(pb_grpc.EngineServiceServicer):
+class Broken(engine_pb_grpc.EngineServiceServicer):
     async def GetModelInfo(self, request, context):
         raise ZeroDivisionError("a bug a caller can trigger at will")
 
@@ -87,15 +89,15 @@ class Broken(pb_grpc.EngineServiceServicer):
 async def test_a_handler_failing_on_every_call_logs_one_traceback_per_interval(caplog):
     caplog.set_level(logging.ERROR, logger="common.errors")
     handle = await start_server(
-        [(pb_grpc.add_EngineServiceServicer_to_server, Broken(), SERVICE_FULL_NAMES["EngineService"])],
+        [(engine_pb_grpc.add_EngineServiceServicer_to_server, Broken(), SERVICE_FULL_NAMES["EngineService"])],
         "127.0.0.1", 0)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
-            stub = pb_grpc.EngineServiceStub(channel)
+            stub = engine_pb_grpc.EngineServiceStub(channel)
 
             async def call() -> str:
                 try:
-                    await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+                    await stub.GetModelInfo(engine_pb.GetModelInfoRequest(), timeout=30)
                 except grpc.aio.AioRpcError as err:
                     return err.code().name
                 return "OK"

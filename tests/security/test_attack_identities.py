@@ -22,8 +22,8 @@ from tests.router.helpers import HIDDEN, SessionClient
 from tests.router.test_admin import inline
 from tools.dev_security import DevSecurity
 from tools.stack import scrape
-from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent.v1 import admin_pb2 as admin_pb
+from undercurrent.v1 import admin_pb2_grpc as admin_pb_grpc
 
 
 def credentials(directory, name: str, ca=None) -> grpc.ChannelCredentials:
@@ -49,7 +49,7 @@ async def test_the_clients_certificate_cannot_open_a_session_see_the_catalog_or_
     assert refused.value.details() == "permission denied: the client certificate's identity may not call this service"
     # Nothing was bound: a graceful unload completes at once.
     async with router.service.channel() as channel:
-        unloaded = await pb_grpc.ProbeAdminServiceStub(channel).UnloadProbe(pb.UnloadProbeRequest(name="p"))
+        unloaded = await admin_pb_grpc.ProbeAdminServiceStub(channel).UnloadProbe(admin_pb.UnloadProbeRequest(name="p"))
     assert unloaded.unloaded
     # The engine's certificate does open one.
     engine = SessionClient(0, open_channel=grpc.aio.secure_channel(address, credentials(dev.directory, "engine")))
@@ -62,11 +62,11 @@ async def test_an_engine_certificate_cannot_call_probe_admin_without_an_admin_to
     router = await start_router_process()
     dev = DevSecurity.ensure()
     async with grpc.aio.secure_channel(router.service.address, credentials(dev.directory, "engine")) as channel:
-        admin = pb_grpc.ProbeAdminServiceStub(channel)
+        admin = admin_pb_grpc.ProbeAdminServiceStub(channel)
         calls = {
-            "LoadProbe": lambda **kw: admin.LoadProbe(pb.LoadProbeRequest(inline=inline("x", np.ones(HIDDEN))), **kw),
-            "ListProbes": lambda **kw: admin.ListProbes(pb.ListProbesRequest(), **kw),
-            "UnloadProbe": lambda **kw: admin.UnloadProbe(pb.UnloadProbeRequest(name="p", force=True), **kw),
+            "LoadProbe": lambda **kw: admin.LoadProbe(admin_pb.LoadProbeRequest(inline=inline("x", np.ones(HIDDEN))), **kw),
+            "ListProbes": lambda **kw: admin.ListProbes(admin_pb.ListProbesRequest(), **kw),
+            "UnloadProbe": lambda **kw: admin.UnloadProbe(admin_pb.UnloadProbeRequest(name="p", force=True), **kw),
         }
         for name, call in calls.items():
             for metadata in ((), bearer(dev.client_token)):
@@ -74,19 +74,19 @@ async def test_an_engine_certificate_cannot_call_probe_admin_without_an_admin_to
                     await call(metadata=metadata)
                 assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, (name, metadata)
         # Still there, untouched.
-        listed = await admin.ListProbes(pb.ListProbesRequest(), metadata=bearer(dev.admin_token))
+        listed = await admin.ListProbes(admin_pb.ListProbesRequest(), metadata=bearer(dev.admin_token))
     assert [p.name for p in listed.probes] == ["p"]
 
 
 async def test_with_admin_identities_an_admin_token_needs_an_operators_certificate_too(start_router_process):
     router = await start_router_process("--admin-identities", "client")
     dev = DevSecurity.ensure()
-    request = pb.ListProbesRequest()
+    request = admin_pb.ListProbesRequest()
     async with grpc.aio.secure_channel(router.service.address, credentials(dev.directory, "engine")) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await pb_grpc.ProbeAdminServiceStub(channel).ListProbes(request, metadata=bearer(dev.admin_token))
+            await admin_pb_grpc.ProbeAdminServiceStub(channel).ListProbes(request, metadata=bearer(dev.admin_token))
     async with grpc.aio.secure_channel(router.service.address, credentials(dev.directory, "client")) as channel:
-        listed = await pb_grpc.ProbeAdminServiceStub(channel).ListProbes(request, metadata=bearer(dev.admin_token))
+        listed = await admin_pb_grpc.ProbeAdminServiceStub(channel).ListProbes(request, metadata=bearer(dev.admin_token))
     assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert [p.name for p in listed.probes] == ["p"]
     assert scrape(router.metrics_port)[

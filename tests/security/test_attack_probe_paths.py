@@ -22,8 +22,8 @@ import pytest
 
 from common.probe_format.files import write_probe_file
 from tests.router.helpers import HIDDEN, linear_probe, manifest
-from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent.v1 import admin_pb2 as admin_pb
+from undercurrent.v1 import admin_pb2_grpc as admin_pb_grpc
 
 MAX_PROBE_FILE_BYTES = 64 * 1024
 OUTSIDE = "is not under the router's probe root (--probe-root); give it relative to the root"
@@ -32,7 +32,7 @@ OUTSIDE = "is not under the router's probe root (--probe-root); give it relative
 async def load(router, path: str) -> tuple[str, str]:
     async with router.service.channel() as channel:
         try:
-            reply = await pb_grpc.ProbeAdminServiceStub(channel).LoadProbe(pb.LoadProbeRequest(path=path))
+            reply = await admin_pb_grpc.ProbeAdminServiceStub(channel).LoadProbe(admin_pb.LoadProbeRequest(path=path))
         except grpc.aio.AioRpcError as err:
             return err.code().name, err.details()
     return "OK", reply.probe.name

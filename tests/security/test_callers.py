@@ -7,13 +7,14 @@ from common.errors import ResourceExhausted
 from common.security.auth import ANONYMOUS
 from engine_service.request.callers import CallerLimits, Callers
 from engine_service.request.client_stream import ClientStream
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 
-def activations(rows: int) -> pb.GenerateResponse:
-    batch = pb.ActivationBatch()
+def activations(rows: int) -> engine_pb.GenerateResponse:
+    batch = types_pb.ActivationBatch()
     batch.blocks.add(token_positions=list(range(rows)))
-    return pb.GenerateResponse(activations=batch)
+    return engine_pb.GenerateResponse(activations=batch)
 
 
 def test_a_caller_holds_at_most_its_streams_and_the_count_follows_them():
@@ -46,7 +47,7 @@ async def test_a_callers_queued_bytes_count_across_its_streams_and_leave_with_a_
             assert [second.put_nowait(event) for _ in range(2)] == [True, False]  # 3 events: the caller's cap
             assert second.dropped_records == 10
             # Tokens and finished are the answer: never dropped, and counted.
-            assert second.put_nowait(pb.GenerateResponse(tokens=pb.TokenChunk(token_ids=[1])))
+            assert second.put_nowait(engine_pb.GenerateResponse(tokens=engine_pb.TokenChunk(token_ids=[1])))
             await first.get()
             await first.get()
             assert second.put_nowait(event)  # room again once the client read

@@ -15,19 +15,19 @@ from common.probe_format.files import ProbeFileError, load_probe_path
 from tests.conftest import REPO
 from tests.router.helpers import HIDDEN, channel, manifest
 from tests.router.test_admin import inline
-from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent.v1 import admin_pb2 as admin_pb
+from undercurrent.v1 import admin_pb2_grpc as admin_pb_grpc
 
 
 async def test_an_inline_probe_over_the_cap_is_resource_exhausted_and_not_loaded(make_router):
     small = inline("small", np.ones(HIDDEN))
     cap = len(small.manifest_json) + len(small.weights_safetensors)
     router = await make_router(None, max_inline_probe_bytes=cap)
-    admin = pb_grpc.ProbeAdminServiceStub(channel(router))
-    assert (await admin.LoadProbe(pb.LoadProbeRequest(inline=small))).probe.name == "small"
+    admin = admin_pb_grpc.ProbeAdminServiceStub(channel(router))
+    assert (await admin.LoadProbe(admin_pb.LoadProbeRequest(inline=small))).probe.name == "small"
     big = inline("big", np.ones(HIDDEN), description="x")
     with pytest.raises(grpc.aio.AioRpcError) as refused:
-        await admin.LoadProbe(pb.LoadProbeRequest(inline=big))
+        await admin.LoadProbe(admin_pb.LoadProbeRequest(inline=big))
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     size = len(big.manifest_json) + len(big.weights_safetensors)
     assert refused.value.details() == (

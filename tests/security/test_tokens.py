@@ -21,8 +21,11 @@ from common.security.tokens import TokenConfigError, TokenSet, TokensUnusable, a
 from tests.router.helpers import HIDDEN
 from tests.router.test_admin import inline
 from tests.security.conftest import ADMIN_TOKEN, CLIENT_TOKEN
-from undercurrent.v1 import undercurrent_pb2 as pb
-from undercurrent.v1 import undercurrent_pb2_grpc as pb_grpc
+from undercurrent.v1 import admin_pb2 as admin_pb
+from undercurrent.v1 import engine_pb2 as engine_pb
+from undercurrent.v1 import types_pb2 as types_pb
+from undercurrent.v1 import admin_pb2_grpc as admin_pb_grpc
+from undercurrent.v1 import engine_pb2_grpc as engine_pb_grpc
 
 ALICE = "alice-token-0123456789abcdef"
 BOB = "bob-token-0123456789abcdefgh"
@@ -87,7 +90,7 @@ def test_bearer_token_parsing(metadata, expected):
 # -- the interceptor on an EngineService server ---------------------------------
 
 
-class RecordingEngine(pb_grpc.EngineServiceServicer):
+class RecordingEngine(engine_pb_grpc.EngineServiceServicer):
     """Records the authenticated caller of every call it serves (the servicer
     stands in for the engine; server, TLS and interceptor are the real ones)."""
 
@@ -98,11 +101,11 @@ class RecordingEngine(pb_grpc.EngineServiceServicer):
         self.served.append(("Generate", current_caller()))
         for index in range(3):
             await asyncio.sleep(0)
-            yield pb.GenerateResponse(tokens=pb.TokenChunk(first_index=index, token_ids=[index]))
+            yield engine_pb.GenerateResponse(tokens=engine_pb.TokenChunk(first_index=index, token_ids=[index]))
 
     async def GetModelInfo(self, request, context):
         self.served.append(("GetModelInfo", current_caller()))
-        return pb.GetModelInfoResponse(model=pb.ModelInfo(model="m"))
+        return engine_pb.GetModelInfoResponse(model=types_pb.ModelInfo(model="m"))
 
 
 @pytest.fixture
@@ -115,13 +118,13 @@ async def engine_server(pki):
         {ENGINE_SERVICE: Access(tokens=TokenSet.of("client", {ALICE: "alice", BOB: "bob"}))},
     )
     handle = await start_server(
-        [(pb_grpc.add_EngineServiceServicer_to_server, servicer, SERVICE_FULL_NAMES["EngineService"])],
+        [(engine_pb_grpc.add_EngineServiceServicer_to_server, servicer, SERVICE_FULL_NAMES["EngineService"])],
         "127.0.0.1", 0, security=security, metrics_registry=registry)
     await handle.set_serving(True)
     # Clients of the engine need no certificate of their own: only the CA.
     credentials = grpc.ssl_channel_credentials(files.ca.read_bytes())
     channel = grpc.aio.secure_channel(f"localhost:{handle.port}", credentials)
-    yield servicer, pb_grpc.EngineServiceStub(channel), channel, registry
+    yield servicer, engine_pb_grpc.EngineServiceStub(channel), channel, registry
     await channel.close()
     await handle.server.stop(None)
 
@@ -146,12 +149,12 @@ async def test_unary_and_streaming_calls_without_a_valid_token_are_refused_and_n
 ):
     servicer, stub, _, registry = engine_server
     caplog.set_level(logging.WARNING, logger="common.security.auth")
-    request = pb.GenerateRequest(text="x")
+    request = engine_pb.GenerateRequest(text="x")
     refusals = [
         await code_of(lambda: stub.Generate(request)),
         await code_of(lambda: stub.Generate(request, metadata=bearer(ADMIN_TOKEN))),
-        await code_of(lambda: stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=bearer(ALICE + "x"))),
-        await code_of(lambda: stub.GetModelInfo(pb.GetModelInfoRequest(),
+        await code_of(lambda: stub.GetModelInfo(engine_pb.GetModelInfoRequest(), metadata=bearer(ALICE + "x"))),
+        await code_of(lambda: stub.GetModelInfo(engine_pb.GetModelInfoRequest(),
                                                 metadata=(("authorization", f"Basic {ALICE}"),))),
     ]
     assert [code for code, _ in refusals] == [grpc.StatusCode.UNAUTHENTICATED] * 4
@@ -171,9 +174,9 @@ async def test_unary_and_streaming_calls_without_a_valid_token_are_refused_and_n
 
 async def test_valid_tokens_are_served_as_their_caller_on_unary_and_streaming_calls(engine_server):
     servicer, stub, _, registry = engine_server
-    responses = [r async for r in stub.Generate(pb.GenerateRequest(text="x"), metadata=bearer(ALICE))]
+    responses = [r async for r in stub.Generate(engine_pb.GenerateRequest(text="x"), metadata=bearer(ALICE))]
     assert [r.tokens.token_ids[0] for r in responses] == [0, 1, 2]
-    assert (await stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=bearer(BOB))).model.model == "m"
+    assert (await stub.GetModelInfo(engine_pb.GetModelInfoRequest(), metadata=bearer(BOB))).model.model == "m"
     assert servicer.served == [("Generate", "alice"), ("GetModelInfo", "bob")]
     assert registry.get_sample_value("undercurrent_auth_refused_total",
                                      {"service": ENGINE_SERVICE, "reason": "wrong_token"}) is None
@@ -197,19 +200,19 @@ async def test_health_needs_no_token_and_reflection_is_off_unless_enabled(engine
 async def test_probe_admin_needs_an_admin_token_and_a_refused_call_changes_nothing(secure_router, pki):
     router, _ = await secure_router()
     channel = grpc.aio.secure_channel(f"127.0.0.1:{router.port}", ClientTLS(pki.files("engine")).credentials())
-    admin = pb_grpc.ProbeAdminServiceStub(channel)
-    load = pb.LoadProbeRequest(inline=inline("sneaky", np.ones(HIDDEN)))
+    admin = admin_pb_grpc.ProbeAdminServiceStub(channel)
+    load = admin_pb.LoadProbeRequest(inline=inline("sneaky", np.ones(HIDDEN)))
     refusals = [
         await code_of(lambda: admin.LoadProbe(load)),
-        await code_of(lambda: admin.UnloadProbe(pb.UnloadProbeRequest(name="p", force=True),
+        await code_of(lambda: admin.UnloadProbe(admin_pb.UnloadProbeRequest(name="p", force=True),
                                                 metadata=bearer(CLIENT_TOKEN))),
-        await code_of(lambda: admin.ListProbes(pb.ListProbesRequest(), metadata=bearer(ADMIN_TOKEN[:-1]))),
+        await code_of(lambda: admin.ListProbes(admin_pb.ListProbesRequest(), metadata=bearer(ADMIN_TOKEN[:-1]))),
     ]
     assert [code for code, _ in refusals] == [grpc.StatusCode.UNAUTHENTICATED] * 3
     assert [p.name for p in router.registry.probes()] == ["p"]
-    listed = await admin.ListProbes(pb.ListProbesRequest(), metadata=bearer(ADMIN_TOKEN))
+    listed = await admin.ListProbes(admin_pb.ListProbesRequest(), metadata=bearer(ADMIN_TOKEN))
     assert [p.name for p in listed.probes] == ["p"]
-    assert (await admin.UnloadProbe(pb.UnloadProbeRequest(name="p", force=True),
+    assert (await admin.UnloadProbe(admin_pb.UnloadProbeRequest(name="p", force=True),
                                     metadata=bearer(ADMIN_TOKEN))).unloaded
     assert router.metrics.registry.get_sample_value(
         "undercurrent_auth_refused_total", {"service": PROBE_ADMIN_SERVICE, "reason": "wrong_token"}) == 2

@@ -13,10 +13,12 @@ const protoLoader = require('@grpc/proto-loader');
 const { decodeBatch, decodeTensor, rowKey } = require('./tensor');
 
 const PROTO_ROOT = path.resolve(__dirname, '..', '..', '..', 'proto');
-const PROTO_FILE = 'undercurrent/v1/undercurrent.proto';
+// The public APIs only; their shared types come in through their imports. The
+// router session (router_session.proto) is internal to engines and routers.
+const PROTO_FILES = ['undercurrent/v1/engine.proto', 'undercurrent/v1/admin.proto'];
 const MAX_MESSAGE_BYTES = 64 * 1024 * 1024;
 
-const packageDefinition = protoLoader.loadSync(PROTO_FILE, {
+const packageDefinition = protoLoader.loadSync(PROTO_FILES, {
   includeDirs: [PROTO_ROOT], longs: Number, enums: String, bytes: Buffer, defaults: true, oneofs: true,
 });
 const v1 = /** @type {any} */ (grpc.loadPackageDefinition(packageDefinition)).undercurrent.v1;

@@ -2,7 +2,7 @@
 'use strict';
 /**
  * Tensor and ActivationBatch decoding, as the contract defines it on `Tensor`
- * (proto/undercurrent/v1/undercurrent.proto): raw little-endian bytes in
+ * (proto/undercurrent/v1/types.proto): raw little-endian bytes in
  * row-major order; bfloat16 is the top 16 bits of a float32. Every dtype
  * decodes to float32, as the Python decoder (common/tensor_codec.py) does.
  */

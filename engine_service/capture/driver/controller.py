@@ -40,7 +40,7 @@ from engine_service.capture.driver.merge import (
 from engine_service.capture.channel import DEFAULT_BACKLOG_BYTES, node_identity
 from engine_service.capture.driver.sink import Sink
 from engine_service.capture.driver.topology import RankTopology, Topology
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ class CaptureController:
         self._registrations = asyncio.Event()
         self.backlog_rows_dropped = 0  # rows workers dropped past their backlog bound
 
-    async def start(self) -> pb.ModelInfo:
+    async def start(self) -> types_pb.ModelInfo:
         import vllm
 
         self._vllm_version = vllm.__version__
@@ -233,7 +233,7 @@ class CaptureController:
             raise FailedPrecondition("capture controller is not started; await start() first")
         return self._topology
 
-    def model_info(self) -> pb.ModelInfo:
+    def model_info(self) -> types_pb.ModelInfo:
         return self.topology.model_info(self._vllm_version)
 
     def validate(self, points: list[ExtractionPoint], prompt_len: int | None = None) -> None:

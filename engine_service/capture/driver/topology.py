@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from common.capture_spec import ExtractionPoint, tensor_type_to_proto, validate_points
 from common.errors import InvalidArgument
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 
 @dataclass(frozen=True)
@@ -95,9 +95,9 @@ class Topology:
                         f"{label}: layers[{j}]={layer} is owned by no rank ({', '.join(spans)})"
                     )
 
-    def model_info(self, vllm_version: str) -> pb.ModelInfo:
+    def model_info(self, vllm_version: str) -> types_pb.ModelInfo:
         first = self.first
-        return pb.ModelInfo(
+        return types_pb.ModelInfo(
             model=first.model,
             architecture=first.architecture,
             num_layers=first.num_layers,
@@ -106,7 +106,7 @@ class Topology:
             tensor_parallel_size=first.tp_size,
             pipeline_parallel_size=first.pp_size,
             ranks=[
-                pb.RankInfo(
+                types_pb.RankInfo(
                     rank=r.rank,
                     tp_rank=r.tp_rank,
                     pp_rank=r.pp_rank,

@@ -44,7 +44,7 @@ from engine_service.capture.worker.sites import (
     register_models_with_sites,
     set_receiver,
 )
-from undercurrent.v1 import undercurrent_pb2 as pb
+from undercurrent.v1 import types_pb2 as types_pb
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class CaptureWorkerExtension:
 
     def undercurrent_register(self, request_id: str, points: list[bytes], prompt_len: int) -> None:
         parsed = tuple(
-            ExtractionPoint.from_proto(pb.ExtractionPoint.FromString(p)) for p in points
+            ExtractionPoint.from_proto(types_pb.ExtractionPoint.FromString(p)) for p in points
         )
         self._undercurrent.mapper.register(Registration(request_id, parsed, int(prompt_len)))
 
