@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from undercurrent.v1 import types_pb2 as undercurrent_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bundercurrent/v1/admin.proto\x12\x0fundercurrent.v1\x1a\x1bundercurrent/v1/types.proto\"m\n\x10LoadProbeRequest\x12\x0e\n\x04path\x18\x01 \x01(\tH\x00\x12.\n\x06inline\x18\x02 \x01(\x0b\x32\x1c.undercurrent.v1.InlineProbeH\x00\x12\x0f\n\x07replace\x18\x03 \x01(\x08\x42\x08\n\x06source\">\n\x11LoadProbeResponse\x12)\n\x05probe\x18\x01 \x01(\x0b\x32\x1a.undercurrent.v1.ProbeInfo\"A\n\x0bInlineProbe\x12\x15\n\rmanifest_json\x18\x01 \x01(\t\x12\x1b\n\x13weights_safetensors\x18\x02 \x01(\x0c\"\x13\n\x11ListProbesRequest\"@\n\x12ListProbesResponse\x12*\n\x06probes\x18\x01 \x03(\x0b\x32\x1a.undercurrent.v1.ProbeInfo\"1\n\x12UnloadProbeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\"\'\n\x13UnloadProbeResponse\x12\x10\n\x08unloaded\x18\x01 \x01(\x08\x32\x98\x02\n\x11ProbeAdminService\x12R\n\tLoadProbe\x12!.undercurrent.v1.LoadProbeRequest\x1a\".undercurrent.v1.LoadProbeResponse\x12U\n\nListProbes\x12\".undercurrent.v1.ListProbesRequest\x1a#.undercurrent.v1.ListProbesResponse\x12X\n\x0bUnloadProbe\x12#.undercurrent.v1.UnloadProbeRequest\x1a$.undercurrent.v1.UnloadProbeResponseBs\n\x13\x64\x65v.undercurrent.v1B\nAdminProtoP\x01ZNgithub.com/undercurrent-dev/undercurrent/gen/go/undercurrent/v1;undercurrentv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bundercurrent/v1/admin.proto\x12\x0fundercurrent.v1\x1a\x1bundercurrent/v1/types.proto\"\xad\x01\n\x10LoadProbeRequest\x12\x0e\n\x04path\x18\x01 \x01(\tH\x00\x12.\n\x06inline\x18\x02 \x01(\x0b\x32\x1c.undercurrent.v1.InlineProbeH\x00\x12\x0f\n\x07replace\x18\x03 \x01(\x08\x12(\n\x04role\x18\x04 \x01(\x0e\x32\x1a.undercurrent.v1.ProbeRole\x12\x14\n\x0c\x63\x61nary_share\x18\x05 \x01(\x01\x42\x08\n\x06source\">\n\x11LoadProbeResponse\x12)\n\x05probe\x18\x01 \x01(\x0b\x32\x1a.undercurrent.v1.ProbeInfo\"A\n\x0bInlineProbe\x12\x15\n\rmanifest_json\x18\x01 \x01(\t\x12\x1b\n\x13weights_safetensors\x18\x02 \x01(\x0c\"\x13\n\x11ListProbesRequest\"@\n\x12ListProbesResponse\x12*\n\x06probes\x18\x01 \x03(\x0b\x32\x1a.undercurrent.v1.ProbeInfo\"1\n\x12UnloadProbeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\"\'\n\x13UnloadProbeResponse\x12\x10\n\x08unloaded\x18\x01 \x01(\x08\"#\n\x13PromoteProbeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"A\n\x14PromoteProbeResponse\x12)\n\x05probe\x18\x01 \x01(\x0b\x32\x1a.undercurrent.v1.ProbeInfo\"$\n\x14RollBackProbeRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"B\n\x15RollBackProbeResponse\x12)\n\x05probe\x18\x01 \x01(\x0b\x32\x1a.undercurrent.v1.ProbeInfo2\xd5\x03\n\x11ProbeAdminService\x12R\n\tLoadProbe\x12!.undercurrent.v1.LoadProbeRequest\x1a\".undercurrent.v1.LoadProbeResponse\x12U\n\nListProbes\x12\".undercurrent.v1.ListProbesRequest\x1a#.undercurrent.v1.ListProbesResponse\x12X\n\x0bUnloadProbe\x12#.undercurrent.v1.UnloadProbeRequest\x1a$.undercurrent.v1.UnloadProbeResponse\x12[\n\x0cPromoteProbe\x12$.undercurrent.v1.PromoteProbeRequest\x1a%.undercurrent.v1.PromoteProbeResponse\x12^\n\rRollBackProbe\x12%.undercurrent.v1.RollBackProbeRequest\x1a&.undercurrent.v1.RollBackProbeResponseBs\n\x13\x64\x65v.undercurrent.v1B\nAdminProtoP\x01ZNgithub.com/undercurrent-dev/undercurrent/gen/go/undercurrent/v1;undercurrentv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,20 +33,28 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'undercurrent.v1.admin_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\023dev.undercurrent.v1B\nAdminProtoP\001ZNgithub.com/undercurrent-dev/undercurrent/gen/go/undercurrent/v1;undercurrentv1'
-  _globals['_LOADPROBEREQUEST']._serialized_start=77
-  _globals['_LOADPROBEREQUEST']._serialized_end=186
-  _globals['_LOADPROBERESPONSE']._serialized_start=188
-  _globals['_LOADPROBERESPONSE']._serialized_end=250
-  _globals['_INLINEPROBE']._serialized_start=252
-  _globals['_INLINEPROBE']._serialized_end=317
-  _globals['_LISTPROBESREQUEST']._serialized_start=319
-  _globals['_LISTPROBESREQUEST']._serialized_end=338
-  _globals['_LISTPROBESRESPONSE']._serialized_start=340
-  _globals['_LISTPROBESRESPONSE']._serialized_end=404
-  _globals['_UNLOADPROBEREQUEST']._serialized_start=406
-  _globals['_UNLOADPROBEREQUEST']._serialized_end=455
-  _globals['_UNLOADPROBERESPONSE']._serialized_start=457
-  _globals['_UNLOADPROBERESPONSE']._serialized_end=496
-  _globals['_PROBEADMINSERVICE']._serialized_start=499
-  _globals['_PROBEADMINSERVICE']._serialized_end=779
+  _globals['_LOADPROBEREQUEST']._serialized_start=78
+  _globals['_LOADPROBEREQUEST']._serialized_end=251
+  _globals['_LOADPROBERESPONSE']._serialized_start=253
+  _globals['_LOADPROBERESPONSE']._serialized_end=315
+  _globals['_INLINEPROBE']._serialized_start=317
+  _globals['_INLINEPROBE']._serialized_end=382
+  _globals['_LISTPROBESREQUEST']._serialized_start=384
+  _globals['_LISTPROBESREQUEST']._serialized_end=403
+  _globals['_LISTPROBESRESPONSE']._serialized_start=405
+  _globals['_LISTPROBESRESPONSE']._serialized_end=469
+  _globals['_UNLOADPROBEREQUEST']._serialized_start=471
+  _globals['_UNLOADPROBEREQUEST']._serialized_end=520
+  _globals['_UNLOADPROBERESPONSE']._serialized_start=522
+  _globals['_UNLOADPROBERESPONSE']._serialized_end=561
+  _globals['_PROMOTEPROBEREQUEST']._serialized_start=563
+  _globals['_PROMOTEPROBEREQUEST']._serialized_end=598
+  _globals['_PROMOTEPROBERESPONSE']._serialized_start=600
+  _globals['_PROMOTEPROBERESPONSE']._serialized_end=665
+  _globals['_ROLLBACKPROBEREQUEST']._serialized_start=667
+  _globals['_ROLLBACKPROBEREQUEST']._serialized_end=703
+  _globals['_ROLLBACKPROBERESPONSE']._serialized_start=705
+  _globals['_ROLLBACKPROBERESPONSE']._serialized_end=771
+  _globals['_PROBEADMINSERVICE']._serialized_start=774
+  _globals['_PROBEADMINSERVICE']._serialized_end=1243
 # @@protoc_insertion_point(module_scope)

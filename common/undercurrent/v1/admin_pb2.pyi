@@ -8,14 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LoadProbeRequest(_message.Message):
-    __slots__ = ("path", "inline", "replace")
+    __slots__ = ("path", "inline", "replace", "role", "canary_share")
     PATH_FIELD_NUMBER: _ClassVar[int]
     INLINE_FIELD_NUMBER: _ClassVar[int]
     REPLACE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CANARY_SHARE_FIELD_NUMBER: _ClassVar[int]
     path: str
     inline: InlineProbe
     replace: bool
-    def __init__(self, path: _Optional[str] = ..., inline: _Optional[_Union[InlineProbe, _Mapping]] = ..., replace: _Optional[bool] = ...) -> None: ...
+    role: _types_pb2.ProbeRole
+    canary_share: float
+    def __init__(self, path: _Optional[str] = ..., inline: _Optional[_Union[InlineProbe, _Mapping]] = ..., replace: _Optional[bool] = ..., role: _Optional[_Union[_types_pb2.ProbeRole, str]] = ..., canary_share: _Optional[float] = ...) -> None: ...
 
 class LoadProbeResponse(_message.Message):
     __slots__ = ("probe",)
@@ -54,3 +58,27 @@ class UnloadProbeResponse(_message.Message):
     UNLOADED_FIELD_NUMBER: _ClassVar[int]
     unloaded: bool
     def __init__(self, unloaded: _Optional[bool] = ...) -> None: ...
+
+class PromoteProbeRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class PromoteProbeResponse(_message.Message):
+    __slots__ = ("probe",)
+    PROBE_FIELD_NUMBER: _ClassVar[int]
+    probe: _types_pb2.ProbeInfo
+    def __init__(self, probe: _Optional[_Union[_types_pb2.ProbeInfo, _Mapping]] = ...) -> None: ...
+
+class RollBackProbeRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class RollBackProbeResponse(_message.Message):
+    __slots__ = ("probe",)
+    PROBE_FIELD_NUMBER: _ClassVar[int]
+    probe: _types_pb2.ProbeInfo
+    def __init__(self, probe: _Optional[_Union[_types_pb2.ProbeInfo, _Mapping]] = ...) -> None: ...

@@ -52,6 +52,16 @@ class ProbeAdminServiceStub:
                 request_serializer=undercurrent_dot_v1_dot_admin__pb2.UnloadProbeRequest.SerializeToString,
                 response_deserializer=undercurrent_dot_v1_dot_admin__pb2.UnloadProbeResponse.FromString,
                 _registered_method=True)
+        self.PromoteProbe = channel.unary_unary(
+                '/undercurrent.v1.ProbeAdminService/PromoteProbe',
+                request_serializer=undercurrent_dot_v1_dot_admin__pb2.PromoteProbeRequest.SerializeToString,
+                response_deserializer=undercurrent_dot_v1_dot_admin__pb2.PromoteProbeResponse.FromString,
+                _registered_method=True)
+        self.RollBackProbe = channel.unary_unary(
+                '/undercurrent.v1.ProbeAdminService/RollBackProbe',
+                request_serializer=undercurrent_dot_v1_dot_admin__pb2.RollBackProbeRequest.SerializeToString,
+                response_deserializer=undercurrent_dot_v1_dot_admin__pb2.RollBackProbeResponse.FromString,
+                _registered_method=True)
 
 
 class ProbeAdminServiceServicer:
@@ -82,6 +92,23 @@ class ProbeAdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PromoteProbe(self, request, context):
+        """Makes a probe's canary or shadow its serving version, for new requests;
+        requests already bound keep their version. FAILED_PRECONDITION when it
+        has neither.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RollBackProbe(self, request, context):
+        """Drops a probe's canary or shadow, for new requests; requests already
+        bound keep their version. FAILED_PRECONDITION when it has neither.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ProbeAdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -99,6 +126,16 @@ def add_ProbeAdminServiceServicer_to_server(servicer, server):
                     servicer.UnloadProbe,
                     request_deserializer=undercurrent_dot_v1_dot_admin__pb2.UnloadProbeRequest.FromString,
                     response_serializer=undercurrent_dot_v1_dot_admin__pb2.UnloadProbeResponse.SerializeToString,
+            ),
+            'PromoteProbe': grpc.unary_unary_rpc_method_handler(
+                    servicer.PromoteProbe,
+                    request_deserializer=undercurrent_dot_v1_dot_admin__pb2.PromoteProbeRequest.FromString,
+                    response_serializer=undercurrent_dot_v1_dot_admin__pb2.PromoteProbeResponse.SerializeToString,
+            ),
+            'RollBackProbe': grpc.unary_unary_rpc_method_handler(
+                    servicer.RollBackProbe,
+                    request_deserializer=undercurrent_dot_v1_dot_admin__pb2.RollBackProbeRequest.FromString,
+                    response_serializer=undercurrent_dot_v1_dot_admin__pb2.RollBackProbeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -185,6 +222,60 @@ class ProbeAdminService:
             '/undercurrent.v1.ProbeAdminService/UnloadProbe',
             undercurrent_dot_v1_dot_admin__pb2.UnloadProbeRequest.SerializeToString,
             undercurrent_dot_v1_dot_admin__pb2.UnloadProbeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PromoteProbe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/undercurrent.v1.ProbeAdminService/PromoteProbe',
+            undercurrent_dot_v1_dot_admin__pb2.PromoteProbeRequest.SerializeToString,
+            undercurrent_dot_v1_dot_admin__pb2.PromoteProbeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RollBackProbe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/undercurrent.v1.ProbeAdminService/RollBackProbe',
+            undercurrent_dot_v1_dot_admin__pb2.RollBackProbeRequest.SerializeToString,
+            undercurrent_dot_v1_dot_admin__pb2.RollBackProbeResponse.FromString,
             options,
             channel_credentials,
             insecure,

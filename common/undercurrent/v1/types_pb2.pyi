@@ -36,6 +36,13 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_CLIENT_ABORT: _ClassVar[FinishReason]
     FINISH_REASON_ROUTER_UNAVAILABLE: _ClassVar[FinishReason]
     FINISH_REASON_ERROR: _ClassVar[FinishReason]
+
+class ProbeRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROBE_ROLE_UNSPECIFIED: _ClassVar[ProbeRole]
+    PROBE_ROLE_SERVING: _ClassVar[ProbeRole]
+    PROBE_ROLE_CANARY: _ClassVar[ProbeRole]
+    PROBE_ROLE_SHADOW: _ClassVar[ProbeRole]
 TENSOR_TYPE_UNSPECIFIED: TensorType
 TENSOR_TYPE_RESIDUAL_STREAM: TensorType
 TENSOR_TYPE_ATTN_OUT: TensorType
@@ -54,6 +61,10 @@ FINISH_REASON_PROBE_ABORT: FinishReason
 FINISH_REASON_CLIENT_ABORT: FinishReason
 FINISH_REASON_ROUTER_UNAVAILABLE: FinishReason
 FINISH_REASON_ERROR: FinishReason
+PROBE_ROLE_UNSPECIFIED: ProbeRole
+PROBE_ROLE_SERVING: ProbeRole
+PROBE_ROLE_CANARY: ProbeRole
+PROBE_ROLE_SHADOW: ProbeRole
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")
@@ -224,7 +235,7 @@ class Verdict(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., probe: _Optional[str] = ..., score: _Optional[float] = ..., token_position: _Optional[int] = ..., reason: _Optional[str] = ..., router: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class ProbeInfo(_message.Message):
-    __slots__ = ("name", "kind", "tensor_type", "layers", "hidden_size", "dtype", "action", "threshold", "version", "tokens", "active_requests", "unloading", "digest", "stateful")
+    __slots__ = ("name", "kind", "tensor_type", "layers", "hidden_size", "dtype", "action", "threshold", "version", "tokens", "active_requests", "unloading", "digest", "stateful", "role", "canary_share", "canary")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     TENSOR_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +250,9 @@ class ProbeInfo(_message.Message):
     UNLOADING_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     STATEFUL_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CANARY_SHARE_FIELD_NUMBER: _ClassVar[int]
+    CANARY_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     tensor_type: TensorType
@@ -253,4 +267,7 @@ class ProbeInfo(_message.Message):
     unloading: bool
     digest: str
     stateful: bool
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., tensor_type: _Optional[_Union[TensorType, str]] = ..., layers: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., action: _Optional[_Union[ProbeAction, str]] = ..., threshold: _Optional[float] = ..., version: _Optional[str] = ..., tokens: _Optional[_Union[TokenSelector, _Mapping]] = ..., active_requests: _Optional[int] = ..., unloading: _Optional[bool] = ..., digest: _Optional[str] = ..., stateful: _Optional[bool] = ...) -> None: ...
+    role: ProbeRole
+    canary_share: float
+    canary: ProbeInfo
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., tensor_type: _Optional[_Union[TensorType, str]] = ..., layers: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., action: _Optional[_Union[ProbeAction, str]] = ..., threshold: _Optional[float] = ..., version: _Optional[str] = ..., tokens: _Optional[_Union[TokenSelector, _Mapping]] = ..., active_requests: _Optional[int] = ..., unloading: _Optional[bool] = ..., digest: _Optional[str] = ..., stateful: _Optional[bool] = ..., role: _Optional[_Union[ProbeRole, str]] = ..., canary_share: _Optional[float] = ..., canary: _Optional[_Union[ProbeInfo, _Mapping]] = ...) -> None: ...
