@@ -30,7 +30,7 @@ from common import tensor_codec
 from common.errors import ResourceExhausted
 from common.probe_format.layout import MANIFEST_FILE, METADATA_KEY, WEIGHTS_FILE
 from common.probe_format.manifest import ManifestError, manifest_from_dict, parse_manifest
-from common.probe_format.probes import Probe, build_probe
+from common.probe_format.probes import Probe, ProbeFiles, build_probe
 from undercurrent.v1 import types_pb2 as types_pb
 
 DEFAULT_MAX_INLINE_PROBE_BYTES = 32 * 1024 * 1024
@@ -158,7 +158,10 @@ def load_probe_bytes(manifest_json: str | bytes, weights: bytes | None, source: 
     """Parses and checks a manifest and its weights (safetensors bytes, or None)."""
     manifest = parse_manifest(manifest_json)
     tensors = read_safetensors(weights, manifest.dtype) if weights else {}
-    return build_probe(manifest, tensors, source=source, digest=probe_digest(manifest_json, tensors))
+    probe = build_probe(manifest, tensors, source=source, digest=probe_digest(manifest_json, tensors))
+    text = manifest_json.decode("utf-8") if isinstance(manifest_json, bytes) else manifest_json
+    probe.files = ProbeFiles(text, bytes(weights) if weights else None)
+    return probe
 
 
 def probe_digest(manifest_json: str | bytes, tensors: dict[str, np.ndarray]) -> str:

@@ -107,6 +107,15 @@ class _Member:
     aggregation: Aggregation | None
 
 
+@dataclass(frozen=True)
+class ProbeFiles:
+    """What a probe was loaded from: its manifest JSON and its safetensors bytes
+    (None for kinds without weights); the verdict log keeps them for replay."""
+
+    manifest_json: str
+    weights: bytes | None
+
+
 @dataclass(eq=False)
 class Probe:
     """A loaded probe: its manifest, its per-row forms and how forms become a score.
@@ -124,6 +133,7 @@ class Probe:
     retired: bool = False
     source: str = field(default="", compare=False)
     digest: str = ""  # probe_files.probe_digest of what it was loaded from
+    files: ProbeFiles | None = field(default=None, repr=False)
 
     @property
     def stateful(self) -> bool:
