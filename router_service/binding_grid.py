@@ -2,15 +2,15 @@
 
 A request holds a row and a probe bound in the session a column, for as long as
 they live. A cell says whether the request binds the probe, whether that binding
-aborts, and its decision rule's state (rows seen, the current run of rows at or
-over the threshold). A batch reads and writes the cells of its requests and
+aborts, its decision rule's state (rows seen, the current run of rows at or
+over the threshold) and whether the rule has fired yet. A batch reads and writes the cells of its requests and
 probes with a few numpy calls, however many probes a request binds: a router
 with a thousand probes per request would otherwise pay microseconds of Python
 per probe and batch, which splitting rows over replicas never divides.
 
 Rows and columns are reused once freed, and the matrices grow by doubling; the
-grid holds requests x probes cells of 10 bytes (4,096 requests x 1,000 probes:
-41 MB), sized by the session's live requests and bound probes, never by load.
+grid holds requests x probes cells of 11 bytes (4,096 requests x 1,000 probes:
+45 MB), sized by the session's live requests and bound probes, never by load.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ class BindingGrid:
         self.abort = np.zeros((0, 0), dtype=bool)
         self.seen = np.zeros((0, 0), dtype=np.int32)  # rows scored so far
         self.streak = np.zeros((0, 0), dtype=np.int32)  # consecutive rows >= threshold, up to now
+        self.fired = np.zeros((0, 0), dtype=bool)  # the rule fired on some row of the request
         # Per column: the probe and what the rule and the scoring need of it.
         self.probes: list[Probe | None] = []
         self.threshold = np.zeros(0, dtype=np.float64)
@@ -34,6 +35,8 @@ class BindingGrid:
         self.direct = np.zeros(0, dtype=bool)  # its score is its one form's value
         self.selector = np.zeros(0, dtype=np.int64)  # its token selector, numbered
         self.metric_slot = np.zeros(0, dtype=np.int64)  # its row in RouterMetrics.probes
+        self.silent = np.zeros(0, dtype=bool)  # a shadow version: scores, sends nothing
+        self.paired = np.zeros(0, dtype=bool)  # a shadow, or a version some request binds with a shadow
         self._selectors: dict[object, int] = {}
         self._free_rows: list[int] = []
         self._free_columns: list[int] = []
@@ -52,7 +55,7 @@ class BindingGrid:
 
     # -- probes -------------------------------------------------------------
 
-    def add_probe(self, probe: Probe, metric_slot: int) -> int:
+    def add_probe(self, probe: Probe, metric_slot: int, silent: bool = False) -> int:
         if not self._free_columns:
             self._grow(rows=self.bound.shape[0], columns=2 * self.bound.shape[1])
         column = self._free_columns.pop()
@@ -64,6 +67,8 @@ class BindingGrid:
         self.direct[column] = probe.stateless and not probe.cascade_k
         self.selector[column] = self._selectors.setdefault(manifest.tokens, len(self._selectors))
         self.metric_slot[column] = metric_slot
+        self.silent[column] = silent
+        self.paired[column] = False
         return column
 
     def release_probe(self, column: int) -> None:
@@ -77,6 +82,7 @@ class BindingGrid:
         """A request's bindings, all at once (a request_start may bind a thousand probes)."""
         self.bound[row, columns], self.abort[row, columns] = True, aborts
         self.seen[row, columns], self.streak[row, columns] = 0, 0
+        self.fired[row, columns] = False
 
     def unbind(self, row: int, column: int) -> None:
         self.bound[row, column] = False
@@ -89,15 +95,16 @@ class BindingGrid:
             bigger[:old_rows, :old_columns] = matrix
             return bigger
 
-        self.bound, self.abort, self.seen, self.streak = (
-            grown(m) for m in (self.bound, self.abort, self.seen, self.streak))
+        self.bound, self.abort, self.seen, self.streak, self.fired = (
+            grown(m) for m in (self.bound, self.abort, self.seen, self.streak, self.fired))
         if columns > old_columns:
             extra = columns - old_columns
             self.probes += [None] * extra
-            self.threshold, self.min_tokens, self.patience, self.direct, self.selector, self.metric_slot = (
+            (self.threshold, self.min_tokens, self.patience, self.direct, self.selector, self.metric_slot,
+             self.silent, self.paired) = (
                 np.concatenate([a, np.zeros(extra, dtype=a.dtype)])
                 for a in (self.threshold, self.min_tokens, self.patience, self.direct, self.selector,
-                          self.metric_slot))
+                          self.metric_slot, self.silent, self.paired))
             self._free_columns += range(columns - 1, old_columns - 1, -1)
         if rows > old_rows:
             self._free_rows += range(rows - 1, old_rows - 1, -1)

@@ -37,6 +37,9 @@ from common.probe_format.files import (
 )
 from router_service.server import DEFAULT_MAX_SESSIONS, Router, RouterConfig
 from router_service.session import DEFAULT_MAX_REQUESTS_PER_SESSION
+from router_service.verdict_log.records import DEFAULT_MAX_ROWS
+from router_service.verdict_log.store import StoreError
+from router_service.verdict_log.writer import DEFAULT_QUEUE, LogSettings
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +94,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-probe-file-bytes", type=int, default=DEFAULT_MAX_PROBE_FILE_BYTES,
                         help="largest probe LoadProbe reads by path (its files together); larger ones get "
                              f"RESOURCE_EXHAUSTED (default {DEFAULT_MAX_PROBE_FILE_BYTES})")
+    parser.add_argument("--verdict-log", default=None, metavar="PATH|URL",
+                        help="keep every verdict and abort durably: an SQLite file PATH, or a postgresql:// URL "
+                             "for a fleet of routers sharing one log (default: no log)")
+    parser.add_argument("--verdict-log-queue", type=int, default=DEFAULT_QUEUE,
+                        help="verdict records waiting for the store; past it they are dropped and counted "
+                             f"(default {DEFAULT_QUEUE})")
+    parser.add_argument("--verdict-log-max-rows", type=int, default=DEFAULT_MAX_ROWS,
+                        help="input rows kept with each abort, for replay; 0 keeps none "
+                             f"(default {DEFAULT_MAX_ROWS})")
     add_security_flags(parser, ADMIN_TOKENS)
     add_router_identity_flags(parser)
     args = parser.parse_args(argv)
@@ -103,8 +115,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--health-port must be >= 0")
     if args.probe_root is not None and not args.probe_root.is_dir():
         parser.error(f"--probe-root {args.probe_root}: not a directory")
+    if args.verdict_log_max_rows < 0:
+        parser.error("--verdict-log-max-rows must be >= 0")
     for flag in ("heartbeat_interval", "grace_period", "max_message_bytes", "max_sessions",
-                 "max_requests_per_session"):
+                 "max_requests_per_session", "verdict_log_queue"):
         if getattr(args, flag) <= 0:
             parser.error(f"--{flag.replace('_', '-')} must be > 0")
     return args
@@ -148,6 +162,8 @@ async def serve(args: argparse.Namespace) -> None:
             max_inline_probe_bytes=args.max_inline_probe_bytes,
             probe_root=ProbeRoot(args.probe_root or args.probes, args.max_probe_file_bytes),
             health_port=args.health_port,
+            verdict_log=(LogSettings(args.verdict_log, args.verdict_log_queue, args.verdict_log_max_rows)
+                         if args.verdict_log else None),
         )
     )
     await router.start()
@@ -170,6 +186,6 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure(args.log_level)
     try:
         asyncio.run(serve(args))
-    except (ProbeFileError, PortInUse, SecurityConfigError) as err:
+    except (ProbeFileError, PortInUse, SecurityConfigError, StoreError) as err:
         return _fail(str(err))
     return 0

@@ -10,6 +10,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from router_service.rollout import DELTA_BUCKETS, Agreement
+from router_service.verdict_log.writer import LogMetrics
+
 PROBE_SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
 
 
@@ -41,6 +44,48 @@ class RouterMetrics:
             "undercurrent_router_request_errors", "In-band RequestErrors sent", ["code"], registry=r
         )
         self.probes_loaded = Gauge("undercurrent_router_probes", "Probes loaded", registry=r)
+        self.agreement = Agreement()
+        r.register(AgreementMetrics(self.agreement))
+        self.verdict_log = LogMetrics(r)
+
+
+class AgreementMetrics(Collector):
+    """Shadow versions against their serving versions, from rollout.Agreement:
+    `undercurrent_router_shadow_requests_total{probe,version,serving,shadow}`
+    (each "fired" or "quiet"), `undercurrent_router_shadow_disagreements_total
+    {probe,version}` (requests whose two verdicts differ) and the histogram
+    `undercurrent_router_shadow_score_delta{probe,version}` (shadow minus
+    serving score, per row both scored). `version` is the shadow's."""
+
+    def __init__(self, agreement: Agreement):
+        self.agreement = agreement
+
+    def collect(self) -> Iterator[Metric]:
+        requests = CounterMetricFamily("undercurrent_router_shadow_requests",
+                                       "Ended requests a shadow scored, by each version's verdict",
+                                       labels=["probe", "version", "serving", "shadow"])
+        disagreements = CounterMetricFamily("undercurrent_router_shadow_disagreements",
+                                            "Ended requests on which a shadow's verdict differs from the "
+                                            "serving version's", labels=["probe", "version"])
+        differing: dict[tuple[str, str], int] = {}
+        for (probe, version, serving, shadow), count in sorted(self.agreement.outcomes().items()):
+            requests.add_metric([probe, version, _verdict(serving), _verdict(shadow)], count)
+            differing[(probe, version)] = differing.get((probe, version), 0) + (count if serving != shadow else 0)
+        for (probe, version), count in differing.items():
+            disagreements.add_metric([probe, version], count)
+        deltas = HistogramMetricFamily("undercurrent_router_shadow_score_delta",
+                                       "Shadow score minus serving score, per row both scored",
+                                       labels=["probe", "version"])
+        bounds = [*(str(b) for b in DELTA_BUCKETS), "+Inf"]
+        for (probe, version), (counts, total) in sorted(self.agreement.histograms().items()):
+            deltas.add_metric([probe, version], list(zip(bounds, np.cumsum(counts).tolist())), total)
+        yield requests
+        yield disagreements
+        yield deltas
+
+
+def _verdict(fired: bool) -> str:
+    return "fired" if fired else "quiet"
 
 
 class ProbeMetrics(Collector):

@@ -21,6 +21,7 @@ from common.probe_format.files import DEFAULT_MAX_INLINE_PROBE_BYTES, ProbeRoot,
 from router_service.registry import ProbeRegistry
 from router_service.servicers import AdminServicer, LiveSession, SessionServicer
 from router_service.session import DEFAULT_MAX_REQUESTS_PER_SESSION
+from router_service.verdict_log.writer import LogSettings, VerdictLog
 from undercurrent.v1 import router_session_pb2 as session_pb
 from undercurrent.v1 import admin_pb2_grpc as admin_pb_grpc
 from undercurrent.v1 import router_session_pb2_grpc as session_pb_grpc
@@ -52,6 +53,7 @@ class RouterConfig:
     max_inline_probe_bytes: int = DEFAULT_MAX_INLINE_PROBE_BYTES  # larger inline LoadProbe: RESOURCE_EXHAUSTED
     probe_root: ProbeRoot | None = None  # where LoadProbe by path may read; None: path loads refused
     health_port: int | None = None  # grpc.health.v1 in plaintext on 127.0.0.1 (0: any free port)
+    verdict_log: LogSettings | None = None  # None: verdicts are not logged
 
     def port_limits(self) -> PortLimits:
         return PortLimits(max_send_bytes=self.max_message_bytes, max_receive_bytes=self.max_message_bytes,
@@ -71,6 +73,7 @@ class Router:
             config.scoring_threads, thread_name_prefix="router-score"
         )
         self.handle: ServerHandle | None = None
+        self.verdict_log: VerdictLog | None = None
         self._started = False
         self._stopped = asyncio.Event()
         self._no_sessions = asyncio.Event()
@@ -104,6 +107,8 @@ class Router:
 
     async def start(self) -> None:
         self.load_startup_probes()
+        if self.config.verdict_log is not None:
+            self.verdict_log = await asyncio.to_thread(VerdictLog, self.config.verdict_log, self.metrics.verdict_log)
         self.registry.subscribe(self._on_probes_changed)
         self.handle = await start_server(
             [
@@ -154,6 +159,8 @@ class Router:
         except asyncio.TimeoutError:
             log.warning("sessions still closing at stop", extra={"sessions": len(self.sessions)})
         self.executor.shutdown(wait=True)
+        if self.verdict_log is not None:
+            await asyncio.to_thread(self.verdict_log.close)
         log.info("stopped", extra={"requests_cut_off": left})
         self._stopped.set()
 

@@ -62,6 +62,8 @@ class LiveSession:
             scores_interval=router.config.scores_interval,
             draining=lambda: router.draining,
             max_requests=router.config.max_requests_per_session,
+            verdict_log=router.verdict_log,
+            router_id=router.router_id,
         )
         self.outbox: asyncio.Queue[session_pb.SessionResponse | None] = asyncio.Queue(OUTBOX_SIZE)
         self._tasks: set[asyncio.Task] = set()
@@ -216,6 +218,7 @@ class AdminServicer(admin_pb_grpc.ProbeAdminServiceServicer):
         self.router = router
 
     async def LoadProbe(self, request: admin_pb.LoadProbeRequest, context) -> admin_pb.LoadProbeResponse:
+        check_enums(request, "LoadProbeRequest")
         source = request.WhichOneof("source")
         try:
             if source == "path":
@@ -235,11 +238,22 @@ class AdminServicer(admin_pb_grpc.ProbeAdminServiceServicer):
         except (ProbeFileError, ManifestError) as err:
             raise InvalidArgument(str(err)) from None
         registry = self.router.registry
-        return admin_pb.LoadProbeResponse(probe=registry.info(registry.load(probe, replace=request.replace)))
+        loaded = registry.load(probe, replace=request.replace, role=request.role or types_pb.PROBE_ROLE_SERVING,
+                               share=request.canary_share)
+        return admin_pb.LoadProbeResponse(probe=registry.info(loaded))
 
     async def ListProbes(self, request, context) -> admin_pb.ListProbesResponse:
         registry = self.router.registry
-        return admin_pb.ListProbesResponse(probes=[registry.info(p) for p in registry.probes()])
+        return admin_pb.ListProbesResponse(probes=[registry.info(p) for p in registry.probes()]
+                                           + [registry.info(c.probe) for c in registry.candidates()])
+
+    async def PromoteProbe(self, request: admin_pb.PromoteProbeRequest, context) -> admin_pb.PromoteProbeResponse:
+        registry = self.router.registry
+        return admin_pb.PromoteProbeResponse(probe=registry.info(registry.promote(request.name)))
+
+    async def RollBackProbe(self, request: admin_pb.RollBackProbeRequest, context) -> admin_pb.RollBackProbeResponse:
+        registry = self.router.registry
+        return admin_pb.RollBackProbeResponse(probe=registry.info(registry.roll_back(request.name)))
 
     async def UnloadProbe(self, request: admin_pb.UnloadProbeRequest, context) -> admin_pb.UnloadProbeResponse:
         return admin_pb.UnloadProbeResponse(unloaded=self.router.registry.unload(request.name, request.force))

@@ -9,6 +9,13 @@ the rest of the batch is still scored.
 Every RequestError about a request echoes the incarnation its request_start
 gave, and every error about a batch's rows names the batch `step`: the engine
 then knows which of that step's rows went unscored although the step is acked.
+
+A binding fires once per request, at the first row its rule fires on: that is
+its verdict, which the verdict log (when the router keeps one) records, with
+the input rows when it is the request's abort. A shadow binding (a shadow
+version beside a serving one, router_service.rollout) is a silent column: it
+scores and fires like any binding but sends nothing, and at the request's end
+its verdict is compared with the serving binding's.
 """
 
 from __future__ import annotations
@@ -21,13 +28,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from common import tensor_codec
 from common.activations import BatchDecodeError, BatchReader, Block
 from common.enum_checks import unknown_enum
 from common.errors import UndercurrentError, status_code_value
+from router_service import rollout
 from router_service.binding_grid import BindingGrid
 from router_service.metrics import RouterMetrics
 from common.probe_format.probes import Probe, ProjectionPlan, first_firing_segments
 from router_service.registry import ProbeRegistry
+from router_service.verdict_log import records
+from router_service.verdict_log.writer import VerdictLog
 from undercurrent.v1 import router_session_pb2 as session_pb
 from undercurrent.v1 import types_pb2 as types_pb
 
@@ -58,10 +69,24 @@ class RequestState:
     row: int  # its row in the session's BindingGrid
     orders: dict[int, int]  # grid column -> its binding's place in request_start (breaks ties between aborts)
     incarnation: int = 0  # echoed on every message about this request
+    caller: str = ""
     aborted: bool = False
+    canaries: frozenset[int] = frozenset()  # grid columns bound as a canary version
+    shadows: dict[int, int] = field(default_factory=dict)  # a shadow's grid column -> its serving binding's
     trajectories: dict[int, list] = field(default_factory=dict)  # column -> a stateful probe's state
     pending: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)  # column -> scores not sent
     scores_sent: dict[int, float] = field(default_factory=dict)  # column -> when its scores last went out
+
+
+@dataclass
+class _Firing:
+    """A binding's rule fired for the first time on its request, at this row."""
+
+    slot: int
+    column: int
+    position: int
+    layer: int
+    score: float
 
 
 @dataclass
@@ -178,6 +203,8 @@ class SessionState:
         draining: Callable[[], bool] = lambda: False,
         clock: Callable[[], float] = time.monotonic,
         max_requests: int = DEFAULT_MAX_REQUESTS_PER_SESSION,
+        verdict_log: VerdictLog | None = None,
+        router_id: str = "",
     ):
         self.registry = registry
         self.model = model
@@ -186,9 +213,13 @@ class SessionState:
         self.draining = draining
         self.clock = clock
         self.max_requests = max_requests
+        self.verdict_log = verdict_log
+        self.router_id = router_id
         self.requests: dict[str, RequestState] = {}
         self._grid = BindingGrid()
-        self._bound: dict[int, _BoundProbe] = {}  # id(probe) -> its grid column
+        # (id(probe), silent) -> its grid column: a version bound as a shadow has a
+        # column of its own, apart from the one it has once promoted.
+        self._bound: dict[tuple[int, bool], _BoundProbe] = {}
         # Per (tensor type, layer): the grid columns of the bound probes that read it.
         self._readers: dict[tuple[int, int], np.ndarray] = {}
         self._ended: OrderedDict[str, int] = OrderedDict()  # request id -> its last incarnation
@@ -204,12 +235,13 @@ class SessionState:
     # -- catalog ------------------------------------------------------------
 
     def catalog(self) -> tuple[list[types_pb.ProbeInfo], list[session_pb.SessionResponse]]:
-        """The probes this engine can use, and an error for each newly seen one it cannot."""
+        """The probes this engine can use (each serving version with its canary,
+        which reads the same rows), and an error for each newly seen one it cannot."""
         infos, errors = [], []
         for probe in self.registry.probes():
             reason = probe.manifest.incompatibility(self.model)
             if reason is None:
-                infos.append(self.registry.info(probe))
+                infos.append(self.registry.catalog_info(probe))
                 continue
             key = (probe.name, probe.manifest.version)
             if key not in self._reported_incompatible:
@@ -249,6 +281,8 @@ class SessionState:
         trajectories: dict[int, list] = {}
         names: set[str] = set()
         aborts: list[bool] = []  # per column of orders: the grid cells are written at once
+        canaries: set[int] = set()
+        shadows: dict[int, int] = {}
         row = self._grid.add_request()
         for i, wanted in enumerate(msg.bindings):
             name = wanted.probe  # read once: each read of a message's string field makes a new str
@@ -260,13 +294,17 @@ class SessionState:
                                   f"request_start.bindings[{i}]: probe {name!r} bound twice", name))
                 continue
             try:
-                probe = self.registry.bind(name, wanted.digest)
+                bound = self.registry.bind(name, wanted.digest)
             except UndercurrentError as err:
                 out.append(refuse(err.code.name, f"request_start.bindings[{i}]: {err}", name))
                 continue
-            # A probe some request of the session binds was checked against the model then.
-            if id(probe) not in self._bound and (reason := probe.manifest.incompatibility(self.model)):
-                self.registry.release(probe)
+            probe = bound.probe
+            # A probe some request of the session binds was checked against the model then
+            # (a shadow reads what its serving version reads).
+            if (id(probe), False) not in self._bound and (reason := probe.manifest.incompatibility(self.model)):
+                for held in (probe, bound.shadow):
+                    if held is not None:
+                        self.registry.release(held)
                 out.append(refuse("FAILED_PRECONDITION", f"request_start.bindings[{i}]: {reason}", name))
                 continue
             names.add(name)
@@ -274,10 +312,22 @@ class SessionState:
             column = self._column(probe)
             orders[column] = len(orders)
             aborts.append(action == types_pb.PROBE_ACTION_ABORT)
+            if bound.role == rollout.CANARY:
+                canaries.add(column)
             if (trajectory := probe.new_state()) is not None:
                 trajectories[column] = trajectory
+            if bound.shadow is not None:
+                shadow = self._column(bound.shadow, silent=True)
+                shadows[shadow] = column
+                self._grid.paired[[shadow, column]] = True
+                orders[shadow] = len(orders)
+                aborts.append(False)
+                if (trajectory := bound.shadow.new_state()) is not None:
+                    trajectories[shadow] = trajectory
         self._grid.bind(row, list(orders), aborts)
-        self.requests[rid] = RequestState(rid, msg.prompt_length, row, orders, incarnation, trajectories=trajectories)
+        self.requests[rid] = RequestState(rid, msg.prompt_length, row, orders, incarnation, caller=msg.caller,
+                                          canaries=frozenset(canaries), shadows=shadows,
+                                          trajectories=trajectories)
         self._slot_table = None
         self._ended.pop(rid, None)
         self._refused.pop(rid, None)
@@ -293,6 +343,7 @@ class SessionState:
         del self.requests[msg.request_id]
         self._slot_table = None
         out = [m for column in list(request.pending) if (m := self._flush_scores(request, column, force=True))]
+        self._compare_shadows(request)
         self._free(request)
         self._remember(self._ended, msg.request_id, request.incarnation)
         return out
@@ -308,6 +359,7 @@ class SessionState:
         """Frees every request of the session (it dropped); returns how many."""
         count = len(self.requests)
         for request in self.requests.values():
+            self._compare_shadows(request)
             self._free(request)
         self.requests.clear()
         self._slot_table = None
@@ -319,12 +371,20 @@ class SessionState:
         self._grid.release_request(request.row)
         self.metrics.live_requests.dec()
 
-    def _column(self, probe: Probe) -> int:
+    def _compare_shadows(self, request: RequestState) -> None:
+        """Counts whether each shadow of the request reached the verdict its serving binding did."""
+        grid = self._grid
+        for shadow, serving in request.shadows.items():
+            outcome = rollout.Outcome(bool(grid.fired[request.row, serving]), bool(grid.fired[request.row, shadow]))
+            self.metrics.agreement.outcome(grid.probes[shadow].name, grid.probes[shadow].manifest.version, outcome)
+
+    def _column(self, probe: Probe, silent: bool = False) -> int:
         """The probe's grid column, made when a request of the session first binds it."""
-        bound = self._bound.get(id(probe))
+        key = (id(probe), silent)
+        bound = self._bound.get(key)
         if bound is None:
-            bound = self._bound[id(probe)] = _BoundProbe(
-                self._grid.add_probe(probe, self.metrics.probes.slot(probe.name)))
+            bound = self._bound[key] = _BoundProbe(
+                self._grid.add_probe(probe, self.metrics.probes.slot(probe.name), silent))
             self._readers.clear()
         bound.bindings += 1
         return bound.column
@@ -336,11 +396,12 @@ class SessionState:
         request.pending.pop(column, None)
         request.scores_sent.pop(column, None)
         self.registry.release(probe)
-        bound = self._bound[id(probe)]
+        key = (id(probe), bool(self._grid.silent[column]))
+        bound = self._bound[key]
         self._grid.unbind(request.row, column)
         bound.bindings -= 1
         if bound.bindings == 0:
-            del self._bound[id(probe)]
+            del self._bound[key]
             self._grid.release_probe(bound.column)
             self._readers.clear()
             self._plans.clear()  # plans are cached by grid columns, which a new probe may take
@@ -373,14 +434,21 @@ class SessionState:
             except Exception as err:
                 out += self._internal_error(batch, [c.index for c in group], err, reported)
         candidates: dict[int, list[_Candidate]] = {}
+        firings: list[_Firing] = []
+        paired: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         for parts, columns in self._sharing_an_order(gathered):
-            out += self._score_group(parts, columns, table, candidates)
+            out += self._score_group(parts, columns, table, candidates, firings, paired)
+        aborted: dict[int, _Candidate] = {}
         for slot, found in candidates.items():
             request = requests[slot]
             if not request.aborted:
                 request.aborted = True
-                best = min(found, key=_Candidate.key)
+                best = aborted[slot] = min(found, key=_Candidate.key)
                 out.append(self._abort(request, best.column, best.score, best.position, best.layer))
+        if paired:
+            self._shadow_deltas(table, paired)
+        if firings and self.verdict_log is not None:
+            self._log_firings(table, firings, aborted, paired, read_alike)
         out.append(session_pb.SessionResponse(ack=session_pb.StepAck(step=batch.step)))
         self.metrics.batches.inc()
         self.metrics.batch_seconds.observe(time.perf_counter() - started)
@@ -515,13 +583,50 @@ class SessionState:
         sets = sets.reshape(-1)
         return [([gathered[k] for k in np.flatnonzero(key[1:])], columns[sets == j]) for j, key in enumerate(keys)]
 
+    def _shadow_deltas(self, table: _SlotTable,
+                       paired: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
+        """Each shadow's score minus its serving binding's, on the rows both scored in the batch."""
+        grid = self._grid
+        for slot in {slot for slot, _ in paired}:
+            for shadow, serving in table.requests[slot].shadows.items():
+                if (mine := paired.get((slot, shadow))) and (theirs := paired.get((slot, serving))):
+                    probe = grid.probes[shadow]
+                    self.metrics.agreement.deltas(probe.name, probe.manifest.version,
+                                                  rollout.paired_deltas(theirs, mine))
+
+    def _log_firings(self, table: _SlotTable, firings: list[_Firing], aborted: dict[int, _Candidate],
+                     paired: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]],
+                     read_alike: dict[tuple, list[_Checked]]) -> None:
+        """One verdict record per binding that fired in the batch; the abort's with its input rows."""
+        grid, now = self._grid, time.time()
+        for firing in firings:
+            request, column = table.requests[firing.slot], firing.column
+            probe = grid.probes[column]
+            best = aborted.get(firing.slot)
+            reference, rows, keys = None, None, ([], [])
+            if grid.silent[column]:
+                kind, role = records.SHADOW, rollout.SHADOW
+                reference = _score_at(paired.get((firing.slot, request.shadows[column])), firing)
+            else:
+                kind = records.ABORT if best is not None and best.column == column else records.VERDICT
+                role = rollout.CANARY if column in request.canaries else rollout.SERVING
+                if kind == records.ABORT:
+                    rows, keys = _input_rows(read_alike, probe, firing, self.verdict_log.max_rows)
+            self.verdict_log.submit(records.VerdictRecord(
+                kind, request.request_id, request.caller, probe.name, probe.manifest.version, probe.digest,
+                rollout.ROLE_NAMES[role], firing.layer, firing.position, firing.score, probe.manifest.threshold,
+                self.router_id, now, reference, rows, keys[0], keys[1],
+                probe_version=records.ProbeVersion.of(probe)))
+
     def _score_group(
         self, parts: list[_Rows], columns: np.ndarray, table: _SlotTable, candidates: dict[int, list[_Candidate]],
+        firings: list[_Firing], paired: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]],
     ) -> list[session_pb.SessionResponse]:
         """Scores probes (grid columns) that read the same rows under one token
         selector, over all their requests' rows: one forward order, one matrix of
         scores and one run of the decision rule for all of them. Files abort
-        candidates; returns scores."""
+        candidates, first firings, and the scores of bindings paired with a
+        shadow (by slot and column); returns scores."""
         started = time.perf_counter()
         grid = self._grid
         probes = [grid.probes[c] for c in columns.tolist()]
@@ -543,8 +648,20 @@ class SessionState:
             candidates.setdefault(slot, []).append(_Candidate(
                 int(positions[hit]), int(layers[hit]), column, table.requests[slot].orders[column],
                 float(scores[hit, j])))
+        fired = grid.fired[cells]
+        first = (hits >= 0) & ~fired
+        if first.any():
+            grid.fired[cells] = fired | first
+            for k, j in zip(*(index.tolist() for index in np.nonzero(first))):
+                hit = hits[k, j]
+                firings.append(_Firing(int(segment_slots[k]), column_list[j], int(positions[hit]),
+                                       int(layers[hit]), float(scores[hit, j])))
+        if grid.paired[columns].any():
+            for j in np.flatnonzero(grid.paired[columns]).tolist():
+                for k, (a, b) in enumerate(zip(starts.tolist(), ends.tolist())):
+                    paired[(int(segment_slots[k]), column_list[j])] = (positions[a:b], layers[a:b], scores[a:b, j])
         out = []
-        observed = np.nonzero(~abort.T)  # probe by probe
+        observed = np.nonzero(~abort.T & ~grid.silent[columns][:, None])  # probe by probe; shadows send nothing
         if observed[0].size:
             # One message per observe binding and batch: as Python lists, a request's
             # scores are a slice each; numpy would cost a slice and a tolist() per message.
@@ -635,7 +752,10 @@ class SessionState:
     # -- helpers ------------------------------------------------------------
 
     def detach_retired(self) -> list[session_pb.SessionResponse]:
-        """Drops bindings of probes unloaded by force; tells each request once.
+        """Drops bindings of probes unloaded by force; tells each request once. A
+        shadow column goes silently: the engine has no binding of it (a shadow
+        promoted to serving, then unloaded by force, leaves the requests it
+        shadowed their serving binding).
 
         Call it before `batch`, on the thread that owns the registry."""
         out = []
@@ -643,11 +763,12 @@ class SessionState:
             return out  # the usual case, checked per probe rather than per binding
         for request in self.requests.values():
             for column in [c for c in request.orders if self._grid.probes[c].retired]:
-                name = self._grid.probes[column].name
+                name, silent = self._grid.probes[column].name, bool(self._grid.silent[column])
                 self._unbind(request, column)
-                out.append(self._error(
-                    request.request_id, "NOT_FOUND",
-                    f"probe {name!r} was unloaded by force; it no longer scores this request", name))
+                if not silent:
+                    out.append(self._error(
+                        request.request_id, "NOT_FOUND",
+                        f"probe {name!r} was unloaded by force; it no longer scores this request", name))
         return out
 
     def _plan(self, columns: np.ndarray) -> ProjectionPlan:
@@ -746,6 +867,37 @@ class SessionState:
         log.warning("request error", extra={"request_id": request_id, "probe": probe, "code": code,
                                             "step": step, "error": message})
         return error(request_id, code, message, probe, incarnation=incarnation, step=step)
+
+
+def _score_at(scored: tuple[np.ndarray, np.ndarray, np.ndarray] | None, firing: _Firing) -> float | None:
+    """The score at the firing's row among a binding's scored rows (None: it did not score it)."""
+    if scored is None:
+        return None
+    at = np.flatnonzero((scored[0] == firing.position) & (scored[1] == firing.layer))
+    return float(scored[2][at[0]]) if at.size else None
+
+
+def _input_rows(read_alike: dict[tuple, list[_Checked]], probe: Probe, firing: _Firing,
+                max_rows: int) -> tuple[np.ndarray | None, tuple[list[int], list[int]]]:
+    """The rows the probe read at the firing's token position, float32 and in
+    layer order (the firing row first kept when there are more than max_rows)."""
+    manifest, found = probe.manifest, []
+    for group in read_alike.values():
+        for checked in group:
+            block = checked.block
+            if block.tensor_type != manifest.tensor_type or not manifest.reads(block.tensor_type, block.layer):
+                continue
+            at = np.flatnonzero(checked.usable & (checked.slots == firing.slot)
+                                & (block.token_positions == firing.position))
+            if at.size:
+                found.append((block.layer != firing.layer, block.layer,
+                              tensor_codec.to_float32(block.rows[at[:1]], block.wire_dtype or "float32")))
+    found.sort(key=lambda f: f[:2])
+    found = found[:max_rows]
+    if not found:
+        return None, ([], [])
+    rows = np.concatenate([f[2] for f in found]).astype(np.float32)
+    return rows, ([firing.position] * len(found), [f[1] for f in found])
 
 
 def _joined(arrays: list[np.ndarray]) -> np.ndarray:
