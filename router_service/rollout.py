@@ -4,7 +4,7 @@ A candidate version is a canary (it takes a stated share of new requests and
 acts on them) or a shadow (it scores the serving version's rows of every new
 request and never acts). Which requests a canary takes the engine decides, when
 it pins each binding's version: a stable hash of the request id
-(ProbeInfo.canary), so every engine of a fleet, and a test, picks the same ones.
+(common.canary), so every engine of a fleet, and a test, picks the same ones.
 
 A candidate must read exactly the rows the serving version reads (tensor type,
 layers, token selector): engines capture the same rows whichever version a

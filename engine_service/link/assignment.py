@@ -1,5 +1,10 @@
 """Which replica a request lives on, which probe versions it is bound to, and
-how fast a lost session retries. Plain logic."""
+how fast a lost session retries. Plain logic.
+
+A replica's catalog lists each probe's serving version, with the canary beside
+it when the probe is rolling out: a new request is pinned to the canary when
+the canary's hash takes it (common.canary), so the version that scores a
+binding is always the one the engine pinned and reports."""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from dataclasses import dataclass
 
 from undercurrent.v1 import types_pb2 as types_pb
 
+from common.canary import canary_takes
 from common.errors import FailedPrecondition, NotFound
 
 # A replica's probes by name, as its latest catalog listed them.
@@ -37,8 +43,19 @@ def pick_replica(key: str, replicas: Iterable[str]) -> str | None:
 
 
 def serves(catalog: Catalog, wanted: Wanted) -> bool:
+    """Whether the replica takes the binding at its pinned version (the serving one or its canary)."""
     info = catalog.get(wanted.probe)
-    return info is not None and not info.unloading and (wanted.digest is None or info.digest == wanted.digest)
+    if info is None or info.unloading:
+        return False
+    return wanted.digest in (None, info.digest) or (info.HasField("canary") and info.canary.digest == wanted.digest)
+
+
+def version_for(key: str, info: types_pb.ProbeInfo) -> types_pb.ProbeInfo:
+    """The version of a listed probe a new request is pinned to: its canary when
+    the canary's hash takes the request, else the serving version."""
+    if info.HasField("canary") and canary_takes(key, info.canary.canary_share):
+        return info.canary
+    return info
 
 
 def choose_home(key: str, catalogs: Mapping[str, Catalog], wanted: Sequence[Wanted]) -> str | None:
@@ -55,10 +72,11 @@ def choose_home(key: str, catalogs: Mapping[str, Catalog], wanted: Sequence[Want
 
 def pin_versions(key: str, catalogs: Mapping[str, Catalog], wanted: Sequence[Wanted]) -> list[types_pb.ProbeInfo]:
     """The probe version each binding of a new request is pinned to: the one
-    loaded on the replica it will live on (`choose_home`). A fail_open binding
-    that replica lacks takes another replica's version (that replica refuses it
-    and its rows count unprobed). NotFound names a probe no replica serves;
-    FailedPrecondition says when no replica serves every fail_closed probe."""
+    loaded on the replica it will live on (`choose_home`), or its canary there
+    (`version_for`). A fail_open binding that replica lacks takes another
+    replica's version (that replica refuses it and its rows count unprobed).
+    NotFound names a probe no replica serves; FailedPrecondition says when no
+    replica serves every fail_closed probe."""
     for i, w in enumerate(wanted):
         if not any(serves(c, w) for c in catalogs.values()):
             known = sorted({name for c in catalogs.values() for name, info in c.items() if not info.unloading})
@@ -77,7 +95,7 @@ def pin_versions(key: str, catalogs: Mapping[str, Catalog], wanted: Sequence[Wan
         info = home.get(w.probe)
         if info is None or not serves(home, w):
             info = next(c[w.probe] for _, c in sorted(catalogs.items()) if serves(c, w))
-        pinned.append(info)
+        pinned.append(version_for(key, info))
     return pinned
 
 

@@ -2,6 +2,7 @@
 
 import pytest
 
+from common.canary import canary_takes
 from common.capture_spec import Scope
 from common.errors import FailedPrecondition, InvalidArgument, NotFound
 from engine_service.request import validation as reqs
@@ -108,6 +109,27 @@ def test_pinning_names_a_probe_no_replica_serves_and_fail_closed_probes_no_repli
     # A fail_open binding the home lacks is pinned to another replica's version (that home refuses it).
     infos = pin_versions("req", catalogs, [Wanted("guard", None, True), Wanted("observer", None, False)])
     assert [i.digest for i in infos] == ["guard@1", "observer@1"]
+
+
+def test_a_canary_is_pinned_for_the_requests_its_hash_takes_and_they_live_where_it_is_listed():
+    serving = catalog_of(["guard"], types_pb.PROBE_ACTION_ABORT)
+    rolling = catalog_of(["guard"], types_pb.PROBE_ACTION_ABORT)
+    rolling["guard"].canary.CopyFrom(types_pb.ProbeInfo(name="guard", version="2", digest="guard@2",
+                                                        role=types_pb.PROBE_ROLE_CANARY, canary_share=0.25))
+    keys = [f"req-{i}" for i in range(200)]
+    taken = {k for k in keys if canary_takes(k, 0.25)}
+    assert 30 <= len(taken) <= 70  # about a quarter
+    pinned = {k: pin_versions(k, {"a": rolling}, [Wanted("guard", None, True)])[0] for k in keys}
+    assert {k for k, info in pinned.items() if info.digest == "guard@2"} == taken
+    assert {info.digest for k, info in pinned.items() if k not in taken} == {"guard@1"}
+    assert all(info.version == "2" for k, info in pinned.items() if k in taken)  # what the finish reports
+    # Pinned to the canary, a request lives (or is re-homed) only where the canary is listed;
+    # pinned to the serving version, on either replica.
+    catalogs = {"a": rolling, "b": serving}
+    assert {choose_home(k, catalogs, [Wanted("guard", "guard@2", True)]) for k in keys} == {"a"}
+    assert {choose_home(k, catalogs, [Wanted("guard", "guard@1", True)]) for k in keys} == {"a", "b"}
+    # A replica without the canary pins no request to it.
+    assert {pin_versions(k, {"b": serving}, [Wanted("guard", None, True)])[0].digest for k in keys} == {"guard@1"}
 
 
 def test_open_requests_bindings_give_the_garbage_collector_nothing_to_walk():
