@@ -73,6 +73,8 @@ class RequestState:
     aborted: bool = False
     canaries: frozenset[int] = frozenset()  # grid columns bound as a canary version
     shadows: dict[int, int] = field(default_factory=dict)  # a shadow's grid column -> its serving binding's
+    # A shadow's grid column -> [rows both scored, sum of score deltas, largest |delta|]
+    shadow_deltas: dict[int, list] = field(default_factory=dict)
     trajectories: dict[int, list] = field(default_factory=dict)  # column -> a stateful probe's state
     pending: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)  # column -> scores not sent
     scores_sent: dict[int, float] = field(default_factory=dict)  # column -> when its scores last went out
@@ -376,7 +378,14 @@ class SessionState:
         grid = self._grid
         for shadow, serving in request.shadows.items():
             outcome = rollout.Outcome(bool(grid.fired[request.row, serving]), bool(grid.fired[request.row, shadow]))
-            self.metrics.agreement.outcome(grid.probes[shadow].name, grid.probes[shadow].manifest.version, outcome)
+            probe = grid.probes[shadow]
+            self.metrics.agreement.outcome(probe.name, probe.manifest.version, outcome)
+            if self.verdict_log is not None:
+                rows, total, largest = request.shadow_deltas.get(shadow, (0, 0.0, 0.0))
+                self.verdict_log.submit(records.ShadowOutcome(
+                    time.time(), request.request_id, request.caller, probe.name,
+                    grid.probes[serving].manifest.version, probe.manifest.version, outcome.serving_fired,
+                    outcome.shadow_fired, self.router_id, rows, total, largest))
 
     def _column(self, probe: Probe, silent: bool = False) -> int:
         """The probe's grid column, made when a request of the session first binds it."""
@@ -395,6 +404,8 @@ class SessionState:
         request.trajectories.pop(column, None)
         request.pending.pop(column, None)
         request.scores_sent.pop(column, None)
+        if request.shadows:  # a pair that lost either side is no longer compared
+            request.shadows = {s: v for s, v in request.shadows.items() if column not in (s, v)}
         self.registry.release(probe)
         key = (id(probe), bool(self._grid.silent[column]))
         bound = self._bound[key]
@@ -588,11 +599,17 @@ class SessionState:
         """Each shadow's score minus its serving binding's, on the rows both scored in the batch."""
         grid = self._grid
         for slot in {slot for slot, _ in paired}:
-            for shadow, serving in table.requests[slot].shadows.items():
+            request = table.requests[slot]
+            for shadow, serving in request.shadows.items():
                 if (mine := paired.get((slot, shadow))) and (theirs := paired.get((slot, serving))):
                     probe = grid.probes[shadow]
-                    self.metrics.agreement.deltas(probe.name, probe.manifest.version,
-                                                  rollout.paired_deltas(theirs, mine))
+                    deltas = rollout.paired_deltas(theirs, mine)
+                    if deltas.size:
+                        self.metrics.agreement.deltas(probe.name, probe.manifest.version, deltas)
+                        kept = request.shadow_deltas.setdefault(shadow, [0, 0.0, 0.0])
+                        kept[0] += int(deltas.size)
+                        kept[1] += float(deltas.sum())
+                        kept[2] = max(kept[2], float(np.abs(deltas).max()))
 
     def _log_firings(self, table: _SlotTable, firings: list[_Firing], aborted: dict[int, _Candidate],
                      paired: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]],

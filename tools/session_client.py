@@ -32,7 +32,8 @@ class SessionClient:
         self.engine_id = engine_id
         self.call = None
         self.step = 0
-        self.digests: dict[str, str] = {}  # the router's probes, as its hello and catalogs list them
+        self.probes: dict[str, types_pb.ProbeInfo] = {}  # the router's probes, as its hello and catalogs list them
+        self.digests: dict[str, str] = {}  # their serving versions' digests
 
     async def _messages(self):
         while (message := await self.outgoing.get()) is not None:
@@ -76,6 +77,7 @@ class SessionClient:
         listed = (message.hello.probes if message.HasField("hello")
                   else message.catalog.probes if message.HasField("catalog") else None)
         if listed is not None:
+            self.probes = {p.name: p for p in listed}
             self.digests = {p.name: p.digest for p in listed}
         return message
 

@@ -1,5 +1,6 @@
 """`undercurrent`: generate with probes, manage probes, capture activations, describe
-the model, from a shell.
+the model, and audit the routers' verdict log (router_service.verdict_log.audit),
+from a shell.
 
 Errors are one line on stderr: `undercurrent: error: ...`; exit status 2 for bad
 usage, 1 for a failed call (naming its gRPC status) or a request that ended in
@@ -17,6 +18,7 @@ import grpc
 
 from common.capture_spec import Scope, TokenSelector, tensor_type_from_proto
 from common.enum_names import short_name
+from router_service.verdict_log import audit
 from undercurrent.v1 import types_pb2 as types_pb
 from undercurrent_client import capture_file
 from undercurrent_client.activations import ActivationSet
@@ -141,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = commands.add_parser("model-info", parents=[engine], help="describe the served model")
     info.set_defaults(run=run_model_info)
+    audit.add_commands(commands)
     return parser
 
 
@@ -154,6 +157,9 @@ def main(argv: list[str] | None = None, out: TextIO | None = None,
     except UsageError as problem:
         err.write(f"{PROG}: error: {problem} (see --help)\n")
         return 2
+    except audit.AuditError as problem:
+        err.write(f"{PROG}: error: audit {args.audit_action}: {problem}\n")
+        return problem.status
     except RpcError as problem:
         err.write(f"{PROG}: error: {problem.method} failed with {problem.code.name}: "
                   f"{problem.details}\n")

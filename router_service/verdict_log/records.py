@@ -38,6 +38,29 @@ class ProbeVersion:
 
 
 @dataclass
+class ShadowOutcome:
+    """A request a shadow version scored, at its end: each version's verdict and
+    how far apart their scores were on the rows both scored."""
+
+    time: float
+    request_id: str
+    caller: str
+    probe: str
+    serving_version: str
+    shadow_version: str
+    serving_fired: bool
+    shadow_fired: bool
+    router: str
+    rows: int = 0  # rows both scored
+    delta_sum: float = 0.0  # of shadow minus serving score
+    delta_max: float = 0.0  # the largest |shadow - serving|
+
+    @property
+    def agrees(self) -> bool:
+        return self.serving_fired == self.shadow_fired
+
+
+@dataclass
 class VerdictRecord:
     kind: str
     request_id: str

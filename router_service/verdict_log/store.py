@@ -16,13 +16,17 @@ from pathlib import Path
 
 import numpy as np
 
-from router_service.verdict_log.records import ProbeVersion, VerdictRecord
+from router_service.verdict_log.records import ProbeVersion, ShadowOutcome, VerdictRecord
 
 SQLITE_BUSY_TIMEOUT_S = 1.0  # a write that waits longer on a lock fails, and the writer retries it
 
 _COLUMNS = ("time", "kind", "request_id", "caller", "probe", "version", "digest", "role", "layer",
             "token_position", "score", "threshold", "reference_score", "router", "rows", "rows_hidden",
             "row_positions", "row_layers")
+
+
+_OUTCOME_COLUMNS = ("time", "request_id", "caller", "probe", "serving_version", "shadow_version", "serving_fired",
+                    "shadow_fired", "router", "rows", "delta_sum", "delta_max")
 
 
 class StoreError(Exception):
@@ -64,6 +68,12 @@ class Store:
             f"""CREATE TABLE IF NOT EXISTS probe_versions (
                 digest TEXT PRIMARY KEY, name TEXT NOT NULL, version TEXT NOT NULL,
                 manifest_json TEXT NOT NULL, weights {self.blob})""",
+            f"""CREATE TABLE IF NOT EXISTS shadow_outcomes (
+                id {self.id_column}, time {self.real} NOT NULL, request_id TEXT NOT NULL, caller TEXT NOT NULL,
+                probe TEXT NOT NULL, serving_version TEXT NOT NULL, shadow_version TEXT NOT NULL,
+                serving_fired BOOLEAN NOT NULL, shadow_fired BOOLEAN NOT NULL, router TEXT NOT NULL,
+                rows INTEGER NOT NULL, delta_sum {self.real} NOT NULL, delta_max {self.real} NOT NULL)""",
+            "CREATE INDEX IF NOT EXISTS shadow_outcomes_probe_time ON shadow_outcomes (probe, time)",
             "CREATE INDEX IF NOT EXISTS verdicts_time ON verdicts (time)",
             "CREATE INDEX IF NOT EXISTS verdicts_request ON verdicts (request_id)",
             "CREATE INDEX IF NOT EXISTS verdicts_probe_time ON verdicts (probe, time)",
@@ -74,8 +84,9 @@ class Store:
 
     # -- writing ---------------------------------------------------------------
 
-    def write(self, records: list[VerdictRecord], versions: list[ProbeVersion]) -> None:
-        """Writes records and the versions they name in one transaction."""
+    def write(self, records: list[VerdictRecord], versions: list[ProbeVersion],
+              outcomes: list[ShadowOutcome] = ()) -> None:
+        """Writes records, the versions they name and shadow outcomes in one transaction."""
         p = self.placeholder
         with self.transaction():
             cursor = self.connection.cursor()
@@ -86,6 +97,10 @@ class Store:
             cursor.executemany(
                 f"INSERT INTO verdicts ({', '.join(_COLUMNS)}) VALUES ({', '.join([p] * len(_COLUMNS))})",
                 [_row(r) for r in records])
+            cursor.executemany(
+                f"INSERT INTO shadow_outcomes ({', '.join(_OUTCOME_COLUMNS)}) "
+                f"VALUES ({', '.join([p] * len(_OUTCOME_COLUMNS))})",
+                [tuple(getattr(o, c) for c in _OUTCOME_COLUMNS) for o in outcomes])
 
     def transaction(self):
         """Commits on success, rolls back on error."""
@@ -115,6 +130,22 @@ class Store:
         cursor = self.connection.cursor()
         cursor.execute(sql, values)
         return [_record(row) for row in cursor.fetchall()]
+
+    def outcomes(self, query: Query) -> list[ShadowOutcome]:
+        """Shadow outcomes in time order (query's probe, caller and window apply)."""
+        p = self.placeholder
+        where, values = [], []
+        for column, op, value in (("time", ">=", query.since), ("time", "<", query.until),
+                                  ("probe", "=", query.probe), ("caller", "=", query.caller)):
+            if value is not None:
+                where.append(f"{column} {op} {p}")
+                values.append(value)
+        sql = f"SELECT {', '.join(_OUTCOME_COLUMNS)} FROM shadow_outcomes"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        cursor = self.connection.cursor()
+        cursor.execute(sql + " ORDER BY time, id", values)
+        return [ShadowOutcome(**dict(zip(_OUTCOME_COLUMNS, row))) for row in cursor.fetchall()]
 
     def probe_version(self, digest: str) -> ProbeVersion | None:
         cursor = self.connection.cursor()

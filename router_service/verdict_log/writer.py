@@ -14,13 +14,12 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from common.log_limits import RateLimitedLog
-from router_service.verdict_log.records import DEFAULT_MAX_ROWS, VerdictRecord
+from router_service.verdict_log.records import DEFAULT_MAX_ROWS, ShadowOutcome, VerdictRecord
 from router_service.verdict_log.store import Store, open_store
 
 log = logging.getLogger(__name__)
@@ -57,7 +56,7 @@ class VerdictLog:
         self.settings = settings
         self.metrics = metrics
         self.store: Store = open_store(settings.target)  # fails start-up on a bad target
-        self._queue: queue.Queue[VerdictRecord] = queue.Queue(settings.max_queue)
+        self._queue: queue.Queue[VerdictRecord | ShadowOutcome] = queue.Queue(settings.max_queue)
         metrics.queued.set_function(self._queue.qsize)
         self._digests_written: set[str] = set()
         self._closing = threading.Event()
@@ -68,7 +67,7 @@ class VerdictLog:
     def max_rows(self) -> int:
         return self.settings.max_rows
 
-    def submit(self, record: VerdictRecord) -> bool:
+    def submit(self, record: VerdictRecord | ShadowOutcome) -> bool:
         """Queues a record; False (and counted) when the queue is full."""
         try:
             self._queue.put_nowait(record)
@@ -87,7 +86,7 @@ class VerdictLog:
         self.store.close()
 
     def _run(self) -> None:
-        pending: list[VerdictRecord] = []
+        pending: list[VerdictRecord | ShadowOutcome] = []
         delay = RETRY_MIN_S
         while True:
             if not pending:
@@ -117,18 +116,17 @@ class VerdictLog:
             self.metrics.written.inc(len(pending))
             pending, delay = [], RETRY_MIN_S
 
-    def _write(self, records: list[VerdictRecord]) -> None:
+    def _write(self, pending: list[VerdictRecord | ShadowOutcome]) -> None:
+        records = [r for r in pending if isinstance(r, VerdictRecord)]
+        outcomes = [r for r in pending if isinstance(r, ShadowOutcome)]
         versions = {r.probe_version.digest: r.probe_version for r in records
                     if r.probe_version is not None and r.probe_version.digest not in self._digests_written}
-        self.store.write(records, list(versions.values()))
+        self.store.write(records, list(versions.values()), outcomes)
         self._digests_written.update(versions)
 
-    def _abandon(self, pending: list[VerdictRecord]) -> None:
+    def _abandon(self, pending: list[VerdictRecord | ShadowOutcome]) -> None:
         left = len(pending) + self._queue.qsize()
         self.metrics.dropped.labels("closed").inc(left)
         log.error("verdict log closed with records unwritten", extra={"records": left,
                                                                       "store": self.store.target})
 
-
-def now() -> float:
-    return time.time()
