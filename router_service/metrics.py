@@ -77,8 +77,9 @@ class AgreementMetrics(Collector):
                                        "Shadow score minus serving score, per row both scored",
                                        labels=["probe", "version"])
         bounds = [*(str(b) for b in DELTA_BUCKETS), "+Inf"]
-        for (probe, version), (counts, total) in sorted(self.agreement.histograms().items()):
-            deltas.add_metric([probe, version], list(zip(bounds, np.cumsum(counts).tolist())), total)
+        for (probe, version), counts in sorted(self.agreement.histograms().items()):
+            # Buckets below 0 leave out _sum and _count (Prometheus' rule); the +Inf bucket counts all.
+            deltas.add_metric([probe, version], list(zip(bounds, np.cumsum(counts).tolist())), None)
         yield requests
         yield disagreements
         yield deltas

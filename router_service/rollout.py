@@ -73,7 +73,6 @@ class Agreement:
         self._lock = threading.Lock()
         self._outcomes: dict[tuple[str, str, bool, bool], int] = {}
         self._deltas: dict[tuple[str, str], np.ndarray] = {}  # counts per bucket, the last +Inf
-        self._delta_sums: dict[tuple[str, str], float] = {}
 
     def outcome(self, probe: str, shadow_version: str, outcome: Outcome) -> None:
         key = (probe, shadow_version, outcome.serving_fired, outcome.shadow_fired)
@@ -87,15 +86,15 @@ class Agreement:
         key = (probe, shadow_version)
         with self._lock:
             self._deltas[key] = self._deltas.get(key, 0) + counts
-            self._delta_sums[key] = self._delta_sums.get(key, 0.0) + float(deltas.sum())
 
     def outcomes(self) -> dict[tuple[str, str, bool, bool], int]:
         with self._lock:
             return dict(self._outcomes)
 
-    def histograms(self) -> dict[tuple[str, str], tuple[np.ndarray, float]]:
+    def histograms(self) -> dict[tuple[str, str], np.ndarray]:
+        """Counts per DELTA_BUCKETS bucket (value <= bound), the last one past them all."""
         with self._lock:
-            return {key: (counts.copy(), self._delta_sums[key]) for key, counts in self._deltas.items()}
+            return {key: counts.copy() for key, counts in self._deltas.items()}
 
 
 def paired_deltas(serving: tuple[np.ndarray, np.ndarray, np.ndarray],
