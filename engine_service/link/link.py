@@ -73,6 +73,7 @@ class _Request:
     bindings: Sequence[session_pb.SessionBinding]  # kept as given (the engine's: one repeated field)
     prompt_length: int
     ledger: RequestLedger
+    caller: str = ""  # the authenticated caller, for the routers' verdict logs
     replica: ReplicaSession | None = None
     last_replica: str | None = None  # where it was last homed, even while unhomed
     # Replicas that got this run's request_start on their current session: the
@@ -169,12 +170,13 @@ class RouterLink:
         bindings: Sequence[session_pb.SessionBinding],
         prompt_length: int,
         ledger: RequestLedger,
+        caller: str = "",
     ) -> None:
         """Homes the request on a replica (request_start). `bindings` is kept, not
         copied, until the request ends: it goes out again if the request is re-homed."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already started on the router link")
-        request = _Request(request_id, incarnation, bindings, prompt_length, ledger)
+        request = _Request(request_id, incarnation, bindings, prompt_length, ledger, caller)
         self._requests[request_id] = request
         self._home(request, reason="start")
 
@@ -272,6 +274,7 @@ class RouterLink:
                     prompt_length=request.prompt_length,
                     state_reset=state_reset,
                     incarnation=request.incarnation,
+                    caller=request.caller,
                 )
             )
         )

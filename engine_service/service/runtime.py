@@ -298,7 +298,7 @@ class EngineRuntime:
         self.runs[key] = run
         self._by_client[(caller, request_id)] = run
         self.metrics.requests_started.inc()
-        producer = asyncio.create_task(self._run(run, ids, choice, points, accepted_at, cache_salt),
+        producer = asyncio.create_task(self._run(run, ids, choice, points, accepted_at, cache_salt, caller),
                                        name=f"generate-{key}")
         self._producers.add(producer)
         producer.add_done_callback(self._producers.discard)
@@ -334,9 +334,9 @@ class EngineRuntime:
         return pins.pinned(bindings, infos, policy), infos
 
     async def _run(self, run: RequestRun, ids, choice: reqs.SamplingChoice, points, accepted_at: float,
-                   cache_salt: str | None = None) -> None:
+                   cache_salt: str | None = None, caller: str = "") -> None:
         """Registers capture, runs vLLM, settles the run's rows, and always gives
-        the client its finish."""
+        the client its finish. `caller` goes to the routers for their verdict logs."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -353,7 +353,8 @@ class EngineRuntime:
                     await self.capture.register(run.key, points, run.prompt_len)
                     registered = True
                 if run.ledger is not None and self.link is not None:
-                    self.link.start_request(run.key, run.incarnation, run.bindings, run.prompt_len, run.ledger)
+                    self.link.start_request(run.key, run.incarnation, run.bindings, run.prompt_len, run.ledger,
+                                            caller=caller)
                 # Ended already (an Engine.Abort while capture registered it, say):
                 # vLLM never sees it. Ended while vLLM was still adding it: that abort
                 # found nothing in vLLM, so it is repeated once vLLM answers.

@@ -90,6 +90,7 @@ def start(
     prompt_length: int = 1,
     incarnation: int | None = None,
     layers: tuple[int, ...] = (0,),
+    caller: str = "",
 ) -> RequestLedger:
     """Starts a request on the link as the engine does: a fresh incarnation,
     bindings pinned to the router double's probe version (a probe it does not
@@ -102,7 +103,7 @@ def start(
     pinned = pins.pinned(bindings, infos, types_pb.FAILURE_POLICY_FAIL_CLOSED)
     ledger = RequestLedger(prompt_length, pins.for_ledger(pinned, infos))
     incarnation = next(_incarnations) if incarnation is None else incarnation
-    link.start_request(request_id, incarnation, pinned, prompt_length, ledger)
+    link.start_request(request_id, incarnation, pinned, prompt_length, ledger, caller=caller)
     return ledger
 
 

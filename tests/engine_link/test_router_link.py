@@ -145,7 +145,7 @@ async def test_killed_replica_rehomes_its_requests_then_reconnects_on_the_same_p
     await link.wait_ready(2, timeout=10)
     ids = [f"req-{i}" for i in range(32)]
     for request_id in ids:
-        start(link, request_id, prompt_length=1)
+        start(link, request_id, prompt_length=1, caller=f"caller-of-{request_id}")
     on_a = [r for r in ids if link.replica_of(r) == a.address]
     on_b = [r for r in ids if link.replica_of(r) == b.address]
     assert on_a and on_b
@@ -164,6 +164,8 @@ async def test_killed_replica_rehomes_its_requests_then_reconnects_on_the_same_p
     assert all(b.requests[r].starts[-1].state_reset for r in on_a)
     assert not any(s.state_reset for r in on_b for s in b.requests[r].starts)
     assert all(b.requests[r].positions == [1] for r in on_a)  # step 0 of these went to a
+    # Every request_start names the request's caller, the re-homed ones too (for the verdict log).
+    assert all(s.caller == f"caller-of-{r}" for r in ids for s in b.requests[r].starts)
 
     a_again = await routers(port=a.port)
     await link.wait_ready(2, timeout=10)
