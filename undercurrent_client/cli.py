@@ -122,7 +122,22 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(with --upload: on this machine)")
     load.add_argument("--upload", action="store_true", help="send the local probe inline")
     load.add_argument("--replace", action="store_true", help="swap a loaded probe of that name")
+    role = load.add_mutually_exclusive_group()
+    role.add_argument("--shadow", action="store_true",
+                      help="load it beside the serving version of its name: it scores the same rows, never "
+                           "acts, and the router counts where it agrees (docs/rollout.md)")
+    role.add_argument("--canary", type=float, metavar="SHARE",
+                      help="load it as a canary acting on this share (0-1] of new requests, picked by a "
+                           "stable hash of the request id")
     load.set_defaults(run=run_probes_load)
+    promote = actions.add_parser("promote", parents=[router],
+                                 help="make a probe's canary or shadow its serving version, for new requests")
+    promote.add_argument("name")
+    promote.set_defaults(run=run_probes_promote)
+    roll_back = actions.add_parser("roll-back", parents=[router],
+                                   help="drop a probe's canary or shadow, for new requests")
+    roll_back.add_argument("name")
+    roll_back.set_defaults(run=run_probes_roll_back)
     unload = actions.add_parser("unload", parents=[router], help="unload a probe")
     unload.add_argument("name")
     unload.add_argument("--force", action="store_true",
@@ -302,6 +317,12 @@ def _describe(probe: types_pb.ProbeInfo) -> list[str]:
     ]
 
 
+def _role(probe: types_pb.ProbeInfo) -> str:
+    """The probe's part in a rollout as listed: serving, shadow, or canary and its share."""
+    role = short_name(types_pb.ProbeRole, probe.role or types_pb.PROBE_ROLE_SERVING).lower()
+    return f"{role} {probe.canary_share:.4g}" if probe.role == types_pb.PROBE_ROLE_CANARY else role
+
+
 def _table(rows: list[list[str]], out: TextIO) -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
@@ -315,22 +336,45 @@ def run_probes_list(args, out: TextIO, err: TextIO) -> int:
         out.write("no probes loaded\n")
         return 0
     header = ["NAME", "KIND", "TENSOR", "LAYERS", "ACTION", "THRESHOLD", "VERSION", "ACTIVE"]
-    _table([header, *(_describe(p) for p in sorted(probes, key=lambda p: p.name))], out)
+    if any(p.role not in (types_pb.PROBE_ROLE_UNSPECIFIED, types_pb.PROBE_ROLE_SERVING) for p in probes):
+        header.append("ROLE")  # only while some probe is in a rollout
+        rows = [_describe(p) + [_role(p)] for p in sorted(probes, key=lambda p: (p.name, p.role))]
+    else:
+        rows = [_describe(p) for p in sorted(probes, key=lambda p: p.name)]
+    _table([header, *rows], out)
     return 0
 
 
 def run_probes_load(args, out: TextIO, err: TextIO) -> int:
     with ProbeAdminClient(_connection(args, "router"), timeout=args.timeout or 30) as admin:
+        role = dict(replace=args.replace, shadow=args.shadow, canary=args.canary)
         if args.upload:
             try:
-                probe = admin.load(upload=args.path, replace=args.replace)
+                probe = admin.load(upload=args.path, **role)
             except ValueError as problem:
                 raise UsageError(str(problem)) from None
         else:
-            probe = admin.load(args.path, replace=args.replace)
+            probe = admin.load(args.path, **role)
     name, kind, tensor, layers, action, threshold, version, _ = _describe(probe)
-    out.write(f"loaded {name} (version {version}): {kind} on {tensor} layers {layers}, "
+    rollout = "" if probe.role == types_pb.PROBE_ROLE_SERVING else f" as {_role(probe)}"
+    out.write(f"loaded {name} (version {version}){rollout}: {kind} on {tensor} layers {layers}, "
               f"{action} at {threshold}\n")
+    return 0
+
+
+def run_probes_promote(args, out: TextIO, err: TextIO) -> int:
+    with ProbeAdminClient(_connection(args, "router"), timeout=args.timeout or 30) as admin:
+        probe = admin.promote(args.name)
+    out.write(f"{probe.name}: version {probe.version} serves new requests; running requests keep "
+              "their versions\n")
+    return 0
+
+
+def run_probes_roll_back(args, out: TextIO, err: TextIO) -> int:
+    with ProbeAdminClient(_connection(args, "router"), timeout=args.timeout or 30) as admin:
+        probe = admin.roll_back(args.name)
+    out.write(f"{probe.name}: version {probe.version} alone serves new requests; running requests keep "
+              "their versions\n")
     return 0
 
 

@@ -23,15 +23,22 @@ from undercurrent_client.events import Event, event_of
 from undercurrent_client.requests import generate_request, inline_probe
 
 
-def _load_request(path: str | Path | None, upload: str | Path | None,
-                  inline: admin_pb.InlineProbe | None, replace: bool) -> admin_pb.LoadProbeRequest:
+def _load_request(path: str | Path | None, upload: str | Path | None, inline: admin_pb.InlineProbe | None,
+                  replace: bool, shadow: bool, canary: float | None) -> admin_pb.LoadProbeRequest:
     sources = [s for s in (path, upload, inline) if s is not None]
     if len(sources) != 1:
         raise ValueError("load: give exactly one of path (on the router), upload (a local probe) "
                          "or inline")
+    if shadow and canary is not None:
+        raise ValueError("load: a version is a shadow or a canary, not both")
+    role = (types_pb.PROBE_ROLE_SHADOW if shadow else types_pb.PROBE_ROLE_CANARY if canary is not None
+            else types_pb.PROBE_ROLE_SERVING)
+    request = admin_pb.LoadProbeRequest(replace=replace, role=role, canary_share=canary or 0.0)
     if path is not None:
-        return admin_pb.LoadProbeRequest(path=str(path), replace=replace)
-    return admin_pb.LoadProbeRequest(inline=inline or inline_probe(upload), replace=replace)
+        request.path = str(path)
+    else:
+        request.inline.CopyFrom(inline or inline_probe(upload))
+    return request
 
 
 def _request(prompt, options) -> engine_pb.GenerateRequest:
@@ -172,15 +179,26 @@ class ProbeAdminClient(_BlockingClient):
     """Blocking client of ProbeAdminService on one router replica.
 
     load(path=...) loads a probe from the router's file system; load(upload=...)
-    sends a local probe directory or .safetensors file inline.
+    sends a local probe directory or .safetensors file inline. shadow=True loads
+    it as a shadow of the serving version of its name, canary=SHARE as a canary
+    taking that share of new requests; promote and roll_back end the rollout.
     """
 
     def __init__(self, target: str | Connection, timeout: float | None = 30.0, **options):
         super().__init__(admin_pb_grpc.ProbeAdminServiceStub, target, timeout, **options)
 
     def load(self, path: str | Path | None = None, *, upload: str | Path | None = None,
-             inline: admin_pb.InlineProbe | None = None, replace: bool = False) -> types_pb.ProbeInfo:
-        return self._unary("LoadProbe", _load_request(path, upload, inline, replace)).probe
+             inline: admin_pb.InlineProbe | None = None, replace: bool = False, shadow: bool = False,
+             canary: float | None = None) -> types_pb.ProbeInfo:
+        return self._unary("LoadProbe", _load_request(path, upload, inline, replace, shadow, canary)).probe
+
+    def promote(self, name: str) -> types_pb.ProbeInfo:
+        """The canary or shadow serves new requests; returns the new serving version."""
+        return self._unary("PromoteProbe", admin_pb.PromoteProbeRequest(name=name)).probe
+
+    def roll_back(self, name: str) -> types_pb.ProbeInfo:
+        """Drops the canary or shadow for new requests; returns the serving version."""
+        return self._unary("RollBackProbe", admin_pb.RollBackProbeRequest(name=name)).probe
 
     def list(self) -> list[types_pb.ProbeInfo]:
         return list(self._unary("ListProbes", admin_pb.ListProbesRequest()).probes)
@@ -197,8 +215,16 @@ class AsyncProbeAdminClient(_AsyncClient):
         super().__init__(admin_pb_grpc.ProbeAdminServiceStub, target, timeout, **options)
 
     async def load(self, path: str | Path | None = None, *, upload: str | Path | None = None,
-                   inline: admin_pb.InlineProbe | None = None, replace: bool = False) -> types_pb.ProbeInfo:
-        return (await self._unary("LoadProbe", _load_request(path, upload, inline, replace))).probe
+                   inline: admin_pb.InlineProbe | None = None, replace: bool = False, shadow: bool = False,
+                   canary: float | None = None) -> types_pb.ProbeInfo:
+        request = _load_request(path, upload, inline, replace, shadow, canary)
+        return (await self._unary("LoadProbe", request)).probe
+
+    async def promote(self, name: str) -> types_pb.ProbeInfo:
+        return (await self._unary("PromoteProbe", admin_pb.PromoteProbeRequest(name=name))).probe
+
+    async def roll_back(self, name: str) -> types_pb.ProbeInfo:
+        return (await self._unary("RollBackProbe", admin_pb.RollBackProbeRequest(name=name))).probe
 
     async def list(self) -> list[types_pb.ProbeInfo]:
         return list((await self._unary("ListProbes", admin_pb.ListProbesRequest())).probes)

@@ -46,6 +46,31 @@ async def test_probes_load_list_unload(router, tmp_path):
     assert err == "undercurrent: error: UnloadProbe failed with NOT_FOUND: probe 'watch' is not loaded\n"
 
 
+async def test_probes_shadow_canary_promote_roll_back(router, tmp_path):
+    target = ["--router", f"127.0.0.1:{router.port}"]
+    for version in ("1", "2", "3"):
+        spec = manifest("watch", "linear", threshold=0.25, action="observe", layers=[2], version=version)
+        write_probe(tmp_path / f"v{version}", spec, {"weight": np.ones(HIDDEN, np.float32)})
+    assert (await cli("probes", "load", str(tmp_path / "v1"), "--upload", *target))[0] == 0
+    code, out, err = await cli("probes", "load", str(tmp_path / "v2"), "--upload", "--shadow", *target)
+    assert (code, err) == (0, "") and out.startswith("loaded watch (version 2) as shadow: linear")
+    code, out, _ = await cli("probes", "list", *target)
+    assert [line.split()[-2:] for line in out.splitlines()] == [["ACTIVE", "ROLE"], ["0", "serving"],
+                                                                ["0", "shadow"]]
+    assert await cli("probes", "promote", "watch", *target) == (
+        0, "watch: version 2 serves new requests; running requests keep their versions\n", "")
+    code, out, _ = await cli("probes", "load", str(tmp_path / "v3"), "--upload", "--canary", "0.25", *target)
+    assert out.startswith("loaded watch (version 3) as canary 0.25: linear")
+    assert await cli("probes", "roll-back", "watch", *target) == (
+        0, "watch: version 2 alone serves new requests; running requests keep their versions\n", "")
+    code, out, err = await cli("probes", "roll-back", "watch", *target)
+    assert (code, out) == (1, "")
+    assert err == ("undercurrent: error: RollBackProbe failed with FAILED_PRECONDITION: probe 'watch' has no "
+                   "canary or shadow to roll back\n")
+    code, _, err = await cli("probes", "load", str(tmp_path / "v3"), "--shadow", "--canary", "0.5", *target)
+    assert code == 2 and "not allowed with argument" in err
+
+
 async def test_load_by_router_path_reports_a_bad_manifest_field(router, tmp_path):
     write_probe(tmp_path / "ok", manifest("ok", "linear", threshold=0.0),
                 {"weight": np.ones(HIDDEN, np.float32)})
