@@ -19,7 +19,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: run test install proto models bench clean compose-check compose-test
+.PHONY: run test install postgres proto models bench clean compose-check compose-test
 
 run: install models
 	$(PY) -m tools.run_demo --model $(MODELS)/tiny-llama $(RUN_ARGS)
@@ -27,11 +27,19 @@ run: install models
 # The capture tests run their vLLM engines inside the pytest process; the
 # process-level tests run in a second pytest process so their timing (abort
 # latency) is measured on a process that never hosted an engine.
-test: install models
+test: install models postgres
 	$(PY) -m pytest tests/capture $(PYTEST_ARGS)
 	$(PY) -m pytest --ignore=tests/capture $(PYTEST_ARGS)
 
 install: $(STAMP)
+
+# The verdict log's tests start a real PostgreSQL server: Debian's postgresql
+# package (initdb, pg_ctl), installed here when missing and apt-get can (root).
+postgres:
+	@command -v initdb >/dev/null || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || \
+		{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq && \
+		  apt-get install -y -qq postgresql >/dev/null; } || \
+		echo "PostgreSQL server not installed (apt-get install postgresql): its verdict-log tests will skip"
 
 $(STAMP): $(LOCK) pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
