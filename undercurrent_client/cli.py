@@ -363,18 +363,18 @@ def run_probes_load(args, out: TextIO, err: TextIO) -> int:
 
 
 def run_probes_promote(args, out: TextIO, err: TextIO) -> int:
-    with ProbeAdminClient(_connection(args, "router"), timeout=args.timeout or 30) as admin:
-        probe = admin.promote(args.name)
-    out.write(f"{probe.name}: version {probe.version} serves new requests; running requests keep "
-              "their versions\n")
-    return 0
+    return _end_rollout(args, out, promote=True)
 
 
 def run_probes_roll_back(args, out: TextIO, err: TextIO) -> int:
+    return _end_rollout(args, out, promote=False)
+
+
+def _end_rollout(args, out: TextIO, promote: bool) -> int:
     with ProbeAdminClient(_connection(args, "router"), timeout=args.timeout or 30) as admin:
-        probe = admin.roll_back(args.name)
-    out.write(f"{probe.name}: version {probe.version} alone serves new requests; running requests keep "
-              "their versions\n")
+        probe = admin.promote(args.name) if promote else admin.roll_back(args.name)
+    out.write(f"{probe.name}: version {probe.version}{'' if promote else ' alone'} serves new requests; "
+              "running requests keep their versions\n")
     return 0
 
 

@@ -113,18 +113,8 @@ class Store:
 
     def records(self, query: Query) -> list[VerdictRecord]:
         """Records in time order (then in the order written)."""
-        p = self.placeholder
-        where, values = [], []
-        for column, op, value in (("time", ">=", query.since), ("time", "<", query.until),
-                                  ("probe", "=", query.probe), ("caller", "=", query.caller),
-                                  ("kind", "=", query.kind), ("request_id", "=", query.request_id)):
-            if value is not None:
-                where.append(f"{column} {op} {p}")
-                values.append(value)
-        sql = f"SELECT id, {', '.join(_COLUMNS)} FROM verdicts"
-        if where:
-            sql += " WHERE " + " AND ".join(where)
-        sql += " ORDER BY time, id"
+        where, values = self._where(query, kind=query.kind, request_id=query.request_id)
+        sql = f"SELECT id, {', '.join(_COLUMNS)} FROM verdicts{where} ORDER BY time, id"
         if query.limit is not None:
             sql += f" LIMIT {int(query.limit)}"
         cursor = self.connection.cursor()
@@ -132,20 +122,21 @@ class Store:
         return [_record(row) for row in cursor.fetchall()]
 
     def outcomes(self, query: Query) -> list[ShadowOutcome]:
-        """Shadow outcomes in time order (query's probe, caller and window apply)."""
-        p = self.placeholder
-        where, values = [], []
-        for column, op, value in (("time", ">=", query.since), ("time", "<", query.until),
-                                  ("probe", "=", query.probe), ("caller", "=", query.caller)):
-            if value is not None:
-                where.append(f"{column} {op} {p}")
-                values.append(value)
-        sql = f"SELECT {', '.join(_OUTCOME_COLUMNS)} FROM shadow_outcomes"
-        if where:
-            sql += " WHERE " + " AND ".join(where)
+        """Shadow outcomes in time order (query's window, probe and caller apply)."""
+        where, values = self._where(query)
         cursor = self.connection.cursor()
-        cursor.execute(sql + " ORDER BY time, id", values)
+        cursor.execute(f"SELECT {', '.join(_OUTCOME_COLUMNS)} FROM shadow_outcomes{where} ORDER BY time, id", values)
         return [ShadowOutcome(**dict(zip(_OUTCOME_COLUMNS, row))) for row in cursor.fetchall()]
+
+    def _where(self, query: Query, **equal) -> tuple[str, list]:
+        """The WHERE clause of query's window, probe and caller, and of `equal`, with its values."""
+        tests = [("time", ">=", query.since), ("time", "<", query.until), ("probe", "=", query.probe),
+                 ("caller", "=", query.caller), *((column, "=", value) for column, value in equal.items())]
+        kept = [(column, op, value) for column, op, value in tests if value is not None]
+        if not kept:
+            return "", []
+        clause = " AND ".join(f"{column} {op} {self.placeholder}" for column, op, _ in kept)
+        return " WHERE " + clause, [value for _, _, value in kept]
 
     def probe_version(self, digest: str) -> ProbeVersion | None:
         cursor = self.connection.cursor()
