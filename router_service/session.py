@@ -623,7 +623,8 @@ class SessionState:
             reference, rows, keys = None, None, ([], [])
             if grid.silent[column]:
                 kind, role = records.SHADOW, rollout.SHADOW
-                reference = _score_at(paired.get((firing.slot, request.shadows[column])), firing)
+                serving = request.shadows.get(column)  # None once a forced unload took the serving binding
+                reference = None if serving is None else _score_at(paired.get((firing.slot, serving)), firing)
             else:
                 kind = records.ABORT if best is not None and best.column == column else records.VERDICT
                 role = rollout.CANARY if column in request.canaries else rollout.SERVING
