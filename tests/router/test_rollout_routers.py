@@ -9,8 +9,11 @@ import numpy as np
 import pytest
 
 from common.canary import canary_takes
+from common.probe_format.files import load_probe_bytes
 from router_service.verdict_log.store import Query, open_store
-from tests.router.rollout_world import PROBE, Engine, admin, inline, start_router
+from router_service.verdict_log.writer import LogSettings
+from tests.router.helpers import SessionClient, block
+from tests.router.rollout_world import PROBE, Engine, admin, inline, rows, start_router
 from undercurrent.v1 import admin_pb2 as admin_pb
 from undercurrent.v1 import router_session_pb2 as session_pb
 from undercurrent.v1 import types_pb2 as types_pb
@@ -201,3 +204,51 @@ async def test_rollout_calls_refuse_what_does_not_fit(router):
                 await call
             assert refused.value.code().name in ("FAILED_PRECONDITION", "ALREADY_EXISTS")
             assert words in refused.value.details(), refused.value.details()
+
+
+async def test_a_shadow_left_alone_by_a_forced_unload_still_scores_and_logs(make_router, tmp_path):
+    """Rolled back, a shadow keeps the requests it had; its serving version unloaded by force,
+    it still fires into the log (with no serving score to compare) and acts on nothing."""
+    log = str(tmp_path / "verdicts.db")
+    router = await make_router(verdict_log=LogSettings(log))
+    for version, threshold, role in (("1", QUIET, types_pb.PROBE_ROLE_SERVING), ("2", 0.5, types_pb.PROBE_ROLE_SHADOW)):
+        probe = inline(version, threshold)
+        router.registry.load(load_probe_bytes(probe.manifest_json, probe.weights_safetensors), role=role)
+    client = SessionClient(router)
+    await client.open()
+    client.start("r", PROBE, prompt_length=2)
+    await client.sync()
+    router.registry.roll_back(PROBE)
+    router.registry.unload(PROBE, force=True)
+    replies = await client.until_ack(client.batch(block(rows([1.0]), ["r"], [3])))
+    assert [m.WhichOneof("message") for m in replies] == ["error", "ack"]  # the serving binding detached
+    assert "unloaded by force" in replies[0].error.message
+    client.end("r")
+    await client.sync()
+    await client.close()
+    await router.shutdown(grace_period=0)  # writes what is queued
+    store = open_store(log, create=False)
+    [record] = store.records(Query())
+    store.close()
+    assert (record.kind, record.version, record.reference_score) == ("shadow", "2", None)
+
+
+async def test_a_promoted_shadow_unloaded_by_force_leaves_its_requests_serving_binding_alone(make_router):
+    """The engine knows no binding of a shadow: losing it is no error, and the
+    serving version it shadowed goes on scoring the request."""
+    router = await make_router()
+    for version, threshold, role in (("1", QUIET, types_pb.PROBE_ROLE_SERVING), ("2", 0.5, types_pb.PROBE_ROLE_SHADOW)):
+        probe = inline(version, threshold, action="observe")
+        router.registry.load(load_probe_bytes(probe.manifest_json, probe.weights_safetensors), role=role)
+    client = SessionClient(router)
+    await client.open()
+    client.start("r", PROBE, prompt_length=2)  # version 1, with version 2 as its shadow
+    await client.sync()
+    router.registry.promote(PROBE)
+    router.registry.unload(PROBE, force=True)  # version 2, now serving, and the request's shadow
+    replies = await client.until_ack(client.batch(block(rows([1.0]), ["r"], [3])))
+    assert [m.WhichOneof("message") for m in replies] == ["scores", "ack"], replies
+    assert list(replies[0].scores.scores) == pytest.approx([1 / (1 + np.exp(-1.0))])  # version 1's score
+    client.end("r")
+    await client.sync()
+    await client.close()
