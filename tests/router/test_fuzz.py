@@ -199,6 +199,8 @@ ADMIN = {
     "LoadProbe": admin_pb.LoadProbeRequest,
     "ListProbes": admin_pb.ListProbesRequest,
     "UnloadProbe": admin_pb.UnloadProbeRequest,
+    "PromoteProbe": admin_pb.PromoteProbeRequest,
+    "RollBackProbe": admin_pb.RollBackProbeRequest,
 }
 
 
