@@ -59,14 +59,14 @@ async def engine(engine_service):
 
 @pytest.fixture
 async def start_router(router_ports, tmp_path):
-    """start_router(index, probes_dir=None) -> a router answering on router_ports[index]
+    """start_router(index, probes_dir=None, *flags) -> a router answering on router_ports[index]
     (NOT_SERVING until it has a probe)."""
     started: list[stack.Service] = []
 
-    async def start(index: int = 0, probes_dir=None) -> stack.Service:
+    async def start(index: int = 0, probes_dir=None, *flags: str) -> stack.Service:
         directory = probes_dir or tmp_path / f"probes-{index}"
         directory.mkdir(parents=True, exist_ok=True)
-        service = stack.router(router_ports[index], directory).start()
+        service = stack.router(router_ports[index], directory, *flags).start()
         started.append(service)
         await service.wait_health(want_serving=None, timeout=60)
         return service

@@ -5,16 +5,19 @@ sees tokens only where the probes scored, and as soon as they did."""
 from __future__ import annotations
 
 import asyncio
+import io
 
 import numpy as np
 import pytest
 
+from router_service.verdict_log.store import Query, open_store
 from tools import firing_probes, stack
 from tools.aborts import until_within
 from undercurrent.v1 import engine_pb2 as engine_pb
 from undercurrent.v1 import types_pb2 as types_pb
 from undercurrent.v1 import admin_pb2_grpc as admin_pb_grpc
 from undercurrent.v1 import engine_pb2_grpc as engine_pb_grpc
+from undercurrent_client import cli
 
 pytestmark = pytest.mark.vllm
 
@@ -150,3 +153,36 @@ async def test_a_gated_request_probed_on_its_prompt_alone_streams_once_the_promp
     assert outcome.finished.unprobed_tokens == 0 and outcome.finished.dropped_records == 0
     scored = sorted(p for event in outcome.scores for p in event.token_positions)
     assert scored == list(range(outcome.finished.prompt_tokens))
+
+
+async def test_the_verdict_log_keeps_the_abort_with_its_caller_and_replays_it(baseline, start_router, engine,
+                                                                               tmp_path):
+    """The abort a client received, in a router's verdict log: its request, the
+    caller its token names, where and how it fired, and the input rows from
+    which `undercurrent audit replay` gets the same score and verdict."""
+    rows = [firing_probes.rows_by_position(o.batches) for o in baseline]
+    probe = firing_probes.probe_firing_at("logged", rows[0], rows[1:], min_index=TRIGGER_MIN_INDEX)
+    log = str(tmp_path / "verdicts.db")
+    router = await start_router(0, None, "--verdict-log", log)
+    async with stack.channel(router.address) as ch:
+        info = (await admin_pb_grpc.ProbeAdminServiceStub(ch).LoadProbe(probe.load_request())).probe
+    await stack.wait_for_probe(engine, probe.name)
+    binding = types_pb.ProbeBinding(probe=probe.name, failure_policy=types_pb.FAILURE_POLICY_FAIL_CLOSED)
+    outcome = await stack.generate(engine, request(PROMPTS[0], "logged-0", probes=[binding]))
+    assert outcome.reason == "PROBE_ABORT"
+    verdict = outcome.finished.verdict
+    assert router.terminate() == 0  # a drained router has written its log
+
+    store = open_store(log, create=False)
+    [record] = store.records(Query())
+    store.close()
+    assert record.request_id.startswith("logged-0#") and record.caller == "demo"  # the client token's caller
+    assert (record.kind, record.probe, record.version, record.digest, record.role) == (
+        "abort", probe.name, "1", info.digest, "serving")
+    assert (record.token_position, record.layer) == (verdict.token_position, firing_probes.LAYER)
+    assert np.float32(record.score) == np.float32(verdict.score) and record.threshold == probe.threshold
+    # The row the engine captured (the baseline ran in another batch: equal up to float32 sums' order).
+    assert np.allclose(record.rows[0], rows[0][probe.position], rtol=1e-4, atol=1e-4)
+    out, err = io.StringIO(), io.StringIO()
+    assert cli.main(["audit", "replay", record.request_id, "--log", log], out=out, err=err) == 0, err.getvalue()
+    assert "the same score and verdict" in out.getvalue()
