@@ -22,7 +22,6 @@ from datetime import datetime, timezone
 from typing import TextIO
 
 from router_service.verdict_log.records import KINDS, ShadowOutcome, VerdictRecord
-from router_service.verdict_log.replay import ReplayError, replay
 from router_service.verdict_log.store import Query, Store, StoreError, open_store
 
 LOG_ENV = "UNDERCURRENT_VERDICT_LOG"
@@ -152,6 +151,9 @@ def _describe(r: VerdictRecord) -> str:
 
 
 def run_replay(args, out: TextIO, now: float) -> int:
+    # The scoring code (numpy, scipy) loads only for a replay: `undercurrent` starts fast.
+    from router_service.verdict_log.replay import ReplayError, replay
+
     with closing(_open(args)) as store:
         found = [r for r in store.records(Query(request_id=args.request_id)) if r.rows is not None]
         if not found:

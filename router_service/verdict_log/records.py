@@ -4,10 +4,12 @@ version they name, in full, so a verdict can be replayed offline years later."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from common.probe_format.probes import Probe
+if TYPE_CHECKING:  # the audit command reads records without the scoring code's imports
+    from common.probe_format.probes import Probe
 
 # A record's kind.
 ABORT = "abort"  # the binding fired and its abort stopped the request
