@@ -181,7 +181,7 @@ class PostgresStore(Store):
         try:
             connection = psycopg.connect(url, connect_timeout=10, autocommit=True)
         except psycopg.Error as err:
-            raise StoreError(f"verdict log {_redacted(url)}: {str(err).strip()}") from None
+            raise StoreError(f"verdict log {_redacted(url)}: {' '.join(str(err).split())}") from None  # one line
         return cls(connection, _redacted(url))
 
     def transaction(self):

@@ -84,6 +84,9 @@ def one_line_failure(*args):
         (["--port", "0", "--probes", "{tmp}", "--max-sessions", "0"], "--max-sessions must be > 0"),
         (["--port", "0", "--probes", "{tmp}", "--max-requests-per-session", "-1"],
          "--max-requests-per-session must be > 0"),
+        (["--port", "0", "--probes", "{tmp}", "--verdict-log-queue", "0"], "--verdict-log-queue must be > 0"),
+        (["--port", "0", "--probes", "{tmp}", "--verdict-log-max-rows", "-1"],
+         "--verdict-log-max-rows must be >= 0"),
     ],
 )
 def test_bad_command_lines_fail_with_one_line(tmp_path, capsys, argv, message):
@@ -117,3 +120,14 @@ def test_port_in_use_and_a_broken_probe_fail_with_one_line(tmp_path):
     assert err == (f"router_service: error: {tmp_path / 'bad'}: manifest.layers: expected list, got str 'x'")
 
 
+
+
+def test_a_verdict_log_that_cannot_be_opened_fails_with_one_line(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    err = one_line_failure("--port", "0", "--probes", str(tmp_path), "--insecure",
+                           "--verdict-log", str(tmp_path / "a-file" / "verdicts.db"))
+    assert err.startswith(f"router_service: error: verdict log {tmp_path}/a-file/verdicts.db: "), err
+    err = one_line_failure("--port", "0", "--probes", str(tmp_path), "--insecure",
+                           "--verdict-log", "postgresql://user:secret@127.0.0.1:1/log")
+    assert err.startswith("router_service: error: verdict log postgresql://user:***@127.0.0.1:1/log: "), err
+    assert "secret" not in err
