@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import io
 import json
+import sqlite3
+import time
 
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry
 
 from common.canary import canary_point, canary_takes
 from common.errors import FailedPrecondition
@@ -20,6 +23,7 @@ from router_service.verdict_log import audit
 from router_service.verdict_log.records import ProbeVersion, ShadowOutcome, VerdictRecord
 from router_service.verdict_log.replay import ReplayError, replay
 from router_service.verdict_log.store import Query, StoreError, open_store
+from router_service.verdict_log.writer import LogMetrics, LogSettings, VerdictLog
 from tests.router.helpers import HIDDEN, manifest
 from undercurrent_client import cli
 
@@ -180,3 +184,29 @@ def test_audit_commands_name_bad_input(tmp_path, monkeypatch):
         assert status in (1, 2) and err.getvalue().startswith(f"undercurrent: error: {message}"), err.getvalue()
     assert audit.parse_time("90m", now=10_000.0) == 10_000.0 - 5_400
     assert audit.parse_time("2026-12-07T06:00:00", now=0) == audit.parse_time("2026-12-07T06:00:00+00:00", now=0)
+
+
+def test_the_writer_counts_every_record_written_dropped_or_abandoned(tmp_path):
+    """A store held locked: the queue (3) fills and drops the rest; at close what
+    is still unwritten is counted `closed`; nothing is lost without a count."""
+    target = str(tmp_path / "log.db")
+    registry = CollectorRegistry()
+    log = VerdictLog(LogSettings(target, max_queue=3), LogMetrics(registry))
+    version, probe = probe_version()
+    lock = sqlite3.connect(target, isolation_level=None)
+    lock.execute("BEGIN EXCLUSIVE")
+    record = abort_record(version, probe, np.zeros((1, HIDDEN), np.float32), row_layers=[1])
+    accepted = [log.submit(record)]
+    deadline = time.monotonic() + 20
+    while registry.get_sample_value("undercurrent_router_verdict_log_write_errors_total") < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    accepted += [log.submit(record) for _ in range(9)]  # the writer holds the first; 3 wait; 6 drop
+    assert accepted == [True] * 4 + [False] * 6
+    log.close()
+    value = registry.get_sample_value
+    assert value("undercurrent_router_verdict_log_dropped_total", {"reason": "queue_full"}) == 6
+    assert value("undercurrent_router_verdict_log_dropped_total", {"reason": "closed"}) == 4
+    assert value("undercurrent_router_verdict_log_written_total") == 0
+    lock.execute("ROLLBACK")
+    lock.close()
