@@ -3,8 +3,9 @@ stateful testing) drives the engine's real request path through a simulated
 world (tests/engine/gating_world.py: pipeline stages, TP ranks, preemption,
 request ids reused, capture faults, router
 replicas with different probe sets and versions, a network that delays,
-blackholes, kills and restarts them, version reloads, forced unloads,
-router-wide notices, exceptions in handlers, send-queue overflow, shutdown)
+blackholes, kills and restarts them, version reloads, canary and shadow
+versions promoted and rolled back, forced unloads, router-wide notices,
+exceptions in handlers, send-queue overflow, shutdown)
 and checks after every step:
 
 I1  every token released to a gated client at position p was computed there by
@@ -49,6 +50,7 @@ from engine_service.link.send_queue import QueuedBatch
 from engine_service.request.probe_points import binding_points
 from engine_service.request.run import RequestRun
 from engine_service.service.runtime import EngineRuntime, EngineSettings
+from router_service.registry import ProbeRegistry
 from tests.engine.gating_world import MODEL, STAGES, SimCapture, SimVllm, World, catalog_probes, selects
 
 TIMEOUT = 3.0  # the router timeout, on the world's clock
@@ -59,6 +61,7 @@ REPLICAS = {
 }
 PROBES = ("guard", "early", "late", "observer")
 REQUEST_IDS = ("a", "b", "c", "d", "e")
+CANARY, SHADOW = types_pb.PROBE_ROLE_CANARY, types_pb.PROBE_ROLE_SHADOW
 CLOSED, OPEN = types_pb.FAILURE_POLICY_FAIL_CLOSED, types_pb.FAILURE_POLICY_FAIL_OPEN
 SUCCESS = (types_pb.FINISH_REASON_STOP, types_pb.FINISH_REASON_LENGTH)
 REQUEST = st.fixed_dictionaries(dict(
@@ -66,6 +69,12 @@ REQUEST = st.fixed_dictionaries(dict(
     bindings=st.lists(st.tuples(st.sampled_from(PROBES), st.sampled_from((CLOSED, OPEN))),
                       min_size=1, max_size=3, unique_by=lambda b: b[0]),
     gate=st.booleans(), max_tokens=st.integers(1, 8), prompt_len=st.integers(1, 3)))
+
+
+
+def rolling_out(registry: ProbeRegistry, name: str) -> bool:
+    """Whether the probe has a canary or shadow beside its serving version."""
+    return any(c.probe.name == name for c in registry.candidates())
 
 
 @dataclass
@@ -276,13 +285,32 @@ class GatingMachine(RuleBasedStateMachine):
 
     @rule(replica=st.sampled_from(sorted(REPLICAS)), version=st.sampled_from(("guard", "guard@v2")))
     def reload_guard(self, replica, version):
-        self.world.routers[replica].registry.load(catalog_probes()[version], replace=True)
+        registry = self.world.routers[replica].registry
+        if not rolling_out(registry, "guard"):  # refused meanwhile: promote or roll back first
+            registry.load(catalog_probes()[version], replace=True)
 
     @rule(replica=st.sampled_from(sorted(REPLICAS)), probe=st.sampled_from(PROBES))
     def force_unload(self, replica, probe):
         registry = self.world.routers[replica].registry
-        if any(p.name == probe for p in registry.probes()):
+        if any(p.name == probe for p in registry.probes()) and not rolling_out(registry, probe):
             registry.unload(probe, force=True)
+
+    @rule(replica=st.sampled_from(sorted(REPLICAS)), role=st.sampled_from((CANARY, SHADOW)),
+          share=st.sampled_from((0.5, 1.0)))
+    def guard_rollout(self, replica, role, share):
+        """The guard's other version beside its serving one on one replica: a canary
+        (engines pin it for the requests its hash takes) or a shadow."""
+        registry = self.world.routers[replica].registry
+        serving = next((p for p in registry.probes() if p.name == "guard"), None)
+        if serving is not None and not serving.unloading:
+            other = "guard@v2" if serving.manifest.version == "1" else "guard"
+            registry.load(catalog_probes()[other], replace=True, role=role, share=share if role == CANARY else 0.0)
+
+    @rule(replica=st.sampled_from(sorted(REPLICAS)), promote=st.booleans())
+    def guard_rollout_ends(self, replica, promote):
+        registry = self.world.routers[replica].registry
+        if rolling_out(registry, "guard"):
+            registry.promote("guard") if promote else registry.roll_back("guard")
 
     @rule(replica=st.sampled_from(sorted(REPLICAS)))
     def incompatible_probe_loaded(self, replica):
