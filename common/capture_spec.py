@@ -165,6 +165,17 @@ class TokenSelector:
                 r.stop = stop
         return msg
 
+    def to_dict(self) -> dict:
+        """As JSON: the `tokens` object of a probe manifest (common.probe_format.manifest
+        reads it back), so files that record a selector say it the way probes do."""
+        data: dict = {"scope": self.scope.value}
+        if self.indexes:
+            data["indexes"] = list(self.indexes)
+        if self.ranges:
+            data["ranges"] = [{"start": start} if stop is None else {"start": start, "stop": stop}
+                              for start, stop in self.ranges]
+        return data
+
 
 @dataclass(frozen=True)
 class ExtractionPoint:

@@ -6,6 +6,8 @@ batch). Both call `common.capture_spec.TokenSelector.mask`; this table pins the
 semantics and proves that neither side has a rule of its own.
 """
 
+import json
+
 import numpy as np
 import pytest
 
@@ -13,6 +15,7 @@ from common.activations import Block
 from common.capture_spec import ExtractionPoint, Scope, TokenSelector
 from engine_service.capture.worker.row_mapping import Registration, RowMapper
 from common.probe_format.files import write_probe
+from common.probe_format.manifest import parse_manifest
 from tests.router.helpers import HIDDEN, SessionClient, manifest, start_router
 from undercurrent.v1 import types_pb2 as types_pb
 
@@ -115,3 +118,10 @@ def test_scalar_and_per_row_prompt_lengths_agree():
                 selector.mask(positions, prompt_len),
                 selector.mask(positions, np.full(TOTAL, prompt_len)),
             )
+
+
+@pytest.mark.parametrize("selector", [selector for selector, _ in CASES], ids=IDS)
+def test_a_selector_written_as_json_reads_back_as_a_probe_manifest_reads_it(selector):
+    data = selector.to_dict()
+    assert parse_manifest(json.dumps(manifest("p", tokens=data))).tokens == selector
+    assert set(data) <= {"scope", "indexes", "ranges"} and json.loads(json.dumps(data)) == data
