@@ -33,7 +33,8 @@ from probe_lifecycle.dataset import (
 )
 from probe_lifecycle.examples import Example, InputError, check_examples, read_examples
 from undercurrent.v1 import engine_pb2 as engine_pb
-from undercurrent_client import Activations, AsyncEngineClient, Finished, RpcError, Started
+from undercurrent_client import Activations, AsyncEngineClient, Finished, RpcError, Started, Tokens
+from undercurrent_client.capture_file import CapturedRequest, LabelledExample
 from undercurrent_client.connection import from_env
 
 _FINISHED_OK = ("STOP", "LENGTH")
@@ -97,12 +98,13 @@ async def _capture_once(engine: AsyncEngineClient, example: Example, spec: Datas
         extraction_points=spec.points(),
     )
     parts: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {key: [] for key in keys}
-    prompt_tokens = generated_tokens = 0
-    finished = None
+    started, text, finished = None, [], None
     try:
         async for event in engine.generate(request):
             if isinstance(event, Started):
-                prompt_tokens = event.prompt_tokens
+                started = event
+            elif isinstance(event, Tokens):
+                text.append(event.text)
             elif isinstance(event, Activations):
                 for block in from_batch(event.batch):
                     key = feature_key(tensor_type_from_proto(block.tensor_type), block.layer)
@@ -113,16 +115,18 @@ async def _capture_once(engine: AsyncEngineClient, example: Example, spec: Datas
                 finished = event
     except RpcError as err:
         raise CaptureError(f"{where}: the engine refused it: {err.code.name}: {err.details}") from None
-    if finished is None:
-        raise CaptureError(f"{where}: the stream ended without a finished message")
+    if started is None or finished is None:
+        raise CaptureError(f"{where}: the stream ended without a "
+                           f"{'started' if started is None else 'finished'} message")
     if finished.reason not in _FINISHED_OK:
         raise CaptureError(f"{where}: generation ended {finished.reason}: {finished.message}")
-    generated_tokens = finished.generated_tokens
-    return _assemble(example, parts, spec, prompt_tokens, generated_tokens, where)
+    run = CapturedRequest(started.request_id, example.text, started.prompt_tokens,
+                          finished.generated_tokens, finished.reason, "".join(text),
+                          LabelledExample(example.id, example.label, example.line))
+    return _assemble(run, parts, spec, where)
 
 
-def _assemble(example: Example, parts: dict, spec: DatasetSpec, prompt_tokens: int,
-              generated_tokens: int, where: str) -> ExampleRows:
+def _assemble(request: CapturedRequest, parts: dict, spec: DatasetSpec, where: str) -> ExampleRows:
     """Orders each key's rows by position, checks every key saw the same positions, pools."""
     features, positions, generated = {}, None, None
     for key, chunks in parts.items():
@@ -139,7 +143,7 @@ def _assemble(example: Example, parts: dict, spec: DatasetSpec, prompt_tokens: i
         elif not np.array_equal(pos, positions):
             raise CaptureError(f"{where}: {key}: positions differ from the other points'")
         features[key] = rows
-    expected = expected_positions(spec, prompt_tokens, generated_tokens)
+    expected = expected_positions(spec, request.prompt_tokens, request.generated_tokens)
     if not np.array_equal(positions, expected):
         missing = sorted(set(expected.tolist()) - set(positions.tolist()))
         extra = sorted(set(positions.tolist()) - set(expected.tolist()))
@@ -155,9 +159,7 @@ def _assemble(example: Example, parts: dict, spec: DatasetSpec, prompt_tokens: i
             for key, rows in features.items()
         }
         positions, generated = positions[pick], generated[pick]
-    return ExampleRows(example.id, example.label, example.line, prompt_tokens, generated_tokens,
-                       {k: v.astype(np.float32, copy=False) for k, v in features.items()},
-                       positions.astype(np.int64), generated.astype(bool))
+    return ExampleRows(request, features, positions.astype(np.int64), generated.astype(bool))
 
 
 async def run_capture(engine: str, input_path: str | Path, out: str | Path, spec: DatasetSpec,

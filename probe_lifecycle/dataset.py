@@ -1,17 +1,16 @@
-"""Activation datasets on disk: safetensors shards, a manifest and a resume log.
+"""Activation datasets on disk: capture-file shards, a manifest and a resume log.
 
 Layout of a dataset directory:
   dataset.json         the manifest: format, model (ModelInfo), capture spec,
-                       source file (path, sha256), label counts, shards, and
+                       source (path, sha256), label counts, shards, and
                        `complete` (false while a capture is running or was cut off)
   progress.jsonl       one line per committed shard: its file and example ids
   capture.lock         held (flock) by the one capture writing to the directory
   shard-00000.safetensors ...
-Each shard holds, for every captured (tensor type, layer), a float32 tensor
-`<tensor_type>.<layer>` of shape [rows, hidden]; the parallel int64 `example`
-(index into the shard's example list), `position` (token position) and uint8
-`generated`; and in its metadata `examples`, a JSON list of
-{id, label, line, prompt_tokens, generated_tokens}.
+Each shard is a capture file (undercurrent_client.capture_file): one point per
+captured tensor type, named by it, at the spec's layers; one request per example,
+whose `example` holds its id, label and input line. A feature key
+`<tensor_type>.<layer>` names one group of every shard.
 
 A shard is written to a temporary file and renamed, then its ids are appended
 to the log. A shard the log does not name (the process died between the two)
@@ -29,20 +28,19 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
-from google.protobuf import json_format
-from safetensors import safe_open
-from safetensors.numpy import save
 
 from common.capture_spec import TENSOR_TYPES, Scope, TokenSelector, tensor_type_to_proto
 from undercurrent.v1 import types_pb2 as types_pb
+from undercurrent_client import capture_file
+from undercurrent_client.capture_file import (
+    POOLINGS, CapturedRequest, CaptureFileError, Group, Point, model_to_dict,
+)
 
-FORMAT = "undercurrent-dataset/1"
+FORMAT = "undercurrent-dataset/2"
 MANIFEST = "dataset.json"
 PROGRESS = "progress.jsonl"
 LOCK = "capture.lock"
 SCOPES = tuple(scope.value for scope in Scope)
-POOLINGS = ("last", "mean", "all")
-"""last: the last selected token's row; mean: the mean of the selected rows; all: every row."""
 MODEL_IDENTITY = ("model", "architecture", "num_layers", "hidden_size", "dtype", "vocab_size")
 """ModelInfo fields that must agree for two captures to be one dataset."""
 
@@ -53,6 +51,12 @@ class DatasetError(ValueError):
 
 def feature_key(tensor_type: str, layer: int) -> str:
     return f"{tensor_type}.{layer}"
+
+
+def feature_of(key: str) -> tuple[str, int]:
+    """(tensor type, layer) of a feature key."""
+    tensor_type, layer = key.rsplit(".", 1)
+    return tensor_type, int(layer)
 
 
 @dataclass(frozen=True)
@@ -131,24 +135,19 @@ class DatasetSpec:
         )
 
 
-def model_to_dict(model: types_pb.ModelInfo) -> dict:
-    return json_format.MessageToDict(
-        model, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-    )
-
-
 @dataclass
 class ExampleRows:
-    """One example's captured rows, pooled: the same positions for every feature key."""
+    """One example's request and its captured rows, pooled: the same positions for
+    every feature key."""
 
-    id: str
-    label: int
-    line: int
-    prompt_tokens: int
-    generated_tokens: int
+    request: CapturedRequest  # its `example` is the labelled example it ran
     features: dict[str, np.ndarray]  # key -> float32 [rows, hidden]
     positions: np.ndarray  # int64 [rows]
     generated: np.ndarray  # bool [rows]
+
+    @property
+    def id(self) -> str:
+        return self.request.example.id
 
     @property
     def num_rows(self) -> int:
@@ -156,7 +155,9 @@ class ExampleRows:
 
     @property
     def nbytes(self) -> int:
-        return sum(v.nbytes for v in self.features.values()) + self.positions.nbytes * 2
+        """Its size in a shard: the rows, and each key's position, request index and flag."""
+        return (sum(v.nbytes for v in self.features.values())
+                + capture_file.KEY_BYTES * self.num_rows * len(self.features))
 
 
 @dataclass
@@ -169,11 +170,13 @@ class DatasetWriter:
     """Appends examples to a dataset directory, shard by shard, resumable."""
 
     def __init__(self, directory: Path, manifest: dict, progress: _Progress, shard_bytes: int,
-                 lock):
+                 lock, model: types_pb.ModelInfo, points: list[Point]):
         self.directory = directory
         self._lock = lock
         self.manifest = manifest
         self.keys = manifest["keys"]
+        self.model = model
+        self.points = points
         self.progress = progress
         self.shard_bytes = shard_bytes
         self._buffer: list[ExampleRows] = []
@@ -208,7 +211,8 @@ class DatasetWriter:
                 progress = _Progress()
                 manifest = {**wanted, "complete": False}
                 _write_json_atomic(manifest_path, manifest)
-            writer = cls(directory, manifest, progress, shard_bytes, lock)
+            points = [Point.of(p, model, pooling=spec.pooling) for p in spec.points()]
+            writer = cls(directory, manifest, progress, shard_bytes, lock, model, points)
             writer._remove_orphans()
         except BaseException:
             lock.close()
@@ -224,6 +228,8 @@ class DatasetWriter:
         return self.progress.done
 
     def add(self, rows: ExampleRows) -> None:
+        if rows.request.example is None:
+            raise DatasetError(f"request {rows.request.request_id!r}: no labelled example")
         if sorted(rows.features) != sorted(self.keys):
             raise DatasetError(
                 f"example {rows.id!r}: captured {sorted(rows.features)}, expected {sorted(self.keys)}"
@@ -238,15 +244,11 @@ class DatasetWriter:
         if not self._buffer:
             return
         name = f"shard-{len(self.progress.shards):05d}.safetensors"
-        tensors = _shard_tensors(self._buffer, self.keys)
-        metadata = {"examples": json.dumps([
-            {"id": e.id, "label": e.label, "line": e.line, "prompt_tokens": e.prompt_tokens,
-             "generated_tokens": e.generated_tokens}
-            for e in self._buffer
-        ])}
-        _write_bytes_atomic(self.directory / name, save(tensors, metadata=metadata))
+        data = capture_file.encode(self.model, self.points, [e.request for e in self._buffer],
+                                   _shard_groups(self._buffer, self.keys))
+        _write_bytes_atomic(self.directory / name, data)
         entry = {"file": name, "ids": [e.id for e in self._buffer],
-                 "rows": int(tensors["position"].size)}
+                 "rows": sum(e.num_rows for e in self._buffer)}
         with (self.directory / PROGRESS).open("a") as log:
             log.write(json.dumps(entry) + "\n")
             log.flush()
@@ -289,20 +291,19 @@ def _lock(directory: Path):
     return handle
 
 
-def _shard_tensors(examples: list[ExampleRows], keys: list[str]) -> dict[str, np.ndarray]:
-    tensors = {key: np.concatenate([e.features[key] for e in examples]).astype(np.float32)
-               for key in keys}
-    tensors["example"] = np.concatenate(
-        [np.full(e.num_rows, i, dtype=np.int64) for i, e in enumerate(examples)]
-    )
-    tensors["position"] = np.concatenate([e.positions for e in examples]).astype(np.int64)
-    tensors["generated"] = np.concatenate([e.generated for e in examples]).astype(np.uint8)
-    return tensors
+def _shard_groups(examples: list[ExampleRows], keys: list[str]) -> Iterator[Group]:
+    """One group per feature key, at the point named by its tensor type."""
+    request_index = np.concatenate(
+        [np.full(e.num_rows, i, dtype=np.int64) for i, e in enumerate(examples)])
+    positions = np.concatenate([e.positions for e in examples])
+    generated = np.concatenate([e.generated for e in examples])
+    for key in keys:
+        tensor_type, layer = feature_of(key)
+        yield Group(tensor_type, layer, np.concatenate([e.features[key] for e in examples]),
+                    positions, request_index, generated)
 
 
 def _check_resumable(path: Path, existing: dict, wanted: dict) -> None:
-    if existing.get("format") != FORMAT:
-        raise DatasetError(f"{path}: format: {existing.get('format')!r} is not {FORMAT!r}")
     for name in MODEL_IDENTITY:
         have, want = existing["model"].get(name), wanted["model"].get(name)
         if have != want:
@@ -365,7 +366,9 @@ def read_manifest(directory: str | Path) -> dict:
     except (OSError, json.JSONDecodeError) as err:
         raise DatasetError(f"{path}: cannot be read: {err}") from None
     if manifest.get("format") != FORMAT:
-        raise DatasetError(f"{path}: format: {manifest.get('format')!r} is not {FORMAT!r}")
+        raise DatasetError(
+            f"{path}: format: {manifest.get('format')!r}, but this version reads {FORMAT!r}; "
+            "capture the dataset again into a new directory")
     return manifest
 
 
@@ -395,14 +398,13 @@ def load_features(directory: str | Path, key: str) -> tuple[dict, Features]:
             f"{directory / MANIFEST}: keys: the dataset holds {manifest['keys']}, not {key!r}"
         )
     rows, example, position, ids, labels = [], [], [], [], []
-    for shard in _shards(directory, manifest, (key, "example", "position")):
-        tensors, examples = shard
+    for group, examples in _shards(directory, manifest, key):
         offset = len(ids)
-        rows.append(tensors[key])
-        example.append(tensors["example"] + offset)
-        position.append(tensors["position"])
-        ids.extend(e["id"] for e in examples)
-        labels.extend(e["label"] for e in examples)
+        rows.append(group.rows)
+        example.append(group.request_index + offset)
+        position.append(group.positions)
+        ids.extend(e.id for e in examples)
+        labels.extend(e.label for e in examples)
     hidden = int(manifest["model"]["hidden_size"])
     return manifest, Features(
         key,
@@ -414,15 +416,20 @@ def load_features(directory: str | Path, key: str) -> tuple[dict, Features]:
     )
 
 
-def _shards(directory: Path, manifest: dict, names: tuple[str, ...]
-            ) -> Iterator[tuple[dict[str, np.ndarray], list[dict]]]:
-    """Each shard's named tensors (only those: a shard may hold many keys) and examples."""
+def _shards(directory: Path, manifest: dict, key: str
+            ) -> Iterator[tuple[Group, list[capture_file.LabelledExample]]]:
+    """Each shard's group of one feature key (only that: a shard may hold many) and
+    the labelled example of each of its requests."""
     for shard in manifest["shards"]:
         path = directory / shard["file"]
         try:
-            with safe_open(str(path), framework="numpy") as handle:
-                examples = json.loads(handle.metadata()["examples"])
-                tensors = {name: handle.get_tensor(name) for name in names}
-        except Exception as err:  # the Rust reader raises its own error types
-            raise DatasetError(f"{path}: not a readable dataset shard: {err}") from None
-        yield tensors, examples
+            shard_file = capture_file.read(path)
+            group = shard_file.find(*feature_of(key))
+        except CaptureFileError as err:
+            raise DatasetError(str(err)) from None
+        examples = [r.example for r in shard_file.requests]
+        if None in examples:
+            raise DatasetError(f"{path}: {capture_file.METADATA_KEY}.requests"
+                               f"[{examples.index(None)}].example: missing; a dataset labels "
+                               "every request")
+        yield group, examples

@@ -29,11 +29,12 @@ from common.probe_format.files import ProbeFileError, load_probe_bytes
 from common.probe_format.manifest import ManifestError
 from common.router_targets import DnsTarget, parse_targets, resolve_dns
 from probe_lifecycle.cli import OneLineParser, fail
-from probe_lifecycle.dataset import MODEL_IDENTITY, model_to_dict
+from probe_lifecycle.dataset import MODEL_IDENTITY
 from undercurrent.v1 import admin_pb2 as admin_pb
 from undercurrent.v1 import engine_pb2 as engine_pb
 from undercurrent.v1 import types_pb2 as types_pb
 from undercurrent_client import AsyncEngineClient, AsyncProbeAdminClient, RpcError
+from undercurrent_client.capture_file import model_to_dict
 from undercurrent_client.connection import from_env
 from undercurrent_client.requests import inline_probe
 

@@ -29,7 +29,7 @@ from common.capture_spec import TENSOR_TYPES
 from probe_lifecycle import plots
 from probe_lifecycle.cli import OneLineParser, fail
 from probe_lifecycle.dataset import (
-    MANIFEST, MODEL_IDENTITY, DatasetError, feature_key, load_features, model_to_dict, read_manifest,
+    MANIFEST, MODEL_IDENTITY, DatasetError, feature_key, feature_of, load_features, read_manifest,
 )
 from probe_lifecycle.training import (
     AGGREGATIONS, KINDS, Evaluation, TrainingError, evaluate, example_scores, fit_logistic,
@@ -41,6 +41,7 @@ from common.probe_format.files import (
 )
 from undercurrent.v1 import types_pb2 as types_pb
 from undercurrent_client import AsyncEngineClient, RpcError
+from undercurrent_client.capture_file import model_to_dict
 from undercurrent_client.connection import from_env
 
 PROVENANCE_FILE = "provenance.json"
@@ -120,7 +121,7 @@ def _token_scope(capture: dict) -> tuple[dict, str]:
 
 
 def _manifest(options: TrainOptions, dataset: dict, key: str, tokens: dict) -> dict:
-    tensor_type, layer = key.rsplit(".", 1)
+    tensor_type, layer = feature_of(key)
     manifest = {
         "name": options.name,
         "version": "0",

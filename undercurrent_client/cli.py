@@ -443,13 +443,14 @@ def run_capture(args, out: TextIO, err: TextIO) -> int:
             requests.append(capture_file.CapturedRequest(
                 run.request_id, prompt, done.prompt_tokens, done.generated_tokens, done.reason,
                 run.text))
-    shapes = capture_file.write(args.out, activations, requests, points, model)
-    total = sum(shape[0] for name, shape in shapes.items() if name.endswith("/rows"))
-    out.write(f"wrote {args.out}: {len(requests)} requests, {total} rows in {len(shapes) // 4} "
+    records, groups = capture_file.from_activations(activations, requests, points, model)
+    capture_file.write(args.out, model, records, requests, groups)
+    total = sum(len(g.positions) for g in groups)
+    out.write(f"wrote {args.out}: {len(requests)} requests, {total} rows in {len(groups)} "
               f"(point, layer) groups\n")
-    for name, shape in sorted(shapes.items()):
-        if name.endswith("/rows"):
-            out.write(f"  {name}  {list(shape)}\n")
+    for group in sorted(groups, key=lambda g: (g.point, g.layer)):
+        out.write(f"  {capture_file.tensor_name(group.point, group.layer, 'rows')}  "
+                  f"{list(group.rows.shape)}\n")
     return 0
 
 

@@ -261,24 +261,26 @@ async def test_cli_capture_writes_the_documented_safetensors(engine_service, bas
     assert [line.split(":")[0][:5] for line in progress] == ["[1/2]", "[2/2]"]
     assert all(line.endswith(": 6 tokens, 15 rows, LENGTH") for line in progress), progress
     assert out.splitlines()[0] == f"wrote {out_file}: 2 requests, 30 rows in 3 (point, layer) groups"
-    tensors, metadata = capture_file.read(out_file)
-    residual = f"residual_stream:{firing_probes.LAYER}/{firing_probes.LAYER}"
-    assert sorted(tensors) == sorted(f"{group}/{part}" for group in
-                                     (residual, "mlp_out:0,2/0", "mlp_out:0,2/2")
-                                     for part in ("rows", "positions", "request_index", "is_generated"))
-    assert tensors[f"{residual}/rows"].shape == (10, 128)
-    assert tensors[f"{residual}/request_index"].tolist() == [0] * 5 + [1] * 5
-    assert tensors[f"{residual}/is_generated"].tolist() == [1] * 10
-    prompt_lens = [r["prompt_tokens"] for r in metadata["requests"]]
+    capture = capture_file.read(out_file)
+    residual = f"residual_stream:{firing_probes.LAYER}"
+    assert capture.groups == sorted([(residual, firing_probes.LAYER), ("mlp_out:0,2", 0), ("mlp_out:0,2", 2)])
+    assert out.splitlines()[1:] == [f"  {point}/{layer}/rows  [10, 128]" for point, layer in capture.groups]
+    rows = capture.group(residual, firing_probes.LAYER)
+    assert rows.rows.shape == (10, 128)
+    assert rows.request_index.tolist() == [0] * 5 + [1] * 5
+    assert rows.is_generated.tolist() == [True] * 10
+    prompt_lens = [r.prompt_tokens for r in capture.requests]
     assert prompt_lens == [baseline[0].prompt_tokens, baseline[1].prompt_tokens]
-    assert tensors[f"{residual}/positions"].tolist() == (
+    assert rows.positions.tolist() == (
         list(range(prompt_lens[0], prompt_lens[0] + 5)) + list(range(prompt_lens[1], prompt_lens[1] + 5)))
     base_rows = trace_rows(baseline[0])
-    for i, position in enumerate(tensors[f"{residual}/positions"][:5].tolist()):
-        np.testing.assert_allclose(tensors[f"{residual}/rows"][i], base_rows[position], rtol=1e-5, atol=1e-5)
-    assert [r["prompt"] for r in metadata["requests"]] == PROMPTS[:2]
-    assert all(r["finish_reason"] == "LENGTH" and r["generated_tokens"] == 6 for r in metadata["requests"])
-    assert metadata["model"]["hidden_size"] == 128 and metadata["points"][0]["wire_dtype"] == "float32"
+    for i, position in enumerate(rows.positions[:5].tolist()):
+        np.testing.assert_allclose(rows.rows[i], base_rows[position], rtol=1e-5, atol=1e-5)
+    assert [r.prompt for r in capture.requests] == PROMPTS[:2]
+    assert all(r.finish_reason == "LENGTH" and r.generated_tokens == 6 for r in capture.requests)
+    assert capture.model["hidden_size"] == 128
+    assert capture.points[0] == capture_file.Point(residual, "residual_stream", (firing_probes.LAYER,),
+                                                   {"scope": "generated"}, "all", "float32")
 
 
 async def test_cli_model_info(engine_service):

@@ -9,6 +9,7 @@ import numpy as np
 
 from probe_lifecycle.dataset import DatasetSpec, DatasetWriter, ExampleRows
 from undercurrent.v1 import types_pb2 as types_pb
+from undercurrent_client.capture_file import CapturedRequest, LabelledExample
 
 HIDDEN = 16
 TOKENS = 5
@@ -32,8 +33,10 @@ def example_rows(i: int, label: int, rng: np.random.Generator, layers=(1, 2),
         rows = rng.normal(size=(TOKENS, HIDDEN)).astype(np.float32)
         rows[:, 0] += shift * label
         features[f"residual_stream.{layer}"] = rows
-    return ExampleRows(f"ex{i}", label, i + 1, 10, TOKENS + 1, features,
-                       np.arange(10, 10 + TOKENS, dtype=np.int64), np.ones(TOKENS, bool))
+    request = CapturedRequest(f"req-{i}", f"prompt {i}", 10, TOKENS + 1, "LENGTH", f"text {i}",
+                              LabelledExample(f"ex{i}", label, i + 1))
+    return ExampleRows(request, features, np.arange(10, 10 + TOKENS, dtype=np.int64),
+                       np.ones(TOKENS, bool))
 
 
 def write_dataset(directory: Path, count: int = 80, seed: int = 0, complete: bool = True,
