@@ -1,4 +1,4 @@
-"""`python -m probe_lifecycle {capture,train,deploy,demo} ...`: one entry for the steps."""
+"""`python -m probe_lifecycle {capture,import,train,deploy,demo} ...`: one entry for the steps."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 
 COMMANDS = {
     "capture": "probe_lifecycle.capture",
+    "import": "probe_lifecycle.importing",
     "train": "probe_lifecycle.train",
     "deploy": "probe_lifecycle.deploy",
     "demo": "probe_lifecycle.demo",

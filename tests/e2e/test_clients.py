@@ -17,7 +17,8 @@ import pytest
 from google.protobuf.json_format import MessageToDict
 
 from common.activations import Block, from_batch, to_batch
-from common.probe_format.files import write_probe
+from common.probe_format.files import load_probe_path, write_probe
+from probe_lifecycle.dataset import load_features
 from tests.e2e import node_live
 from tools import firing_probes, stack
 from tools.dev_security import DevSecurity
@@ -281,6 +282,38 @@ async def test_cli_capture_writes_the_documented_safetensors(engine_service, bas
     assert capture.model["hidden_size"] == 128
     assert capture.points[0] == capture_file.Point(residual, "residual_stream", (firing_probes.LAYER,),
                                                    {"scope": "generated"}, "all", "float32")
+
+
+async def test_cli_captures_of_two_prompt_sets_import_as_a_dataset_and_train(engine_service, tmp_path):
+    """`undercurrent capture` of a positive and a negative prompt set, then `probe_lifecycle
+    import` and `train` on the files as written."""
+    sets = {"pos": ["zanzibar zanzibar river", "the zanzibar stone", "a zanzibar and zanzibar"],
+            "neg": ["a quiet river", "the old stone", "river and stone"]}
+    for name, prompts in sets.items():
+        code, _, err = await cli("capture", *prompts, "--engine", engine_service.address,
+                                 "--point", "residual_stream:2", "--point", "final_norm",
+                                 "--tokens", "generated", "--max-tokens", "4", "--temperature", "0",
+                                 "--ignore-eos", "--out", str(tmp_path / f"{name}.safetensors"))
+        assert code == 0, err
+    lifecycle = [sys.executable, "-m", "probe_lifecycle"]
+    imported = subprocess.run(
+        [*lifecycle, "import", "--positive", str(tmp_path / "pos.safetensors"),
+         "--negative", str(tmp_path / "neg.safetensors"), "--out", str(tmp_path / "ds")],
+        capture_output=True, text=True, timeout=120)
+    assert imported.returncode == 0, imported.stderr
+    assert imported.stdout == (f"dataset {tmp_path / 'ds'}: 6 examples (6 imported now; 3 positive, "
+                               "3 negative), 18 rows of ['residual_stream.2', 'final_norm.4'] in 1 shard(s)\n")
+    _, features = load_features(tmp_path / "ds", "final_norm.4")
+    captured = capture_file.read(tmp_path / "pos.safetensors")
+    assert features.ids[:3] == [r.request_id for r in captured.requests]
+    np.testing.assert_array_equal(features.rows[:9], captured.group("final_norm", 4).rows)
+    trained = subprocess.run(
+        [*lifecycle, "train", "--dataset", str(tmp_path / "ds"), "--out", str(tmp_path / "probe"),
+         "--name", "imported", "--tensor-type", "residual_stream"],
+        capture_output=True, text=True, timeout=120)
+    assert trained.returncode == 0, trained.stderr
+    assert trained.stdout.startswith("probe imported (logistic) on residual_stream.2: 4 train / 2 held-out")
+    assert load_probe_path(tmp_path / "probe").manifest.layers == (2,)
 
 
 async def test_cli_model_info(engine_service):
