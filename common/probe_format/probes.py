@@ -132,7 +132,7 @@ class Probe:
     unloading: bool = False
     retired: bool = False
     source: str = field(default="", compare=False)
-    digest: str = ""  # probe_files.probe_digest of what it was loaded from
+    digest: str = ""  # files.probe_digest of what it was loaded from
     files: ProbeFiles | None = field(default=None, repr=False)
 
     @property
