@@ -741,9 +741,10 @@ class SessionState:
         self.metrics.aborts.labels(m.name).inc()
         log.info("abort", extra={"request_id": request.request_id, "probe": m.name, "score": score,
                                  "token_position": position})
-        return session_pb.SessionResponse(abort=types_pb.Verdict(
-            request_id=request.request_id, probe=m.name, score=score, token_position=position,
-            reason=reason, incarnation=request.incarnation))
+        return session_pb.SessionResponse(abort=session_pb.SessionAbort(
+            verdict=types_pb.Verdict(request_id=request.request_id, probe=m.name, score=score,
+                                     token_position=position, reason=reason),
+            incarnation=request.incarnation))
 
     def _flush_scores(self, request: RequestState, column: int, force: bool) -> session_pb.SessionResponse | None:
         """The binding's scores not sent yet, as one message, unless --scores-interval
@@ -759,12 +760,12 @@ class SessionState:
         positions, scores = request.pending.pop(column)
         # Filled in place: building a ProbeScores and then the response copies it.
         response = session_pb.SessionResponse()
-        message = response.scores
+        response.scores.incarnation = request.incarnation
+        message = response.scores.probe_scores
         message.request_id = request.request_id
         message.probe = self._grid.probes[column].name
         message.token_positions.extend(positions)
         message.scores.extend(scores)
-        message.incarnation = request.incarnation
         return response
 
     # -- helpers ------------------------------------------------------------

@@ -243,34 +243,28 @@ class RouterDouble(session_pb_grpc.ProbeRouterServiceServicer):
                 replies.append(self._error(request_id, session_pb.STATUS_CODE_INVALID_ARGUMENT,
                                            "rows: NaN or Inf", step=batch.step))
                 continue
-            replies.append(
-                session_pb.SessionResponse(
-                    scores=types_pb.ProbeScores(
-                        request_id=request_id,
-                        incarnation=self.incarnations[request_id],
-                        probe=PROBE.name,
-                        token_positions=[p for p, _ in scored],
-                        scores=[s for _, s in scored],
-                    )
-                )
-            )
+            replies.append(scores_reply(request_id, self.incarnations[request_id], probe=PROBE.name,
+                                        token_positions=[p for p, _ in scored], scores=[s for _, s in scored]))
             over = [(p, s) for p, s in scored if s > self.threshold]
             if over and request_id not in self._aborted:
                 self._aborted.add(request_id)
                 position, score = over[0]
-                replies.append(
-                    session_pb.SessionResponse(
-                        abort=types_pb.Verdict(
-                            request_id=request_id,
-                            incarnation=self.incarnations[request_id],
-                            probe=PROBE.name,
-                            score=score,
-                            token_position=position,
-                            reason="first element over threshold",
-                        )
-                    )
-                )
+                replies.append(abort_reply(request_id, self.incarnations[request_id], probe=PROBE.name,
+                                           score=score, token_position=position,
+                                           reason="first element over threshold"))
         return replies + self._ack(batch.step)
+
+
+def scores_reply(request_id: str, incarnation: int, **scores) -> session_pb.SessionResponse:
+    """Scores about one run of a request: its id and the incarnation request_start gave."""
+    return session_pb.SessionResponse(scores=session_pb.SessionScores(
+        probe_scores=types_pb.ProbeScores(request_id=request_id, **scores), incarnation=incarnation))
+
+
+def abort_reply(request_id: str, incarnation: int, **verdict) -> session_pb.SessionResponse:
+    """A verdict about one run of a request: its id and the incarnation request_start gave."""
+    return session_pb.SessionResponse(abort=session_pb.SessionAbort(
+        verdict=types_pb.Verdict(request_id=request_id, **verdict), incarnation=incarnation))
 
 
 def _named(request_id: str, names: set[str]) -> bool:

@@ -396,13 +396,13 @@ class RouterLink:
     def request_message(self, replica: ReplicaSession, message: session_pb.SessionResponse) -> None:
         kind = message.WhichOneof("message")
         if kind == "scores":
-            scores = message.scores
-            request = self._match(replica, scores.request_id, scores.incarnation, kind)
+            scores = message.scores.probe_scores
+            request = self._match(replica, scores.request_id, message.scores.incarnation, kind)
             if request is not None:
                 self._emit(Scores(request.request_id, request.incarnation, scores, replica.address))
         elif kind == "abort":
-            verdict = message.abort
-            request = self._match(replica, verdict.request_id, verdict.incarnation, kind)
+            verdict = message.abort.verdict
+            request = self._match(replica, verdict.request_id, message.abort.incarnation, kind)
             if request is not None:
                 self._emit(Abort(request.request_id, request.incarnation, verdict, replica.address))
         elif kind == "error":

@@ -144,7 +144,6 @@ class RequestRun:
             scores.CopyFrom(event.scores)
             scores.request_id = self.request_id
             scores.router = event.replica
-            scores.ClearField("incarnation")
             self._show(self.scores.add(scores, self.ledger, self._received_below()))
             return None
         if isinstance(event, events.Abort):
@@ -152,7 +151,6 @@ class RequestRun:
             verdict.CopyFrom(event.verdict)
             verdict.request_id = self.request_id
             verdict.router = event.replica
-            verdict.ClearField("incarnation")
             return Stop(types_pb.FINISH_REASON_PROBE_ABORT) if self.end(types_pb.FINISH_REASON_PROBE_ABORT, verdict) else None
         if isinstance(event, events.Processed):
             self._show(self.scores.release(self.ledger, self._received_below()))

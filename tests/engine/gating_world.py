@@ -200,7 +200,8 @@ class SimRouter:
                 else:
                     failed[reply.error.request_id] = None
             if reply.HasField("abort"):
-                self.truth.verdicts.add((reply.abort.request_id, reply.abort.incarnation, reply.abort.token_position))
+                verdict = reply.abort.verdict
+                self.truth.verdicts.add((verdict.request_id, reply.abort.incarnation, verdict.token_position))
         for block in from_batch(batch):
             layer = None if block.tensor_type == types_pb.TENSOR_TYPE_FINAL_NORM else block.layer
             point = point_name("final_norm" if layer is None else "residual_stream", layer)

@@ -52,6 +52,7 @@ from engine_service.request.run import RequestRun
 from engine_service.service.runtime import EngineRuntime, EngineSettings
 from router_service.registry import ProbeRegistry
 from tests.engine.gating_world import MODEL, STAGES, SimCapture, SimVllm, World, catalog_probes, selects
+from tools.router_double import abort_reply
 
 TIMEOUT = 3.0  # the router timeout, on the world's clock
 REPLICAS = {
@@ -324,8 +325,8 @@ class GatingMachine(RuleBasedStateMachine):
         if keys:
             key = data.draw(st.sampled_from(keys))
             incarnation = int(key.rsplit("#", 1)[1]) + data.draw(st.sampled_from((-1, 1)))
-            self.world.routers[replica].outbox.append(session_pb.SessionResponse(abort=types_pb.Verdict(
-                request_id=key, incarnation=incarnation, token_position=0, reason=self.stale_reasons)))
+            self.world.routers[replica].outbox.append(
+                abort_reply(key, incarnation, token_position=0, reason=self.stale_reasons))
 
     @rule(data=st.data(), where=st.sampled_from(("link", "run")))
     def handler_fails(self, data, where):

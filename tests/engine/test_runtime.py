@@ -15,14 +15,13 @@ from dataclasses import dataclass
 import pytest
 import vllm.sampling_params  # noqa: F401  (the runtime imports it per request; pay once, not mid-test)
 from undercurrent.v1 import engine_pb2 as engine_pb
-from undercurrent.v1 import router_session_pb2 as session_pb
 from undercurrent.v1 import types_pb2 as types_pb
 
 from common.errors import Unavailable
 from engine_service.link import RouterLinkConfig
 from engine_service.service.runtime import EngineRuntime, EngineSettings
 from tests.engine_link.helpers import FAST, until
-from tools.router_double import PROBE, RouterDouble, of_client as of
+from tools.router_double import PROBE, RouterDouble, abort_reply, of_client as of
 
 from .fakes import FakeCapture, FakeEngine
 
@@ -284,26 +283,24 @@ async def test_a_late_verdict_of_an_earlier_run_does_not_touch_a_new_run_of_the_
     assert first.finished.finish_reason == types_pb.FINISH_REASON_LENGTH
     [old_key] = s.router.incarnations
     old = s.router.incarnations[old_key]
-    # Scores reach the client under its own id, without the Session's incarnation, with the router named.
-    assert {(sc.request_id, sc.incarnation, sc.router) for sc in first.scores} == {("same", 0, s.router.address)}
+    # Scores reach the client under its own id, not the run's key, with the router named.
+    assert {(sc.request_id, sc.router) for sc in first.scores} == {("same", s.router.address)}
 
     progress = Outcome()
     second = asyncio.create_task(run(s.runtime, request("same", max_tokens=60), progress))
     await until(lambda: len(s.router.incarnations) == 2)
     [key] = set(s.router.incarnations) - {old_key}  # the new run's key differs from the old one's
-    s.router.push(session_pb.SessionResponse(abort=types_pb.Verdict(request_id=old_key, incarnation=old, reason="late")))
-    s.router.push(session_pb.SessionResponse(abort=types_pb.Verdict(request_id=key, incarnation=old, reason="late")))
+    s.router.push(abort_reply(old_key, old, reason="late"))
+    s.router.push(abort_reply(key, old, reason="late"))
     await wait_for(progress, lambda: len(progress.tokens) >= 10)  # it went on
     ignored = s.runtime.metrics.registry.get_sample_value
     assert ignored("undercurrent_router_link_ignored_messages_total", {"reason": "unknown_request"}) == 1
     assert ignored("undercurrent_router_link_ignored_messages_total", {"reason": "stale_incarnation"}) == 1
     current = s.router.incarnations[key]
-    s.router.push(
-        session_pb.SessionResponse(abort=types_pb.Verdict(request_id=key, incarnation=current, reason="now", token_position=50))
-    )
+    s.router.push(abort_reply(key, current, reason="now", token_position=50))
     outcome = await second
     assert outcome.finished.finish_reason == types_pb.FINISH_REASON_PROBE_ABORT
-    assert outcome.finished.verdict.reason == "now" and outcome.finished.verdict.incarnation == 0
+    assert outcome.finished.verdict.reason == "now"
     assert outcome.finished.verdict.request_id == "same"
     assert len(outcome.tokens) <= 50 - len(PROMPT)
 

@@ -8,9 +8,9 @@ import time
 import weakref
 
 from undercurrent.v1 import router_session_pb2 as session_pb
-from undercurrent.v1 import types_pb2 as types_pb
 
 from engine_service.link import Abort, Processed, Scores, Unscored
+from tools.router_double import abort_reply, scores_reply
 
 from .helpers import FAIL_CLOSED, start, step, until
 
@@ -103,13 +103,13 @@ async def test_messages_from_a_replica_that_does_not_own_the_request_are_ignored
     await a.wait_for(lambda: on_a in a.incarnations)
     incarnation = a.incarnations[on_a]
     # b never got this request: its verdict and scores about it are not trusted.
-    b.push(session_pb.SessionResponse(abort=types_pb.Verdict(request_id=on_a, incarnation=incarnation)))
-    b.push(session_pb.SessionResponse(scores=types_pb.ProbeScores(request_id=on_a, incarnation=incarnation)))
+    b.push(abort_reply(on_a, incarnation))
+    b.push(scores_reply(on_a, incarnation))
     b.push(session_pb.SessionResponse(error=session_pb.RequestError(request_id=on_a, incarnation=incarnation,
                                                     code=session_pb.STATUS_CODE_INTERNAL)))
     await until(lambda: metric(link, "ignored_messages_total", reason="not_its_replica") == 3)
     # From its owner, the same verdict counts.
-    a.push(session_pb.SessionResponse(abort=types_pb.Verdict(request_id=on_a, incarnation=incarnation)))
+    a.push(abort_reply(on_a, incarnation))
     await events.wait_for(lambda: events.of(Abort, on_a))
     assert [e.replica for e in events.of(Abort)] == [a.address]
     assert events.of(Scores, on_a) == [] and events.of(Unscored, on_a) == []
@@ -122,7 +122,7 @@ async def test_a_router_message_without_the_runs_incarnation_is_not_trusted(rout
     await link.wait_ready(timeout=10)
     start(link, "r")
     # Its first message, before any echoed one: still not about the live run.
-    router.push(session_pb.SessionResponse(abort=types_pb.Verdict(request_id="r")))  # incarnation 0
+    router.push(abort_reply("r", 0))
     await until(lambda: metric(link, "ignored_messages_total", reason="stale_incarnation") == 1)
     assert events.of(Abort) == []
 

@@ -30,3 +30,34 @@ def test_stubs_import_absolutely_and_each_file_defines_its_audience_s_service():
                          (router_session_pb2_grpc, "ProbeRouterServiceStub"),
                          (admin_pb2_grpc, "ProbeAdminServiceStub")):
         assert hasattr(module, name)
+
+
+def _messages_reachable(service) -> set:
+    """Every message type a service's calls send or receive, with those they nest."""
+    seen, todo = set(), [t for m in service.methods for t in (m.input_type, m.output_type)]
+    while todo:
+        message = todo.pop()
+        if message.full_name in seen:
+            continue
+        seen.add(message.full_name)
+        todo += [f.message_type for f in message.fields if f.message_type is not None]
+    return seen
+
+
+def test_the_run_incarnation_stays_on_the_router_session():
+    """Clients and operators never see the engine's run number: no message their
+    services reach has it; the session's scores and aborts carry it beside them."""
+    from google.protobuf import descriptor_pool
+    from undercurrent.v1 import admin_pb2, engine_pb2, router_session_pb2
+
+    pool = descriptor_pool.Default()
+    public = set()
+    for module, service in ((engine_pb2, "EngineService"), (admin_pb2, "ProbeAdminService")):
+        public |= _messages_reachable(module.DESCRIPTOR.services_by_name[service])
+    assert {"undercurrent.v1.ProbeScores", "undercurrent.v1.Verdict"} <= public
+    carrying = {name for name in public if "incarnation" in pool.FindMessageTypeByName(name).fields_by_name}
+    assert carrying == set()
+    session = _messages_reachable(router_session_pb2.DESCRIPTOR.services_by_name["ProbeRouterService"])
+    run_scoped = {name for name in session if "incarnation" in pool.FindMessageTypeByName(name).fields_by_name}
+    assert run_scoped == {f"undercurrent.v1.{name}" for name in (
+        "RequestStart", "RequestEnd", "RequestError", "SessionScores", "SessionAbort")}

@@ -88,7 +88,7 @@ async def router_selection(tmp_path, selector: TokenSelector) -> dict[str, list[
         got = {r: [] for r in PROMPT_LENGTHS}
         for message in await client.sync():
             if message.WhichOneof("message") == "scores":
-                scores = message.scores
+                scores = message.scores.probe_scores
                 got[scores.request_id] += list(scores.token_positions)
                 # The probe reads row[0], which is the position: the scored row is the named one.
                 assert list(scores.scores) == [float(p) for p in scores.token_positions]

@@ -146,9 +146,11 @@ class Engine:
     def _file(self, message: session_pb.SessionResponse) -> None:
         kind = message.WhichOneof("message")
         if kind == "abort":
-            assert message.abort.request_id not in self.results.aborts, message
-            self.results.aborts[message.abort.request_id] = message.abort
+            verdict = message.abort.verdict
+            assert verdict.request_id not in self.results.aborts, message
+            self.results.aborts[verdict.request_id] = verdict
         elif kind == "scores":
-            self.results.scores.setdefault(message.scores.request_id, []).extend(message.scores.scores)
+            scores = message.scores.probe_scores
+            self.results.scores.setdefault(scores.request_id, []).extend(scores.scores)
         elif kind != "ack":
             self.results.other.append(message)

@@ -55,8 +55,8 @@ async def test_load_list_unload_live_without_dropping_the_session(make_router, t
     # The new probes score on the same session.
     client.start("r", "by_path", "inline", prompt_length=0)
     replies = await client.until_ack(client.batch(block(np.ones((1, HIDDEN)), ["r"], [0])))
-    assert sorted((m.scores.probe, m.scores.scores[0]) for m in replies if m.scores.probe) == [
-        ("by_path", 2.0), ("inline", 3.0)]
+    scored = [m.scores.probe_scores for m in replies if m.WhichOneof("message") == "scores"]
+    assert sorted((s.probe, s.scores[0]) for s in scored) == [("by_path", 2.0), ("inline", 3.0)]
 
     # Unload of a probe in use waits for its request; new requests may not bind it.
     reply = await stub.UnloadProbe(admin_pb.UnloadProbeRequest(name="by_path"))
@@ -68,7 +68,7 @@ async def test_load_list_unload_live_without_dropping_the_session(make_router, t
     assert [(e.request_id, e.code) for e in errors(replies)] == [("s", session_pb.STATUS_CODE_FAILED_PRECONDITION)]
     assert "being unloaded" in errors(replies)[0].message
     replies = await client.until_ack(client.batch(block(np.ones((1, HIDDEN)), ["r"], [1])))
-    assert "by_path" in [m.scores.probe for m in replies]  # still scoring its running request
+    assert "by_path" in [m.scores.probe_scores.probe for m in replies]  # still scoring its running request
     client.end("r")
     catalog = (await client.until("catalog")).catalog
     assert [p.name for p in catalog.probes] == ["first", "inline"]
@@ -117,8 +117,8 @@ async def test_replace_keeps_running_requests_on_the_old_version_and_refuses_it_
     client.start("late", "p", prompt_length=0, digests={"p": old_digest})
     rows = np.ones((3, HIDDEN))
     replies = await client.until_ack(client.batch(block(rows, ["old", "new", "late"], [0, 0, 0])))
-    assert {m.scores.request_id: m.scores.scores[0] for m in replies if m.scores.probe} == {
-        "old": 1.0, "new": 10.0}
+    scored = [m.scores.probe_scores for m in replies if m.WhichOneof("message") == "scores"]
+    assert {s.request_id: s.scores[0] for s in scored} == {"old": 1.0, "new": 10.0}
     refusal = next(m.error for m in replies if m.error.request_id == "late" and not m.error.step)
     assert (refusal.code, refusal.probe) == (session_pb.STATUS_CODE_FAILED_PRECONDITION, "p")
     assert refusal.message == (f"request_start.bindings[0]: probe 'p' is version '2' ({info.digest}) on this "

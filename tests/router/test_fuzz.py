@@ -247,6 +247,6 @@ def test_oversized_messages_are_resource_exhausted_and_the_router_still_serves(l
         session_pb.SessionRequest(batch=batch),
         session_pb.SessionRequest(request_end=session_pb.RequestEnd(request_id="ok")),
     ]), timeout=20))
-    scores = [r.scores for r in replies if r.WhichOneof("message") == "scores"]
+    scores = [r.scores.probe_scores for r in replies if r.WhichOneof("message") == "scores"]
     assert [(list(s.token_positions), list(s.scores)) for s in scores] == [([0], [0.25])]
     assert live.settled_state(before) == before

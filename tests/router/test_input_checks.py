@@ -39,7 +39,8 @@ def scored(replies) -> dict[str, list[tuple[int, float]]]:
     out: dict[str, list[tuple[int, float]]] = {}
     for m in replies:
         if m.WhichOneof("message") == "scores":
-            out.setdefault(m.scores.request_id, []).extend(zip(m.scores.token_positions, m.scores.scores))
+            scores = m.scores.probe_scores
+            out.setdefault(scores.request_id, []).extend(zip(scores.token_positions, scores.scores))
     return out
 
 
@@ -67,7 +68,7 @@ async def test_an_overflowing_shape_is_refused_alone_and_the_rest_of_the_batch_i
     assert (err.request_id, err.incarnation, err.step, err.code) == ("a", 11, step, session_pb.STATUS_CODE_INVALID_ARGUMENT)
     assert "blocks[0] (p@1).rows: tensor.data has 0 bytes but shape [4294967296, 4294967296]" in err.message
     assert scored(replies) == {"b": [(0, 2.0)]}
-    assert [m.scores.incarnation for m in replies if m.scores.request_id] == [12]
+    assert [m.scores.incarnation for m in replies if m.scores.probe_scores.request_id] == [12]
     await client.close()
 
 

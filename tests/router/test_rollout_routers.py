@@ -248,7 +248,7 @@ async def test_a_promoted_shadow_unloaded_by_force_leaves_its_requests_serving_b
     router.registry.unload(PROBE, force=True)  # version 2, now serving, and the request's shadow
     replies = await client.until_ack(client.batch(block(rows([1.0]), ["r"], [3])))
     assert [m.WhichOneof("message") for m in replies] == ["scores", "ack"], replies
-    assert list(replies[0].scores.scores) == pytest.approx([1 / (1 + np.exp(-1.0))])  # version 1's score
+    assert list(replies[0].scores.probe_scores.scores) == pytest.approx([1 / (1 + np.exp(-1.0))])  # version 1's score
     client.end("r")
     await client.sync()
     await client.close()

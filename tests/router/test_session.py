@@ -82,13 +82,13 @@ async def test_many_interleaved_requests_abort_exactly_where_the_rule_fired(make
         assert kinds(replies)[-1] == "ack" and "ack" not in kinds(replies)[:-1]
         for message in replies:
             if message.WhichOneof("message") == "abort":
-                assert message.abort.request_id not in aborts, "at most one abort per request"
-                aborts[message.abort.request_id] = message.abort
-                abort_step[message.abort.request_id] = step
+                assert message.abort.verdict.request_id not in aborts, "at most one abort per request"
+                aborts[message.abort.verdict.request_id] = message.abort.verdict
+                abort_step[message.abort.verdict.request_id] = step
             elif message.WhichOneof("message") == "scores":
-                assert message.scores.probe == "watch"
-                watch_got[message.scores.request_id] += zip(message.scores.token_positions,
-                                                             message.scores.scores)
+                scores = message.scores.probe_scores
+                assert scores.probe == "watch"
+                watch_got[scores.request_id] += zip(scores.token_positions, scores.scores)
         assert errors(replies) == []
 
     for rid in request_ids:
@@ -151,7 +151,8 @@ async def test_an_engine_that_accepts_replies_gets_each_batchs_replies_as_one_me
         assert kinds(replies)[-1] == "ack" and replies[-1].ack.step == step
         assert replies == one_by_one
         assert len(replies) == len(step_rows) + 1 + (step == 2)  # scores per request, abort of "a", ack
-        aborted += [(m.abort.request_id, m.abort.token_position) for m in replies if m.abort.request_id]
+        aborted += [(m.abort.verdict.request_id, m.abort.verdict.token_position)
+                    for m in replies if m.WhichOneof("message") == "abort"]
     assert aborted == [("a", 5)]
     await single.close()
     await bundled.close()
@@ -169,7 +170,7 @@ async def test_multi_layer_probe_reads_rows_in_forward_order(make_router, probes
     step = client.batch(block(layer2, ["r"] * 3, positions, layer=2),
                         block(layer1, ["r"] * 3, positions, layer=1))
     replies = await client.until_ack(step)
-    scores = replies[0].scores
+    scores = replies[0].scores.probe_scores
     forward = [v for p in range(3) for v in (layer1[p, 2], layer2[p, 2])]
     ema, expected = None, []
     for value in forward:
@@ -191,7 +192,8 @@ async def test_token_scope_and_action_override(make_router, probes_dir):
     rows[:, 3] = [1, 2, 3, 4]
     step = client.batch(block(rows, ["r"] * 4, [0, 1, 2, 3], generated=[False, False, True, True]))
     replies = await client.until_ack(step)
-    by_probe = {m.scores.probe: m.scores for m in replies if m.WhichOneof("message") == "scores"}
+    scored = [m.scores.probe_scores for m in replies if m.WhichOneof("message") == "scores"]
+    by_probe = {s.probe: s for s in scored}
     assert "abort" not in kinds(replies)
     assert list(by_probe["tox"].token_positions) == [2, 3]  # generated scope (default)
     assert list(by_probe["prompt"].token_positions) == [0, 1]
@@ -210,7 +212,7 @@ async def test_two_sessions_keep_separate_state_for_the_same_request_id(make_rou
     step_a = a.batch(block(hot, ["same-id"] * 2, [10, 11]))
     step_b = b.batch(block(cold, ["same-id"] * 2, [10, 11]))
     replies_a, replies_b = await asyncio.gather(a.until_ack(step_a), b.until_ack(step_b))
-    assert kinds(replies_a) == ["abort", "ack"] and replies_a[0].abort.token_position == 11
+    assert kinds(replies_a) == ["abort", "ack"] and replies_a[0].abort.verdict.token_position == 11
     assert kinds(replies_b) == ["ack"]
     assert router.live_requests() == 2
     await a.close()
@@ -293,7 +295,8 @@ async def test_scores_rate_limited_flush_at_request_end(make_router, probes_dir)
     assert kinds(second) == kinds(third) == ["ack"]
     client.end("r")
     flushed = await client.until("scores")
-    assert list(flushed.scores.token_positions) == [1, 2] and list(flushed.scores.scores) == [2.0, 3.0]
+    flushed = flushed.scores.probe_scores
+    assert list(flushed.token_positions) == [1, 2] and list(flushed.scores) == [2.0, 3.0]
     await client.close()
 
 
@@ -369,7 +372,7 @@ async def test_bad_records_get_in_band_errors_and_the_stream_lives_on(make_route
     assert replies[0].error.message.startswith(
         "blocks[0] (p@1).rows: 2 row(s) with NaN or Inf at token_positions [1, 2]")
     # Patience 2 counts rows scored: rows 0 and 3 are consecutive once 1 and 2 are dropped.
-    assert replies[1].abort.token_position == 3
+    assert replies[1].abort.verdict.token_position == 3
 
     # Unknown probe, incompatible probe, duplicate request_start: errors, no crash.
     client.start("r", "tox")
@@ -394,7 +397,7 @@ async def test_one_bad_block_does_not_stop_the_good_blocks_of_its_batch(make_rou
     replies = await client.until_ack(client.raw_batch(batch))
     assert kinds(replies) == ["error", "abort", "ack"]
     assert replies[0].error.message.startswith("blocks[1] (p@3).rows: tensor.dtype 'float8'")
-    assert replies[1].abort.token_position == 1
+    assert replies[1].abort.verdict.token_position == 1
     await client.close()
 
 
@@ -413,7 +416,7 @@ async def test_nan_rows_in_blocks_read_alike_are_named_by_their_own_block(make_r
     assert replies[0].error.request_id == "s"
     assert replies[0].error.message.startswith(
         "blocks[1] (q@1).rows: 1 row(s) with NaN or Inf at token_positions [7]")
-    by_request = {m.scores.request_id: list(m.scores.token_positions) for m in replies[1:3]}
+    by_request = {m.scores.probe_scores.request_id: list(m.scores.probe_scores.token_positions) for m in replies[1:3]}
     assert by_request == {"r": [5, 5, 6, 6], "s": [7]}
     await client.close()
 
@@ -434,7 +437,7 @@ async def test_nan_rows_of_a_block_no_probe_reads_are_still_reported(make_router
     assert replies[0].error.request_id == "r"
     assert replies[0].error.message.startswith(
         "blocks[1] (p@3).rows: 1 row(s) with NaN or Inf at token_positions [6]")
-    assert list(replies[1].scores.token_positions) == [5, 6]
+    assert list(replies[1].scores.probe_scores.token_positions) == [5, 6]
     await client.close()
 
 
@@ -460,8 +463,9 @@ async def test_a_fault_in_blocks_read_alike_spares_the_blocks_other_probes_read(
     assert (replies[0].error.code, replies[0].error.step) == (session_pb.STATUS_CODE_INTERNAL, step)
     assert replies[0].error.message == (
         "blocks[1]: internal error: RuntimeError: injected fault; the block was not scored")
-    assert (replies[1].scores.probe, list(replies[1].scores.token_positions)) == ("deep", [0, 1])
-    assert (replies[2].abort.probe, replies[2].abort.token_position) == ("tox", 1)
+    deep = replies[1].scores.probe_scores
+    assert (deep.probe, list(deep.token_positions)) == ("deep", [0, 1])
+    assert (replies[2].abort.verdict.probe, replies[2].abort.verdict.token_position) == ("tox", 1)
     await client.close()
 
 
@@ -557,7 +561,7 @@ async def test_trajectory_abort_over_interleaved_requests_matches_a_loop(make_ro
         order = rng.permutation(len(rows))
         replies = await client.until_ack(client.batch(
             block(np.array(rows)[order], np.array(ids)[order], np.array(positions)[order])))
-        aborts |= {m.abort.request_id: m.abort for m in replies if m.WhichOneof("message") == "abort"}
+        aborts |= {m.abort.verdict.request_id: m.abort.verdict for m in replies if m.WhichOneof("message") == "abort"}
     for rid in request_ids:
         ema, expected = None, None
         for position, value in enumerate(values[rid]):
@@ -597,7 +601,7 @@ async def test_an_internal_failure_still_acks_the_step_and_keeps_the_session(mak
     monkeypatch.undo()
     hot = np.full((2, HIDDEN), 6.0)
     replies = await client.until_ack(client.batch(block(hot, ["r"] * 2, [1, 2])))
-    assert kinds(replies) == ["abort", "ack"] and replies[0].abort.token_position == 2
+    assert kinds(replies) == ["abort", "ack"] and replies[0].abort.verdict.token_position == 2
     assert replies[0].abort.incarnation == 7
     await client.close()
 
@@ -617,7 +621,7 @@ async def test_a_verdict_never_waits_for_a_scoring_thread(make_router, probes_di
     try:
         hot = np.full((2, HIDDEN), 6.0)
         replies = await client.until_ack(client.batch(block(hot, ["r"] * 2, [4, 5])))
-        assert kinds(replies) == ["abort", "ack"] and replies[0].abort.token_position == 5
+        assert kinds(replies) == ["abort", "ack"] and replies[0].abort.verdict.token_position == 5
         # A decode step of many requests (1 MiB of rows here) is scored there too.
         mid_rows = (1 << 20) // (4 * HIDDEN)
         mid_values = np.arange(mid_rows, dtype=np.float32)
@@ -625,7 +629,7 @@ async def test_a_verdict_never_waits_for_a_scoring_thread(make_router, probes_di
         assert 256 * 1024 < row_bytes(to_batch([mid])) <= INLINE_SCORING_BYTES
         replies = await client.until_ack(client.batch(mid))
         assert kinds(replies) == ["scores", "ack"]
-        assert replies[0].scores.scores == pytest.approx(mid_values)
+        assert replies[0].scores.probe_scores.scores == pytest.approx(mid_values)
     finally:
         release.set()
     rows = INLINE_SCORING_BYTES // (4 * HIDDEN) + 1
@@ -634,6 +638,6 @@ async def test_a_verdict_never_waits_for_a_scoring_thread(make_router, probes_di
     assert row_bytes(to_batch([big])) > INLINE_SCORING_BYTES
     replies = await client.until_ack(client.batch(big))
     assert kinds(replies) == ["scores", "ack"]
-    assert list(replies[0].scores.token_positions) == list(range(4, 4 + rows))
-    assert replies[0].scores.scores == pytest.approx(values)
+    assert list(replies[0].scores.probe_scores.token_positions) == list(range(4, 4 + rows))
+    assert replies[0].scores.probe_scores.scores == pytest.approx(values)
     await client.close()

@@ -390,12 +390,13 @@ def test_session_sends_what_a_per_request_oracle_computes(tmp_path_factory, seed
     got_aborts = defaultdict(list)
     for m in replies:
         if m.WhichOneof("message") == "scores":
-            positions, scores = got_scores[(m.scores.request_id, m.scores.incarnation, m.scores.probe)]
-            positions += m.scores.token_positions
-            scores += m.scores.scores
+            sent = m.scores.probe_scores
+            positions, scores = got_scores[(sent.request_id, m.scores.incarnation, sent.probe)]
+            positions += sent.token_positions
+            scores += sent.scores
         else:
-            got_aborts[(m.abort.request_id, m.abort.incarnation)].append(
-                (m.abort.probe, m.abort.token_position, m.abort.score))
+            got_aborts[(m.abort.verdict.request_id, m.abort.incarnation)].append(
+                (m.abort.verdict.probe, m.abort.verdict.token_position, m.abort.verdict.score))
     assert got_scores.keys() == expected_scores.keys()
     for key, (positions, scores) in expected_scores.items():
         assert got_scores[key][0] == positions, key

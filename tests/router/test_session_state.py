@@ -34,7 +34,7 @@ def rows(*values):
 
 
 def summary(replies):
-    return [(m.WhichOneof("message"), m.error.request_id or m.scores.request_id, m.error.incarnation or
+    return [(m.WhichOneof("message"), m.error.request_id or m.scores.probe_scores.request_id, m.error.incarnation or
              m.scores.incarnation, m.error.step or m.ack.step) for m in replies]
 
 
@@ -77,7 +77,7 @@ def test_negative_positions_are_refused_and_the_other_rows_scored(state):
     start(state, "a", 3)
     replies = state.batch(to_batch([block(rows(1.0, 2.0), ["a", "a"], [-1, 5])], step=2))
     assert summary(replies) == [("error", "a", 3, 2), ("scores", "a", 3, 0), ("ack", "", 0, 2)]
-    assert list(replies[1].scores.token_positions) == [5]
+    assert list(replies[1].scores.probe_scores.token_positions) == [5]
 
 
 def test_unknown_enums_and_the_request_limit(state):
@@ -120,7 +120,7 @@ def test_probes_reading_the_same_rows_keep_their_own_rules_and_state(tmp_path):
         positions = [p for _ in values for p in (first, first + 1)]
         replies = state.batch(to_batch([block(rows(*[values[r][p] for r, p in zip(ids, positions)]),
                                               ids, positions)], step=step))
-        verdicts |= {m.abort.request_id: (m.abort.probe, m.abort.token_position)
+        verdicts |= {m.abort.verdict.request_id: (m.abort.verdict.probe, m.abort.verdict.token_position)
                      for m in replies if m.WhichOneof("message") == "abort"}
 
     def first_firing(rid):
@@ -157,7 +157,7 @@ def test_rule_state_survives_the_grid_growing_and_freed_cells_start_clean(tmp_pa
         replies = state.batch(to_batch([block(rows(*values), ids, positions)], step=step))
         assert [m.WhichOneof("message") for m in replies][-1] == "ack"
         assert not [m for m in replies if m.WhichOneof("message") == "error"]
-        return {m.abort.request_id: (m.abort.probe, m.abort.token_position)
+        return {m.abort.verdict.request_id: (m.abort.verdict.probe, m.abort.verdict.token_position)
                 for m in replies if m.WhichOneof("message") == "abort"}
 
     bind("held", "p0")
@@ -190,7 +190,8 @@ def test_a_request_named_twice_in_one_batch_has_the_second_slots_rows_refused(st
     assert replies[0].error.code == session_pb.STATUS_CODE_INVALID_ARGUMENT
     assert replies[0].error.message == (
         "batch.request_ids[2]: request 'a' is named again (first at [0]); the rows naming [2] were not scored")
-    assert (list(replies[1].scores.token_positions), list(replies[1].scores.scores)) == ([0], [1.0])
+    scored = replies[1].scores.probe_scores
+    assert (list(scored.token_positions), list(scored.scores)) == ([0], [1.0])
 
 
 def test_open_bindings_give_the_garbage_collector_nothing_to_walk(tmp_path):

@@ -176,7 +176,7 @@ async def test_a_rotated_router_certificate_is_served_to_new_connections_while_o
     open_session_client.start("r1", "p")
     step = open_session_client.batch(block(np.ones((1, HIDDEN)), ["r1"], [4]))
     replies = await open_session_client.until_ack(step)
-    assert kinds(replies) == ["abort", "ack"] and replies[0].abort.request_id == "r1"
+    assert kinds(replies) == ["abort", "ack"] and replies[0].abort.verdict.request_id == "r1"
     # And new sessions open with the new certificate.
     second = await open_session(router, engine_channel(engine, router))
     assert len(router.sessions) == 2

@@ -155,6 +155,22 @@ class Drain(_message.Message):
     reason: str
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
+class SessionScores(_message.Message):
+    __slots__ = ("probe_scores", "incarnation")
+    PROBE_SCORES_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    probe_scores: _types_pb2.ProbeScores
+    incarnation: int
+    def __init__(self, probe_scores: _Optional[_Union[_types_pb2.ProbeScores, _Mapping]] = ..., incarnation: _Optional[int] = ...) -> None: ...
+
+class SessionAbort(_message.Message):
+    __slots__ = ("verdict", "incarnation")
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    verdict: _types_pb2.Verdict
+    incarnation: int
+    def __init__(self, verdict: _Optional[_Union[_types_pb2.Verdict, _Mapping]] = ..., incarnation: _Optional[int] = ...) -> None: ...
+
 class SessionResponse(_message.Message):
     __slots__ = ("hello", "scores", "abort", "ack", "heartbeat", "drain", "error", "catalog", "replies")
     HELLO_FIELD_NUMBER: _ClassVar[int]
@@ -167,15 +183,15 @@ class SessionResponse(_message.Message):
     CATALOG_FIELD_NUMBER: _ClassVar[int]
     REPLIES_FIELD_NUMBER: _ClassVar[int]
     hello: RouterHello
-    scores: _types_pb2.ProbeScores
-    abort: _types_pb2.Verdict
+    scores: SessionScores
+    abort: SessionAbort
     ack: StepAck
     heartbeat: Heartbeat
     drain: Drain
     error: RequestError
     catalog: ProbeCatalog
     replies: SessionReplies
-    def __init__(self, hello: _Optional[_Union[RouterHello, _Mapping]] = ..., scores: _Optional[_Union[_types_pb2.ProbeScores, _Mapping]] = ..., abort: _Optional[_Union[_types_pb2.Verdict, _Mapping]] = ..., ack: _Optional[_Union[StepAck, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ..., catalog: _Optional[_Union[ProbeCatalog, _Mapping]] = ..., replies: _Optional[_Union[SessionReplies, _Mapping]] = ...) -> None: ...
+    def __init__(self, hello: _Optional[_Union[RouterHello, _Mapping]] = ..., scores: _Optional[_Union[SessionScores, _Mapping]] = ..., abort: _Optional[_Union[SessionAbort, _Mapping]] = ..., ack: _Optional[_Union[StepAck, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., drain: _Optional[_Union[Drain, _Mapping]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ..., catalog: _Optional[_Union[ProbeCatalog, _Mapping]] = ..., replies: _Optional[_Union[SessionReplies, _Mapping]] = ...) -> None: ...
 
 class SessionReplies(_message.Message):
     __slots__ = ("messages",)

@@ -201,38 +201,34 @@ class ActivationBatch(_message.Message):
     def __init__(self, step: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., blocks: _Optional[_Iterable[_Union[ActivationBlock, _Mapping]]] = ...) -> None: ...
 
 class ProbeScores(_message.Message):
-    __slots__ = ("request_id", "probe", "token_positions", "scores", "router", "incarnation")
+    __slots__ = ("request_id", "probe", "token_positions", "scores", "router")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     SCORES_FIELD_NUMBER: _ClassVar[int]
     ROUTER_FIELD_NUMBER: _ClassVar[int]
-    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     probe: str
     token_positions: _containers.RepeatedScalarFieldContainer[int]
     scores: _containers.RepeatedScalarFieldContainer[float]
     router: str
-    incarnation: int
-    def __init__(self, request_id: _Optional[str] = ..., probe: _Optional[str] = ..., token_positions: _Optional[_Iterable[int]] = ..., scores: _Optional[_Iterable[float]] = ..., router: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., probe: _Optional[str] = ..., token_positions: _Optional[_Iterable[int]] = ..., scores: _Optional[_Iterable[float]] = ..., router: _Optional[str] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("request_id", "probe", "score", "token_position", "reason", "router", "incarnation")
+    __slots__ = ("request_id", "probe", "score", "token_position", "reason", "router")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_POSITION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     ROUTER_FIELD_NUMBER: _ClassVar[int]
-    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     probe: str
     score: float
     token_position: int
     reason: str
     router: str
-    incarnation: int
-    def __init__(self, request_id: _Optional[str] = ..., probe: _Optional[str] = ..., score: _Optional[float] = ..., token_position: _Optional[int] = ..., reason: _Optional[str] = ..., router: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., probe: _Optional[str] = ..., score: _Optional[float] = ..., token_position: _Optional[int] = ..., reason: _Optional[str] = ..., router: _Optional[str] = ...) -> None: ...
 
 class ProbeInfo(_message.Message):
     __slots__ = ("name", "kind", "tensor_type", "layers", "hidden_size", "dtype", "action", "threshold", "version", "tokens", "active_requests", "unloading", "digest", "stateful", "role", "canary_share", "canary")
