@@ -67,7 +67,7 @@ async def run(args) -> dict:
             for level in levels:
                 before, starts = cpu_seconds(process), level - opened
                 while opened < level:
-                    client.start(f"req-{opened}", *names, prompt_length=16)
+                    client.start(f"req-{opened}", *names, prompt_tokens=16)
                     opened += 1
                 await client.sync()
                 cpu_ms_per_start = (cpu_seconds(process) - before) / starts * 1000

@@ -58,7 +58,7 @@ def prepare(args):
     """The session, warmed; returns the function that measures one round."""
     state, names = session(args.probes, args.requests)
     digests = {p.name: p.digest for p in state.registry.probes()}
-    starts = [session_pb.RequestStart(request_id=f"req-{i}", prompt_length=1,
+    starts = [session_pb.RequestStart(request_id=f"req-{i}", prompt_tokens=1,
                               bindings=[session_pb.SessionBinding(probe=n, digest=digests[n]) for n in names])
               for i in range(args.requests)]
     ends = [session_pb.RequestEnd(request_id=f"req-{i}") for i in range(args.requests)]

@@ -158,7 +158,7 @@ def router(args) -> float:
     state = SessionState(registry, model, RouterMetrics(), max_requests=args.rows + 1)
     request_ids = [f"req-{i}" for i in range(args.rows)]
     for request_id in request_ids:
-        state.start(session_pb.RequestStart(request_id=request_id, prompt_length=1, bindings=[
+        state.start(session_pb.RequestStart(request_id=request_id, prompt_tokens=1, bindings=[
             session_pb.SessionBinding(probe=p.name, digest=p.digest) for p in registry.probes() if p.name in names]))
     bits, batches = rows(args), []
     for step in range(1, args.steps + 1):

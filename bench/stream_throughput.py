@@ -165,7 +165,7 @@ async def drive(name: str, port: int, args, probe_names: list[str], tensors: lis
         bindings = [session_pb.SessionBinding(probe=p, digest=digests[p]) for p in probe_names]
         for rid in request_ids:
             await call.write(session_pb.SessionRequest(request_start=session_pb.RequestStart(
-                request_id=rid, bindings=bindings, prompt_length=1)))
+                request_id=rid, bindings=bindings, prompt_tokens=1)))
         window = asyncio.Semaphore(args.window)
         sent_at: dict[int, float] = {}
         latencies: list[float] = []
@@ -248,7 +248,7 @@ async def drive_link(name: str, ports: int | list[int], args, probe_names: list[
     try:
         await link.wait_ready(replicas=len(ports), timeout=STALL_SECONDS)
         bindings = [types_pb.ProbeBinding(probe=p, failure_policy=types_pb.FAILURE_POLICY_FAIL_OPEN) for p in probe_names]
-        ledgers = {rid: RequestLedger(prompt_len=1, policies={p: types_pb.FAILURE_POLICY_FAIL_OPEN for p in probe_names})
+        ledgers = {rid: RequestLedger(prompt_tokens=1, policies={p: types_pb.FAILURE_POLICY_FAIL_OPEN for p in probe_names})
                    for rid in request_ids}
         for rid in request_ids:
             link.start_request(rid, 1, bindings, 1, ledgers[rid])

@@ -2,8 +2,8 @@
 
 Plain data and validation, shared by the engine (which captures) and anything
 that builds requests. Token positions follow one convention everywhere:
-prompt tokens are positions [0, prompt_len); generated token g (0-based) is
-position prompt_len + g. The last sampled token of a request is never fed
+prompt tokens are positions [0, prompt_tokens); generated token g (0-based) is
+position prompt_tokens + g. The last sampled token of a request is never fed
 back through the model, so it has no activations: a request that generates
 N tokens yields activations for generated indexes 0..N-2 only.
 """
@@ -94,18 +94,18 @@ class TokenSelector:
                     f"{where}: tokens.ranges[{i}]=[{start}, {stop}) is empty (stop <= start)"
                 )
 
-    def check_prompt_length(self, where: str, prompt_len: int) -> None:
+    def check_prompt_tokens(self, where: str, prompt_tokens: int) -> None:
         """Refuses PROMPT indexes that fall outside a prompt of this length."""
         if self.scope is not Scope.PROMPT:
             return
         for i, index in enumerate(self.indexes):
-            if not -prompt_len <= index < prompt_len:
+            if not -prompt_tokens <= index < prompt_tokens:
                 raise InvalidArgument(
                     f"{where}: tokens.indexes[{i}]={index} is outside the prompt of "
-                    f"{prompt_len} tokens"
+                    f"{prompt_tokens} tokens"
                 )
 
-    def mask(self, positions: np.ndarray, prompt_len: int | np.ndarray) -> np.ndarray:
+    def mask(self, positions: np.ndarray, prompt_tokens: int | np.ndarray) -> np.ndarray:
         """Which of these absolute token positions the selector picks (vectorised).
 
         The one implementation of the selector rules: the engine calls it with
@@ -115,37 +115,37 @@ class TokenSelector:
         A position is generated when it is >= its request's prompt length.
         """
         positions = np.asarray(positions, dtype=np.int64)
-        prompt_len = np.asarray(prompt_len, dtype=np.int64)
+        prompt_tokens = np.asarray(prompt_tokens, dtype=np.int64)
         if self.scope is Scope.PROMPT:
-            in_scope = positions < prompt_len
+            in_scope = positions < prompt_tokens
             local = positions
         elif self.scope is Scope.GENERATED:
-            in_scope = positions >= prompt_len
-            local = positions - prompt_len
+            in_scope = positions >= prompt_tokens
+            local = positions - prompt_tokens
         else:
             in_scope = np.ones(positions.shape, dtype=bool)
             local = positions
         if not self.indexes and not self.ranges:
-            # in_scope is a fresh array; broadcast only when prompt_len was a scalar.
+            # in_scope is a fresh array; broadcast only when prompt_tokens was a scalar.
             return in_scope if in_scope.shape == positions.shape else np.broadcast_to(
                 in_scope, positions.shape).copy()
         picked = np.zeros(positions.shape, dtype=bool)
         for index in self.indexes:
-            picked |= local == self._resolve(index, prompt_len)
+            picked |= local == self._resolve(index, prompt_tokens)
         for start, stop in self.ranges:
-            inside = local >= self._resolve(start, prompt_len)
+            inside = local >= self._resolve(start, prompt_tokens)
             if stop is not None:
-                inside &= local < self._resolve(stop, prompt_len)
+                inside &= local < self._resolve(stop, prompt_tokens)
             picked |= inside
         return in_scope & picked
 
-    def _resolve(self, index: int, prompt_len: int | np.ndarray) -> int | np.ndarray:
+    def _resolve(self, index: int, prompt_tokens: int | np.ndarray) -> int | np.ndarray:
         """A PROMPT index counted from the prompt's end (-1: last prompt token) as a position."""
-        return prompt_len + index if index < 0 and self.scope is Scope.PROMPT else index
+        return prompt_tokens + index if index < 0 and self.scope is Scope.PROMPT else index
 
-    def needs_prompt_positions(self, prompt_len: int) -> bool:
+    def needs_prompt_positions(self, prompt_tokens: int) -> bool:
         """True when the selector picks some prompt position of a prompt this long."""
-        return bool(self.mask(np.arange(prompt_len), prompt_len).any())
+        return bool(self.mask(np.arange(prompt_tokens), prompt_tokens).any())
 
     @classmethod
     def from_proto(cls, msg: types_pb.TokenSelector) -> "TokenSelector":
@@ -275,11 +275,11 @@ def validate_points(points: list[ExtractionPoint], num_layers: int | None = None
         names[point.name] = i
 
 
-def needs_prompt_positions(points: Iterable[ExtractionPoint], prompt_len: int) -> bool:
+def needs_prompt_positions(points: Iterable[ExtractionPoint], prompt_tokens: int) -> bool:
     """True when some point captures prompt tokens: the engine must then compute the
     whole prompt (SamplingParams(skip_reading_prefix_cache=True)), because positions
     served from the prefix cache never pass through the model."""
-    return any(point.tokens.needs_prompt_positions(prompt_len) for point in points)
+    return any(point.tokens.needs_prompt_positions(prompt_tokens) for point in points)
 
 
 def _fmt(stop: int | None) -> str:

@@ -65,7 +65,7 @@ class RequestState:
     measured). A dict of ints only is not walked at all."""
 
     request_id: str
-    prompt_length: int
+    prompt_tokens: int
     row: int  # its row in the session's BindingGrid
     orders: dict[int, int]  # grid column -> its binding's place in request_start (breaks ties between aborts)
     incarnation: int = 0  # echoed on every message about this request
@@ -113,7 +113,7 @@ class _SlotTable:
         self.requests = requests = [None if j in self.repeated else r for j, r in enumerate(requests)]
         self.known = np.array([r is not None for r in requests], dtype=bool)
         self.rows = np.array([r.row if r else -1 for r in requests], dtype=np.int64)
-        self.prompt_lengths = np.array([r.prompt_length if r else 0 for r in requests], dtype=np.int64)
+        self.prompt_tokens = np.array([r.prompt_tokens if r else 0 for r in requests], dtype=np.int64)
 
 
 @dataclass
@@ -157,11 +157,11 @@ class _Order:
     ends: np.ndarray
 
     @classmethod
-    def of(cls, parts: list[_Rows], tokens, prompt_lengths: np.ndarray) -> "_Order":
+    def of(cls, parts: list[_Rows], tokens, prompt_tokens: np.ndarray) -> "_Order":
         slots, positions, layers = (_joined([getattr(part, name) for part in parts])
                                     for name in ("slots", "positions", "layers"))
         forward = np.lexsort((layers, positions, slots))  # per request: (token_position, layer)
-        selected = forward[tokens.mask(positions[forward], prompt_lengths[slots[forward]])]
+        selected = forward[tokens.mask(positions[forward], prompt_tokens[slots[forward]])]
         slots, positions, layers = slots[selected], positions[selected], layers[selected]
         boundary = np.ones(slots.size, dtype=bool)
         boundary[1:] = slots[1:] != slots[:-1]
@@ -275,9 +275,9 @@ class SessionState:
             return refuse_request("RESOURCE_EXHAUSTED",
                                   f"request_start: this session already runs {len(self.requests)} requests, "
                                   f"the router's --max-requests-per-session")
-        if msg.prompt_length < 0:
+        if msg.prompt_tokens < 0:
             return refuse_request("INVALID_ARGUMENT",
-                                  f"request_start.prompt_length {msg.prompt_length} is negative")
+                                  f"request_start.prompt_tokens {msg.prompt_tokens} is negative")
         out: list[session_pb.SessionResponse] = []
         orders: dict[int, int] = {}  # grid column -> place, in binding order
         trajectories: dict[int, list] = {}
@@ -327,7 +327,7 @@ class SessionState:
                 if (trajectory := bound.shadow.new_state()) is not None:
                     trajectories[shadow] = trajectory
         self._grid.bind(row, list(orders), aborts)
-        self.requests[rid] = RequestState(rid, msg.prompt_length, row, orders, incarnation, caller=msg.caller,
+        self.requests[rid] = RequestState(rid, msg.prompt_tokens, row, orders, incarnation, caller=msg.caller,
                                           canaries=frozenset(canaries), shadows=shadows,
                                           trajectories=trajectories)
         self._slot_table = None
@@ -648,7 +648,7 @@ class SessionState:
         started = time.perf_counter()
         grid = self._grid
         probes = [grid.probes[c] for c in columns.tolist()]
-        order = _Order.of(parts, probes[0].manifest.tokens, table.prompt_lengths)
+        order = _Order.of(parts, probes[0].manifest.tokens, table.prompt_tokens)
         if order.selected.size == 0:
             self.metrics.probes.record(grid.metric_slot[columns], 0, time.perf_counter() - started)
             return []

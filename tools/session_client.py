@@ -50,13 +50,13 @@ class SessionClient:
     def send(self, **message) -> None:
         self.outgoing.put_nowait(session_pb.SessionRequest(**message))
 
-    def start(self, request_id: str, *probes, prompt_length: int = 4, actions=None, digests=None) -> None:
+    def start(self, request_id: str, *probes, prompt_tokens: int = 4, actions=None, digests=None) -> None:
         """request_start binding `probes` at the versions the router listed (or `digests`)."""
         digests = {**self.digests, **(digests or {})}
         bindings = [session_pb.SessionBinding(probe=p, action=(actions or {}).get(p, 0), digest=digests.get(p, ""))
                     for p in probes]
         self.send(request_start=session_pb.RequestStart(request_id=request_id, bindings=bindings,
-                                                prompt_length=prompt_length))
+                                                prompt_tokens=prompt_tokens))
 
     def end(self, request_id: str) -> None:
         self.send(request_end=session_pb.RequestEnd(request_id=request_id, finish_reason=types_pb.FINISH_REASON_STOP))

@@ -64,7 +64,7 @@ def scored_positions(outcome: Outcome) -> list[int]:
 
 def assert_released_tokens_were_scored(outcome: Outcome) -> None:
     """gate_tokens under fail_closed: token g reached the client only if its row
-    (position prompt_len + g) was scored."""
+    (position prompt_tokens + g) was scored."""
     prompt = outcome.finished.prompt_tokens
     scored = set(scored_positions(outcome))
     unscored = [g for g in range(len(outcome.tokens)) if prompt + g not in scored]

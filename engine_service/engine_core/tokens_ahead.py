@@ -40,11 +40,11 @@ SEND_HIGH_WATER_MARK = 1024
 RETRY_S = 0.005
 
 
-def allowance(settled_below: int, prompt_len: int, tokens_ahead: int) -> int:
+def allowance(settled_below: int, prompt_tokens: int, tokens_ahead: int) -> int:
     """Positions a request may have computed: `tokens_ahead` past the first
     unsettled one, and never fewer than its prompt plus `tokens_ahead` (the
     prompt's rows are captured in the step that computes them)."""
-    return max(settled_below, prompt_len) + tokens_ahead
+    return max(settled_below, prompt_tokens) + tokens_ahead
 
 
 def encode(allowances: dict[str, int | None]) -> bytes:
@@ -69,11 +69,11 @@ class AllowanceTable:
             elif value > self._allowances.get(key, -1):
                 self._allowances[key] = value
 
-    def held(self, key: str, bound: int, prompt_len: int, computed: int) -> bool:
+    def held(self, key: str, bound: int, prompt_tokens: int, computed: int) -> bool:
         """Whether a request that has computed `computed` positions must wait.
         A request the table has not heard of (or forgot, once ended) keeps its
         first allowance, so an ended request vLLM has not yet aborted stays held."""
-        limit = self._allowances.get(key, allowance(0, prompt_len, bound))
+        limit = self._allowances.get(key, allowance(0, prompt_tokens, bound))
         return computed >= limit
 
     def __len__(self) -> int:
@@ -106,8 +106,8 @@ class AllowancePublisher:
         """What a bounded request carries to the scheduler in SamplingParams.extra_args."""
         return {EXTRA_ARGS_KEY: [key, self.tokens_ahead]}
 
-    def allow(self, key: str, settled_below: int, prompt_len: int) -> None:
-        value = allowance(settled_below, prompt_len, self.tokens_ahead)
+    def allow(self, key: str, settled_below: int, prompt_tokens: int) -> None:
+        value = allowance(settled_below, prompt_tokens, self.tokens_ahead)
         if value <= max(self._sent.get(key, -1), self._pending.get(key) or -1):
             return
         self._pending[key] = value

@@ -71,7 +71,7 @@ class _Request:
     request_id: str
     incarnation: int
     bindings: Sequence[session_pb.SessionBinding]  # kept as given (the engine's: one repeated field)
-    prompt_length: int
+    prompt_tokens: int
     ledger: RequestLedger
     caller: str = ""  # the authenticated caller, for the routers' verdict logs
     replica: ReplicaSession | None = None
@@ -168,7 +168,7 @@ class RouterLink:
         request_id: str,
         incarnation: int,
         bindings: Sequence[session_pb.SessionBinding],
-        prompt_length: int,
+        prompt_tokens: int,
         ledger: RequestLedger,
         caller: str = "",
     ) -> None:
@@ -176,7 +176,7 @@ class RouterLink:
         copied, until the request ends: it goes out again if the request is re-homed."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already started on the router link")
-        request = _Request(request_id, incarnation, bindings, prompt_length, ledger, caller)
+        request = _Request(request_id, incarnation, bindings, prompt_tokens, ledger, caller)
         self._requests[request_id] = request
         self._home(request, reason="start")
 
@@ -271,7 +271,7 @@ class RouterLink:
                 request_start=session_pb.RequestStart(
                     request_id=request.request_id,
                     bindings=request.bindings,
-                    prompt_length=request.prompt_length,
+                    prompt_tokens=request.prompt_tokens,
                     state_reset=state_reset,
                     incarnation=request.incarnation,
                     caller=request.caller,

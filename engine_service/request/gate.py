@@ -14,7 +14,7 @@ from engine_service.request.ledger import RequestLedger
 class TokenGate:
     """Holds generated tokens until every row up to their position is settled.
 
-    Generated token g sits at position prompt_len + g; its activations exist
+    Generated token g sits at position prompt_tokens + g; its activations exist
     only once it is fed back in the next step. The request's ledger says up to
     which position rows are settled; releasing token g only up to there means a
     client never sees a token at or after the one that triggered an abort, nor
@@ -26,7 +26,7 @@ class TokenGate:
     trigger is shown, under its own index or another's.
     """
 
-    prompt_len: int
+    prompt_tokens: int
     held: list[int] = field(default_factory=list)  # generated tokens first_held_index, first_held_index + 1, ...
     first_held_index: int = 0
     closed_at: int | None = None  # generated index from which nothing is held or shown
@@ -39,7 +39,7 @@ class TokenGate:
 
     def releasable(self, through_position: int) -> tuple[int, list[int]]:
         """(first index, tokens) at positions <= through_position; removes them from the gate."""
-        count = max(0, min(len(self.held), through_position - self.prompt_len - self.first_held_index + 1))
+        count = max(0, min(len(self.held), through_position - self.prompt_tokens - self.first_held_index + 1))
         first, released = self.first_held_index, self.held[:count]
         del self.held[:count]
         self.first_held_index += count
@@ -54,7 +54,7 @@ class TokenGate:
     def close_at(self, position: int) -> None:
         """A verdict at `position`: held tokens there or after are dropped, and
         so is every token generated from there on."""
-        index = max(0, position - self.prompt_len)
+        index = max(0, position - self.prompt_tokens)
         self.closed_at = index if self.closed_at is None else min(self.closed_at, index)
         del self.held[max(0, self.closed_at - self.first_held_index) :]
 

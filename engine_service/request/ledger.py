@@ -110,15 +110,15 @@ class _ReadSet:
     row acknowledged) and resolved (none in flight or owed): questions start
     after them, so a long request costs O(1) per ack."""
 
-    def __init__(self, points: tuple[str, ...], tokens: TokenSelector, prompt_len: int,
+    def __init__(self, points: tuple[str, ...], tokens: TokenSelector, prompt_tokens: int,
                  bindings: list[BindingIndex]) -> None:
         self.points = frozenset(points)
         self.tokens = tokens
-        self.prompt_len = prompt_len
+        self.prompt_tokens = prompt_tokens
         self.bindings = bindings
         self.fail_closed = False  # any binding of the set is fail_closed
         self.reads_every_position = tokens == TokenSelector()
-        self.expected_rows = ExpectedRows([tokens] * len(points), prompt_len)
+        self.expected_rows = ExpectedRows([tokens] * len(points), prompt_tokens)
         self.expected: dict[int, int] = {}
         self.arrived: dict[int, int] = {}
         self.outstanding: dict[int, int] = {}
@@ -169,7 +169,7 @@ class _ReadSet:
     def picked(self, positions: Sequence[int]) -> list[int]:
         """The positions (one per row) that these bindings read."""
         array = np.asarray(positions, dtype=np.int64)
-        return array[self.tokens.mask(array, self.prompt_len)].tolist()
+        return array[self.tokens.mask(array, self.prompt_tokens)].tolist()
 
     def missing(self) -> dict[int, tuple[int, int]]:
         """Positions whose owed rows have not all arrived: position -> (arrived, expected)."""
@@ -210,7 +210,7 @@ class RequestLedger:
     counted once per row however many bindings read it); each binding names the
     points it reads."""
 
-    prompt_len: int
+    prompt_tokens: int
     bindings: InitVar[Sequence[LedgerBinding]]
     points: Sequence[ExtractionPoint] = ()
     dropped_records: int = field(default=0, init=False)
@@ -231,7 +231,7 @@ class RequestLedger:
             key = (tuple(sorted(binding.points)), binding.tokens)
             if key not in by_reads:
                 by_reads[key] = len(self._sets)
-                self._sets.append(_ReadSet(key[0], binding.tokens, self.prompt_len, []))
+                self._sets.append(_ReadSet(key[0], binding.tokens, self.prompt_tokens, []))
             read_set = self._sets[by_reads[key]]
             read_set.bindings.append(index)
             read_set.fail_closed |= binding.fail_closed
@@ -243,7 +243,7 @@ class RequestLedger:
             for point in read_set.points:
                 self._readers.setdefault(point, []).append(s)
         # What capture owes, counted once per row: positions -> rows.
-        self._capture = ExpectedRows([p.tokens for p in self.points], self.prompt_len) if self.points else None
+        self._capture = ExpectedRows([p.tokens for p in self.points], self.prompt_tokens) if self.points else None
         self._capture_expected: dict[int, int] = {}
         self._capture_arrived: dict[int, int] = {}
         # Rows a worker reported dropping (past its backlog bound) that never arrived
@@ -594,7 +594,7 @@ class RequestLedger:
         client's tokens. At the latest the first position not every stage
         computed: rows a later stage owes there were never scored before the
         failure, whatever a router scores afterwards."""
-        first = min(self._first_closed_loss(), max(self._computed, self.prompt_len))
+        first = min(self._first_closed_loss(), max(self._computed, self.prompt_tokens))
         for read_set in self._sets:
             if read_set.fail_closed:
                 position = read_set.first_unsettled()

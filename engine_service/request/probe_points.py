@@ -66,8 +66,8 @@ class ExpectedRows:
     so rows that capture lost without a word cannot let a gated token through or
     go uncounted."""
 
-    def __init__(self, selectors: list[TokenSelector], prompt_len: int):
-        self.prompt_len = prompt_len
+    def __init__(self, selectors: list[TokenSelector], prompt_tokens: int):
+        self.prompt_tokens = prompt_tokens
         self._selectors = Counter(selectors)  # selector -> probe points using it
         # Whole-scope selectors (the usual kind) make a fixed number of rows at every
         # prompt and every generated position: read once from the selectors' own rule
@@ -75,20 +75,20 @@ class ExpectedRows:
         # numpy, once per token.
         self._per_scope: tuple[int, int] | None = None
         if all(not s.indexes and not s.ranges for s in self._selectors):
-            prompt, generated = self._masked(np.array([0, prompt_len], dtype=np.int64)).tolist()
+            prompt, generated = self._masked(np.array([0, prompt_tokens], dtype=np.int64)).tolist()
             self._per_scope = (prompt, generated)
 
     def between(self, start: int, stop: int) -> list[int]:
         """Rows expected at each of positions [start, stop)."""
         if self._per_scope is not None:
             prompt, generated = self._per_scope
-            return [prompt if p < self.prompt_len else generated for p in range(start, stop)]
+            return [prompt if p < self.prompt_tokens else generated for p in range(start, stop)]
         return self._masked(np.arange(start, max(start, stop), dtype=np.int64)).tolist()
 
     def _masked(self, positions: np.ndarray) -> np.ndarray:
         counts = np.zeros(positions.size, dtype=np.int64)
         for selector, points in self._selectors.items():
-            counts += points * selector.mask(positions, self.prompt_len)
+            counts += points * selector.mask(positions, self.prompt_tokens)
         return counts
 
 

@@ -65,7 +65,7 @@ class RequestRun:
         key: str,
         request_id: str,
         incarnation: int,
-        prompt_len: int,
+        prompt_tokens: int,
         bindings: Sequence[session_pb.SessionBinding],
         infos: Sequence[types_pb.ProbeInfo],
         gate_tokens: bool,
@@ -78,12 +78,12 @@ class RequestRun:
         self.key = key
         self.request_id = request_id
         self.incarnation = incarnation
-        self.prompt_len = prompt_len
+        self.prompt_tokens = prompt_tokens
         # One message's repeated field (what the router link sends on), and the
         # pinned versions' descriptions: one object each for the garbage collector.
         self.bindings = bindings
         self.infos = infos
-        self.gate = TokenGate(prompt_len) if gate_tokens else None
+        self.gate = TokenGate(prompt_tokens) if gate_tokens else None
         self.stream = stream
         self.ledger = ledger
         self.captures = captures  # registered extraction points (client or probe)
@@ -118,9 +118,9 @@ class RequestRun:
         first = self.generated
         self.generated += len(token_ids)
         if self.ledger is not None:
-            # Token g was sampled from position prompt_len + g - 1, computed by every
+            # Token g was sampled from position prompt_tokens + g - 1, computed by every
             # stage: every position before the newest token's owes its probe rows.
-            self.ledger.computed_below(self.prompt_len + self.generated - 1)
+            self.ledger.computed_below(self.prompt_tokens + self.generated - 1)
         if self.scores.held:
             self._show(self.scores.release(self.ledger, self._received_below()))
         if self.gate is None:
@@ -196,7 +196,7 @@ class RequestRun:
         if not self.end(types_pb.FINISH_REASON_ERROR, message=message):
             return None
         if self.gate is not None:
-            self.gate.close_at(self.prompt_len + self.gate.first_held_index)
+            self.gate.close_at(self.prompt_tokens + self.gate.first_held_index)
         return Stop(types_pb.FINISH_REASON_ERROR)
 
     def backlog_dropped(self, point: str, positions: list[int], probe_point: bool) -> None:
@@ -268,7 +268,7 @@ class RequestRun:
         finished = engine_pb.GenerateFinished(
             finish_reason=self.finish_reason,
             verdict=self.verdict,
-            prompt_tokens=self.prompt_len,
+            prompt_tokens=self.prompt_tokens,
             generated_tokens=self.generated,
             unprobed_tokens=ledger.unprobed_tokens(below=received_below) if ledger else 0,
             dropped_records=self.dropped_records(),
@@ -294,7 +294,7 @@ class RequestRun:
         if self.finished_sent:
             return
         self.finish_reason, self.message = types_pb.FINISH_REASON_ERROR, message
-        finished = engine_pb.GenerateFinished(finish_reason=types_pb.FINISH_REASON_ERROR, prompt_tokens=self.prompt_len,
+        finished = engine_pb.GenerateFinished(finish_reason=types_pb.FINISH_REASON_ERROR, prompt_tokens=self.prompt_tokens,
                                        generated_tokens=self.generated, message=message)
         for field_name, count in (("unprobed_tokens", lambda: self.ledger.unprobed_tokens() if self.ledger else 0),
                                   ("dropped_records", self.dropped_records)):
@@ -314,8 +314,8 @@ class RequestRun:
 
     def _received_below(self) -> int:
         """One past the position of the newest token the engine received (token g
-        sits at prompt_len + g)."""
-        return self.prompt_len + self.generated
+        sits at prompt_tokens + g)."""
+        return self.prompt_tokens + self.generated
 
     def finish_reason_name(self) -> str:
         return short_name(types_pb.FinishReason, self.finish_reason)

@@ -179,12 +179,12 @@ def prompt_ids(request: engine_pb.GenerateRequest, tokenize, limits: ModelLimits
     return ids
 
 
-def sampling_choice(sampling: engine_pb.SamplingParams, prompt_len: int, limits: ModelLimits) -> SamplingChoice:
-    room = limits.max_model_len - prompt_len
+def sampling_choice(sampling: engine_pb.SamplingParams, prompt_tokens: int, limits: ModelLimits) -> SamplingChoice:
+    room = limits.max_model_len - prompt_tokens
     max_tokens = sampling.max_tokens or min(DEFAULT_MAX_TOKENS, room)
     if max_tokens > room:
         raise InvalidArgument(
-            f"sampling.max_tokens: {max_tokens} plus the {prompt_len}-token prompt exceeds "
+            f"sampling.max_tokens: {max_tokens} plus the {prompt_tokens}-token prompt exceeds "
             f"max_model_len {limits.max_model_len}"
         )
     temperature = sampling.temperature if sampling.HasField("temperature") else 1.0

@@ -344,16 +344,16 @@ class EngineRuntime:
         params = SamplingParams(output_kind=RequestOutputKind.DELTA, **choice.as_kwargs())
         if self._bounded_ahead(run):
             params.extra_args = self.allowances.extra_args(run.key)
-        require_prompt_computation(params, points, run.prompt_len)
+        require_prompt_computation(params, points, run.prompt_tokens)
         vllm_reason = None
         registered = False
         try:
             try:
                 if points:
-                    await self.capture.register(run.key, points, run.prompt_len)
+                    await self.capture.register(run.key, points, run.prompt_tokens)
                     registered = True
                 if run.ledger is not None and self.link is not None:
-                    self.link.start_request(run.key, run.incarnation, run.bindings, run.prompt_len, run.ledger,
+                    self.link.start_request(run.key, run.incarnation, run.bindings, run.prompt_tokens, run.ledger,
                                             caller=caller)
                 # Ended already (an Engine.Abort while capture registered it, say):
                 # vLLM never sees it. Ended while vLLM was still adding it: that abort
@@ -471,7 +471,7 @@ class EngineRuntime:
         its first unsettled position; an ended run gets nothing more, so it stays
         held until vLLM's abort lands."""
         if self._bounded_ahead(run) and not run.ended:
-            self.allowances.allow(run.key, run.ledger.settled_below(), run.prompt_len)
+            self.allowances.allow(run.key, run.ledger.settled_below(), run.prompt_tokens)
 
     # -- the drain loop ----------------------------------------------------
 

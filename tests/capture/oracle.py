@@ -123,7 +123,7 @@ class TransformersOracle:
                 handle.remove()
         return Reference(list(token_ids), captured, widened(logits), shards)
 
-    def greedy_steps(self, reference: Reference, final_norm: dict[int, np.ndarray], prompt_len: int,
+    def greedy_steps(self, reference: Reference, final_norm: dict[int, np.ndarray], prompt_tokens: int,
                      tokens: list[int]) -> list[GreedyStep]:
         """vLLM's greedy tokens against the reference's top logits. `final_norm`
         holds vLLM's final-norm row of each position that chose a token.
@@ -136,7 +136,7 @@ class TransformersOracle:
         u = UNIT_ROUNDOFF[self.dtype]
         steps = []
         for index, token in enumerate(tokens):
-            position = prompt_len - 1 + index
+            position = prompt_tokens - 1 + index
             logits = reference.logits[position]
             top = int(np.argmax(logits))
             moved = final_norm[position] - reference.activations[("final_norm", self.num_layers)][position]

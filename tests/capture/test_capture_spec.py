@@ -13,13 +13,13 @@ from common.capture_spec import (
 from common.errors import InvalidArgument
 from undercurrent.v1 import types_pb2 as types_pb
 
-PROMPT_LEN = 5
+PROMPT_TOKENS = 5
 # Prompt positions 0..4, generated tokens 0..4 at positions 5..9.
 POSITIONS = np.arange(10)
 
 
 def picked(selector: TokenSelector) -> list[int]:
-    return POSITIONS[selector.mask(POSITIONS, PROMPT_LEN)].tolist()
+    return POSITIONS[selector.mask(POSITIONS, PROMPT_TOKENS)].tolist()
 
 
 @pytest.mark.parametrize(
@@ -46,7 +46,7 @@ def test_mask_follows_proto_semantics(selector, expected):
 
 def test_mask_matches_streamed_positions_one_at_a_time():
     selector = TokenSelector(Scope.GENERATED, ranges=((1, None),))
-    streamed = [p for p in range(5, 40) if selector.mask(np.array([p]), PROMPT_LEN)[0]]
+    streamed = [p for p in range(5, 40) if selector.mask(np.array([p]), PROMPT_TOKENS)[0]]
     assert streamed == list(range(6, 40))
 
 
@@ -151,8 +151,8 @@ def test_final_norm_records_carry_layer_num_layers():
 def test_prompt_index_outside_prompt_is_refused_at_registration():
     selector = TokenSelector(Scope.PROMPT, indexes=(-6,))
     with pytest.raises(InvalidArgument, match=r"tokens.indexes\[0\]=-6 is outside the prompt of 5 tokens"):
-        selector.check_prompt_length("p", 5)
-    TokenSelector(Scope.PROMPT, indexes=(-5, 4)).check_prompt_length("p", 5)
+        selector.check_prompt_tokens("p", 5)
+    TokenSelector(Scope.PROMPT, indexes=(-5, 4)).check_prompt_tokens("p", 5)
 
 
 def test_needs_prompt_positions():

@@ -16,9 +16,9 @@ pytestmark = pytest.mark.vllm
 GOOD = ExtractionPoint("good", "residual_stream", (1,))
 
 
-async def refusal(controller, request_id, points, prompt_len=5) -> str:
+async def refusal(controller, request_id, points, prompt_tokens=5) -> str:
     with pytest.raises(InvalidArgument) as info:
-        await controller.register(request_id, points, prompt_len)
+        await controller.register(request_id, points, prompt_tokens)
     return str(info.value)
 
 

@@ -49,9 +49,9 @@ def test_plan_selects_rows_per_request_with_chunked_prefill_and_padding():
 
 def test_each_points_rows_of_a_step_are_joined_in_batch_order_for_one_gather():
     mapper = RowMapper(range(0, 2), num_layers=2, has_final_norm=False)
-    for request_id, prompt_len in (("a", 3), ("b", 2)):
+    for request_id, prompt_tokens in (("a", 3), ("b", 2)):
         mapper.register(Registration(request_id, (point("all", layers=(0, 1)), point("gen", layers=(1,),
-                                                  selector=TokenSelector(Scope.GENERATED))), prompt_len))
+                                                  selector=TokenSelector(Scope.GENERATED))), prompt_tokens))
     # Slot 0: "a" prefills positions 0..2; slot 1: "b" decodes position 2 (generated).
     joined = mapper.plan(["a-00000000", "b-11111111"], np.array([0, 3, 4]), np.array([0, 1, 2, 2]))
     assert [(p.point, p.layer) for p in joined[("residual_stream", 0)]] == [("all", 0)]
@@ -70,9 +70,9 @@ def test_requests_sharing_a_point_are_selected_together_each_by_its_own_prompt_l
     same name but another selector stays apart."""
     mapper = RowMapper(range(2), num_layers=2, has_final_norm=False)
     last_prompt = TokenSelector(Scope.PROMPT, (-1,))
-    for request_id, prompt_len in (("a", 4), ("b", 2), ("c", 3)):
+    for request_id, prompt_tokens in (("a", 4), ("b", 2), ("c", 3)):
         mapper.register(Registration(request_id, (point("last", selector=last_prompt),
-                                                  point("gen", selector=TokenSelector(Scope.GENERATED))), prompt_len))
+                                                  point("gen", selector=TokenSelector(Scope.GENERATED))), prompt_tokens))
     mapper.register(Registration("d", (point("last", selector=TokenSelector(Scope.ALL)),), 1))
     mapper.register(Registration("e", (point("gen", selector=TokenSelector(Scope.GENERATED)),), 1))
     # "a" prefills 0..3, "e" decodes 3, "x" is not captured, "b" decodes 2, "c"

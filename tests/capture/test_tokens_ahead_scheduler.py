@@ -70,11 +70,11 @@ async def test_a_bounded_request_waits_at_each_allowance_and_ends_with_the_same_
     await until_count(tokens["held"], AHEAD + 1, held)
     await asyncio.sleep(HELD_S)
     assert len(tokens["held"]) == AHEAD + 1
-    allowances.allow(key, settled_below=len(PROMPT) + 4, prompt_len=len(PROMPT))
+    allowances.allow(key, settled_below=len(PROMPT) + 4, prompt_tokens=len(PROMPT))
     await until_count(tokens["held"], 4 + AHEAD + 1, held)
     await asyncio.sleep(HELD_S)
     assert len(tokens["held"]) == 4 + AHEAD + 1
-    allowances.allow(key, settled_below=len(PROMPT) + MAX_TOKENS, prompt_len=len(PROMPT))
+    allowances.allow(key, settled_below=len(PROMPT) + MAX_TOKENS, prompt_tokens=len(PROMPT))
     await asyncio.wait_for(held, 30)
     assert tokens["held"] == tokens["free"]
     allowances.forget(key)
@@ -97,7 +97,7 @@ async def test_an_ended_bounded_request_stays_held_until_vllm_aborts_it(held_eng
 
     stream = asyncio.create_task(run())
     await until_count(tokens, AHEAD + 1, stream)
-    allowances.allow(key, settled_below=len(PROMPT) + 3, prompt_len=len(PROMPT))
+    allowances.allow(key, settled_below=len(PROMPT) + 3, prompt_tokens=len(PROMPT))
     await until_count(tokens, 3 + AHEAD + 1, stream)
     allowances.forget(key)
     await asyncio.sleep(HELD_S)

@@ -270,10 +270,10 @@ async def test_cli_capture_writes_the_documented_safetensors(engine_service, bas
     assert rows.rows.shape == (10, 128)
     assert rows.request_index.tolist() == [0] * 5 + [1] * 5
     assert rows.is_generated.tolist() == [True] * 10
-    prompt_lens = [r.prompt_tokens for r in capture.requests]
-    assert prompt_lens == [baseline[0].prompt_tokens, baseline[1].prompt_tokens]
+    prompt_tokens = [r.prompt_tokens for r in capture.requests]
+    assert prompt_tokens == [baseline[0].prompt_tokens, baseline[1].prompt_tokens]
     assert rows.positions.tolist() == (
-        list(range(prompt_lens[0], prompt_lens[0] + 5)) + list(range(prompt_lens[1], prompt_lens[1] + 5)))
+        list(range(prompt_tokens[0], prompt_tokens[0] + 5)) + list(range(prompt_tokens[1], prompt_tokens[1] + 5)))
     base_rows = trace_rows(baseline[0])
     for i, position in enumerate(rows.positions[:5].tolist()):
         np.testing.assert_allclose(rows.rows[i], base_rows[position], rtol=1e-5, atol=1e-5)

@@ -51,9 +51,9 @@ async def baseline(engine_service):
     for outcome in outcomes:
         assert outcome.reason == "LENGTH" and len(outcome.tokens) == MAX_TOKENS
         rows = firing_probes.rows_by_position(outcome.batches)
-        prompt_len = outcome.finished.prompt_tokens
+        prompt_tokens = outcome.finished.prompt_tokens
         # Every generated token but the last is fed back, so it has activations.
-        assert sorted(rows) == list(range(prompt_len, prompt_len + MAX_TOKENS - 1))
+        assert sorted(rows) == list(range(prompt_tokens, prompt_tokens + MAX_TOKENS - 1))
     return outcomes
 
 

@@ -69,11 +69,11 @@ class FakeCapture:
     def model_info(self) -> types_pb.ModelInfo:
         return MODEL
 
-    def validate(self, points, prompt_len=None) -> None:
+    def validate(self, points, prompt_tokens=None) -> None:
         pass
 
-    async def register(self, request_id: str, points, prompt_len: int) -> None:
-        self.registered[request_id] = (points, prompt_len)
+    async def register(self, request_id: str, points, prompt_tokens: int) -> None:
+        self.registered[request_id] = (points, prompt_tokens)
 
     async def unregister(self, request_id: str) -> None:
         """Stops capture; rows already computed still come with the next drain."""
@@ -84,13 +84,13 @@ class FakeCapture:
     def computed(self, request_id: str, positions: list[int]) -> None:
         if request_id not in self.registered:
             return
-        points, prompt_len = self.registered[request_id]
+        points, prompt_tokens = self.registered[request_id]
         for point in points:
             chosen = [
                 p
                 for p in positions
                 if (point.tokens.scope is Scope.ALL
-                    or (point.tokens.scope is Scope.PROMPT) == (p < prompt_len))
+                    or (point.tokens.scope is Scope.PROMPT) == (p < prompt_tokens))
                 and p not in self.silently_lost
             ]
             if not chosen:
@@ -108,7 +108,7 @@ class FakeCapture:
                         rows,
                         [request_id] * len(chosen),
                         np.asarray(chosen, dtype=np.int64),
-                        np.asarray([p >= prompt_len for p in chosen]),
+                        np.asarray([p >= prompt_tokens for p in chosen]),
                     )
                 )
 
@@ -191,11 +191,11 @@ class FakeEngine:
                     self._end_aborted(run)
                     continue
                 run.steps_until_aborted -= 1
-            prompt_len = len(run.prompt)
+            prompt_tokens = len(run.prompt)
             if run.generated == 0:
-                positions = list(range(prompt_len))
+                positions = list(range(prompt_tokens))
             else:
-                positions = [prompt_len + run.generated - 1]
+                positions = [prompt_tokens + run.generated - 1]
             self.capture.computed(run.request_id, positions)
             run.generated += 1
             finished = run.generated >= run.max_tokens

@@ -182,7 +182,7 @@ class SimRouter:
             bound = {key: [state._grid.probes[c] for c in request.orders]
                      for key, request in state.requests.items()}
             scored = state.batch(message.batch)
-            self._record(message.batch, bound, {key: state.requests[key].prompt_length for key in bound}, scored)
+            self._record(message.batch, bound, {key: state.requests[key].prompt_tokens for key in bound}, scored)
             replies += scored
         else:
             replies = []
@@ -305,11 +305,11 @@ class SimCapture:
     def model_info(self) -> types_pb.ModelInfo:
         return MODEL
 
-    def validate(self, points, prompt_len=None) -> None:
+    def validate(self, points, prompt_tokens=None) -> None:
         pass
 
-    async def register(self, key: str, points, prompt_len: int) -> None:
-        self.registered[key] = (points, prompt_len)
+    async def register(self, key: str, points, prompt_tokens: int) -> None:
+        self.registered[key] = (points, prompt_tokens)
 
     async def unregister(self, key: str) -> None:
         if self.registered.pop(key, None) is not None:
@@ -319,12 +319,12 @@ class SimCapture:
         """The rows of `stage`'s points at these positions."""
         if key not in self.registered or not positions:
             return
-        points, prompt_len = self.registered[key]
+        points, prompt_tokens = self.registered[key]
         for point in points:
             if not any(point.name == point_name(t, layer) for t, layer in STAGE_LAYERS[stage]):
                 continue
             chosen = [p for p in positions
-                      if point.tokens.mask(np.array([p]), prompt_len)[0]]
+                      if point.tokens.mask(np.array([p]), prompt_tokens)[0]]
             kept = []
             for p in chosen:
                 first = (point.name, p) not in self.made[key]
@@ -354,7 +354,7 @@ class SimCapture:
                     types_pb.TENSOR_TYPE_FINAL_NORM if tensor_type == "final_norm" else types_pb.TENSOR_TYPE_RESIDUAL_STREAM,
                     1 if layer is None else layer,
                     rows.copy(), [key] * len(kept), np.asarray(kept, np.int64),
-                    np.asarray([p >= prompt_len for p in kept])))
+                    np.asarray([p >= prompt_tokens for p in kept])))
 
     async def drain(self) -> list[Block]:
         """The driver's drain: every rank's rows merged, TP duplicates and rows an
@@ -399,7 +399,7 @@ class SimRequest:
     """One request inside the simulated vLLM: what each stage computed, what was sampled."""
 
     key: str
-    prompt_len: int
+    prompt_tokens: int
     max_tokens: int
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
     computed: list[int] = field(default_factory=lambda: [0] * STAGES)  # next position per stage
@@ -449,18 +449,18 @@ class SimVllm:
         start = request.computed[stage]
         if stage == 0:  # the newest token is fed back unless it was the last one
             fed = min(request.sampled, request.max_tokens - 1)
-            limit = request.prompt_len if start < request.prompt_len else request.prompt_len + fed
+            limit = request.prompt_tokens if start < request.prompt_tokens else request.prompt_tokens + fed
         else:
             limit = request.computed[stage - 1]
-        stop = min(limit, start + max(1, request.prompt_len - start)) if start < request.prompt_len else min(limit, start + 1)
+        stop = min(limit, start + max(1, request.prompt_tokens - start)) if start < request.prompt_tokens else min(limit, start + 1)
         if stop <= start:
             return
         positions = list(range(start, stop))
         request.computed[stage] = stop
         request.reached[stage] = max(request.reached[stage], stop)
         self.capture.computed(key, stage, positions)
-        if stage == STAGES - 1 and stop >= request.prompt_len and request.sampled < request.max_tokens:
-            request.sampled = max(request.sampled, stop - request.prompt_len + 1)
+        if stage == STAGES - 1 and stop >= request.prompt_tokens and request.sampled < request.max_tokens:
+            request.sampled = max(request.sampled, stop - request.prompt_tokens + 1)
 
     def preempt(self, key: str) -> None:
         """vLLM preempts the request: its KV cache is freed and every stage
@@ -529,5 +529,5 @@ class World:
         return replica
 
 
-def selects(tokens: types_pb.TokenSelector, position: int, prompt_len: int) -> bool:
-    return bool(TokenSelector.from_proto(tokens).mask(np.array([position]), prompt_len)[0])
+def selects(tokens: types_pb.TokenSelector, position: int, prompt_tokens: int) -> bool:
+    return bool(TokenSelector.from_proto(tokens).mask(np.array([position]), prompt_tokens)[0])

@@ -28,7 +28,7 @@ def test_prompt_checks_name_the_field():
 
 
 def test_sampling_defaults_and_limits():
-    choice = reqs.sampling_choice(engine_pb.SamplingParams(), prompt_len=10, limits=LIMITS)
+    choice = reqs.sampling_choice(engine_pb.SamplingParams(), prompt_tokens=10, limits=LIMITS)
     assert (choice.max_tokens, choice.temperature, choice.top_p, choice.top_k) == (54, 1.0, 1.0, 0)
     with pytest.raises(InvalidArgument, match="sampling.max_tokens: 55 plus the 10-token prompt"):
         reqs.sampling_choice(engine_pb.SamplingParams(max_tokens=55), 10, LIMITS)
@@ -193,7 +193,7 @@ def test_client_points_may_not_use_the_probe_prefix():
 
 
 def test_token_gate_releases_only_through_the_settled_position():
-    gate = TokenGate(prompt_len=10)
+    gate = TokenGate(prompt_tokens=10)
     gate.hold(0, [101, 102, 103])  # generated tokens 0..2 at positions 10..12
     assert gate.releasable(through_position=9) == (0, [])
     assert gate.releasable(through_position=10) == (0, [101])
@@ -205,7 +205,7 @@ def test_token_gate_releases_only_through_the_settled_position():
 
 
 def test_a_closed_gate_never_shows_a_token_generated_after_its_verdict():
-    gate = TokenGate(prompt_len=10)
+    gate = TokenGate(prompt_tokens=10)
     gate.hold(0, [100, 101, 102, 103, 104])  # tokens 0..4 at positions 10..14
     assert gate.releasable(through_position=11) == (0, [100, 101])
     gate.close_at(13)  # a verdict at position 13 (token 3)
@@ -218,7 +218,7 @@ def test_a_closed_gate_never_shows_a_token_generated_after_its_verdict():
 
 
 def test_token_gate_release_all_at_a_normal_finish():
-    gate = TokenGate(prompt_len=4)
+    gate = TokenGate(prompt_tokens=4)
     gate.hold(0, [1, 2, 3])
     assert gate.releasable(through_position=5) == (0, [1, 2])
     assert gate.release_all() == (2, [3])

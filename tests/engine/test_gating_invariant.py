@@ -69,7 +69,7 @@ REQUEST = st.fixed_dictionaries(dict(
     rid=st.sampled_from(REQUEST_IDS),
     bindings=st.lists(st.tuples(st.sampled_from(PROBES), st.sampled_from((CLOSED, OPEN))),
                       min_size=1, max_size=3, unique_by=lambda b: b[0]),
-    gate=st.booleans(), max_tokens=st.integers(1, 8), prompt_len=st.integers(1, 3)))
+    gate=st.booleans(), max_tokens=st.integers(1, 8), prompt_tokens=st.integers(1, 3)))
 
 
 
@@ -188,8 +188,8 @@ class GatingMachine(RuleBasedStateMachine):
     def another_request(self, request):
         self.start_request(**request)
 
-    def start_request(self, rid, bindings, gate, max_tokens, prompt_len):
-        message = engine_pb.GenerateRequest(request_id=rid, token_ids=engine_pb.TokenIds(ids=list(range(1, prompt_len + 1))),
+    def start_request(self, rid, bindings, gate, max_tokens, prompt_tokens):
+        message = engine_pb.GenerateRequest(request_id=rid, token_ids=engine_pb.TokenIds(ids=list(range(1, prompt_tokens + 1))),
                                      sampling=engine_pb.SamplingParams(max_tokens=max_tokens), gate_tokens=gate)
         for probe, policy in bindings:
             message.probes.add(probe=probe, failure_policy=policy)
@@ -393,9 +393,9 @@ class GatingMachine(RuleBasedStateMachine):
             finished = client.finished
             clean = bool(finished) and finished[0].finish_reason in SUCCESS
             request = self.llm.requests.get(run.key)
-            last = run.prompt_len + len(client.tokens) - 1
+            last = run.prompt_tokens + len(client.tokens) - 1
             for index in range(len(client.tokens)):
-                position = run.prompt_len + index
+                position = run.prompt_tokens + index
                 if clean and position == last:
                     continue  # no stage computes the last token of a finished request
                 assert request is not None and request.reached[STAGES - 1] > position, (
@@ -406,7 +406,7 @@ class GatingMachine(RuleBasedStateMachine):
 
     def assert_scored(self, run: RequestRun, binding: session_pb.SessionBinding, info: types_pb.ProbeInfo, position: int) -> None:
         scored = self.world.truth.scored[(run.key, binding.probe, binding.digest)]
-        if not selects(info.tokens, position, run.prompt_len):
+        if not selects(info.tokens, position, run.prompt_tokens):
             return
         for point in binding_points(info):
             assert any(s.point == point and s.position == position for s in scored), (
@@ -453,7 +453,7 @@ class GatingMachine(RuleBasedStateMachine):
             assert verdict.reason != self.stale_reasons, f"I5: {run.key} ended by a stale verdict"
         if run.ledger is None:
             return
-        below = run.prompt_len + run.generated
+        below = run.prompt_tokens + run.generated
         for binding, info, report in zip(run.bindings, run.infos, finished.bindings):
             fed = self.rows_fed(run, info, below)
             assert report.rows_scored + report.rows_unprobed == fed, (
@@ -482,7 +482,7 @@ class GatingMachine(RuleBasedStateMachine):
     def known_computed(run: RequestRun) -> int:
         """Every stage computed the positions below this, as the engine can know:
         each token the engine received was sampled from the position before it."""
-        return run.prompt_len + run.generated - 1 if run.generated else 0
+        return run.prompt_tokens + run.generated - 1 if run.generated else 0
 
     def rows_fed(self, run: RequestRun, info: types_pb.ProbeInfo, below: int) -> int:
         """Rows the binding reads that the model computed where the engine knows it
@@ -491,7 +491,7 @@ class GatingMachine(RuleBasedStateMachine):
         known = self.known_computed(run)
 
         def reads(point: str, position: int) -> bool:
-            return point in points and selects(info.tokens, position, run.prompt_len)
+            return point in points and selects(info.tokens, position, run.prompt_tokens)
 
         return (sum(1 for point, position in self.capture.made[run.key] if reads(point, position) and position < known)
                 + sum(1 for point, position in self.capture.delivered[run.key]

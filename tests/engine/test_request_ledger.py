@@ -19,7 +19,7 @@ def binding(probe="p", closed=True, points=(R0,), tokens=GENERATED, stateful=Fal
     return LedgerBinding(probe, closed, stateful, tuple(points), tokens)
 
 
-def ledger(*bindings: LedgerBinding, prompt_len: int = 10) -> RequestLedger:
+def ledger(*bindings: LedgerBinding, prompt_tokens: int = 10) -> RequestLedger:
     """A ledger over these bindings (one fail_closed binding of R0 at generated
     tokens by default); capture owes each point the bindings read, at the tokens
     they read it."""
@@ -28,7 +28,7 @@ def ledger(*bindings: LedgerBinding, prompt_len: int = 10) -> RequestLedger:
     selectors = {name: {b.tokens for b in bindings if name in b.points} for name in names}
     points = [ExtractionPoint(name, "residual_stream", (0,), (*selectors[name],)[0] if len(selectors[name]) == 1
                               else EVERY) for name in names]
-    return RequestLedger(prompt_len, bindings, points)
+    return RequestLedger(prompt_tokens, bindings, points)
 
 
 def rows(**positions: list[int]) -> dict[str, list[int]]:
@@ -74,7 +74,7 @@ def test_a_position_no_stage_finished_is_never_releasable_whatever_was_scored_th
 
 
 def test_the_ack_of_part_0_of_a_split_step_does_not_settle_rows_in_part_1():
-    led = ledger(binding(points=(R0, R1)), prompt_len=12)
+    led = ledger(binding(points=(R0, R1)), prompt_tokens=12)
     # One engine step, too big for one message: layer 0 in part 0, layer 1 in part 1.
     part_0 = sent(led, "r", 1, rows(r0=[12]))
     part_1 = sent(led, "r", 2, rows(r1=[12]))
@@ -300,7 +300,7 @@ def test_rows_expired_in_the_queue_and_then_discarded_count_as_dropped_once():
 
 
 def test_rows_again_at_a_settled_position_unsettle_it():
-    led = ledger(binding(tokens=EVERY), prompt_len=4)
+    led = ledger(binding(tokens=EVERY), prompt_tokens=4)
     led.computed_below(12)
     led.acknowledged(sent(led, "r", 1, rows(r0=list(range(12)))))
     assert led.releasable_through() == 11
@@ -483,19 +483,19 @@ def test_a_message_per_binding_is_read_once_while_the_ledger_waits():
 # -- rows counted against what capture must make ------------------------------------
 
 
-def expecting(prompt_len=4, closed=True) -> RequestLedger:
+def expecting(prompt_tokens=4, closed=True) -> RequestLedger:
     """One binding reading two layers at every token (2 rows a position) and the
     MLP output of generated tokens only (3 rows at generated positions)."""
     generated = TokenSelector(Scope.GENERATED)
     bindings = [binding("every", closed, (R0, R1), tokens=EVERY), binding("generated", closed, (M0,), tokens=generated)]
     points = [ExtractionPoint(R0, "residual_stream", (0,)), ExtractionPoint(R1, "residual_stream", (1,)),
               ExtractionPoint(M0, "mlp_out", (0,), generated)]
-    return RequestLedger(prompt_len, bindings, points)
+    return RequestLedger(prompt_tokens, bindings, points)
 
 
-def prompt_and(*generated: int, prompt_len: int = 4) -> dict[str, list[int]]:
+def prompt_and(*generated: int, prompt_tokens: int = 4) -> dict[str, list[int]]:
     """The rows capture makes at the prompt and at these generated positions."""
-    every = list(range(prompt_len)) + list(generated)
+    every = list(range(prompt_tokens)) + list(generated)
     return {R0: every, R1: every, M0: list(generated)}
 
 

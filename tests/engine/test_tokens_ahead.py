@@ -16,15 +16,15 @@ from engine_service.engine_core.tokens_ahead_scheduler import _HoldsRequestsAhea
 
 
 def test_allowance_counts_from_the_first_unsettled_position_or_the_prompt():
-    assert allowance(settled_below=0, prompt_len=7, tokens_ahead=2) == 9
-    assert allowance(settled_below=12, prompt_len=7, tokens_ahead=2) == 14
+    assert allowance(settled_below=0, prompt_tokens=7, tokens_ahead=2) == 9
+    assert allowance(settled_below=12, prompt_tokens=7, tokens_ahead=2) == 14
 
 
 def test_the_table_holds_a_request_at_its_allowance_and_never_lowers_it():
     table = AllowanceTable()
     # Unheard of: its prompt plus the bound.
-    assert not table.held("a#1", bound=1, prompt_len=5, computed=5)
-    assert table.held("a#1", bound=1, prompt_len=5, computed=6)
+    assert not table.held("a#1", bound=1, prompt_tokens=5, computed=5)
+    assert table.held("a#1", bound=1, prompt_tokens=5, computed=6)
     table.update({"a#1": 9})
     assert not table.held("a#1", 1, 5, 8) and table.held("a#1", 1, 5, 9)
     table.update({"a#1": 7})  # a stale value never takes back an allowance
@@ -55,11 +55,11 @@ async def test_allowances_of_one_turn_travel_as_one_message_of_their_latest_valu
     publisher = AllowancePublisher(tokens_ahead=2)
     socket = receiver(publisher.address)
     try:
-        publisher.allow("a#1", settled_below=0, prompt_len=5)
-        publisher.allow("a#1", settled_below=9, prompt_len=5)
-        publisher.allow("b#2", settled_below=3, prompt_len=4)
+        publisher.allow("a#1", settled_below=0, prompt_tokens=5)
+        publisher.allow("a#1", settled_below=9, prompt_tokens=5)
+        publisher.allow("b#2", settled_below=3, prompt_tokens=4)
         assert await received(socket) == {"a#1": 11, "b#2": 6}
-        publisher.allow("a#1", settled_below=8, prompt_len=5)  # no higher: nothing sent
+        publisher.allow("a#1", settled_below=8, prompt_tokens=5)  # no higher: nothing sent
         publisher.forget("b#2")
         publisher.forget("never-sent#3")
         assert await received(socket) == {"b#2": None}
@@ -73,10 +73,10 @@ async def test_allowances_of_one_turn_travel_as_one_message_of_their_latest_valu
 async def test_a_send_the_engine_core_cannot_take_yet_is_retried_with_the_latest_value():
     publisher = AllowancePublisher(tokens_ahead=1)
     try:
-        publisher.allow("a#1", settled_below=6, prompt_len=5)  # nobody connected: ZeroMQ refuses
+        publisher.allow("a#1", settled_below=6, prompt_tokens=5)  # nobody connected: ZeroMQ refuses
         await asyncio.sleep(0.05)
         assert publisher.retries > 0
-        publisher.allow("a#1", settled_below=8, prompt_len=5)
+        publisher.allow("a#1", settled_below=8, prompt_tokens=5)
         socket = receiver(publisher.address)
         assert await received(socket) == {"a#1": 9}
         socket.close()
@@ -170,7 +170,7 @@ async def test_requests_at_their_allowance_sit_out_a_schedule_and_keep_their_pla
     # a reached its prompt plus one; c has not; b is not bounded; d was admitted.
     assert held.seen == [["b", "c"]]
     assert [r.request_id for r in held.running] == ["a", "b", "c", "d"]
-    publisher.allow("a#1", settled_below=6, prompt_len=5)
+    publisher.allow("a#1", settled_below=6, prompt_tokens=5)
     await asyncio.sleep(0.05)
     held.schedule()
     assert held.seen[-1] == ["a", "b", "c", "d"]
@@ -196,7 +196,7 @@ async def test_with_every_request_held_the_scheduler_waits_for_an_allowance_then
     began = loop.time()
     held.schedule()
     assert held.seen == [[]] and loop.time() - began >= 0.004  # waited, then scheduled nothing
-    publisher.allow("a#1", settled_below=6, prompt_len=5)
+    publisher.allow("a#1", settled_below=6, prompt_tokens=5)
     await asyncio.sleep(0.05)
     held.schedule()
     assert held.seen[-1] == ["a"]

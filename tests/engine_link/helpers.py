@@ -87,7 +87,7 @@ def start(
     link: RouterLink,
     request_id: str,
     bindings=None,
-    prompt_length: int = 1,
+    prompt_tokens: int = 1,
     incarnation: int | None = None,
     layers: tuple[int, ...] = (0,),
     caller: str = "",
@@ -101,9 +101,9 @@ def start(
     infos = [types_pb.ProbeInfo(name=b.probe, tensor_type=PROBE.tensor_type, layers=layers,
                           digest=PROBE.digest if b.probe == PROBE.name else "") for b in bindings]
     pinned = pins.pinned(bindings, infos, types_pb.FAILURE_POLICY_FAIL_CLOSED)
-    ledger = RequestLedger(prompt_length, pins.for_ledger(pinned, infos))
+    ledger = RequestLedger(prompt_tokens, pins.for_ledger(pinned, infos))
     incarnation = next(_incarnations) if incarnation is None else incarnation
-    link.start_request(request_id, incarnation, pinned, prompt_length, ledger, caller=caller)
+    link.start_request(request_id, incarnation, pinned, prompt_tokens, ledger, caller=caller)
     return ledger
 
 

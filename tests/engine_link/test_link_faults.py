@@ -24,7 +24,7 @@ async def test_the_ack_of_the_first_part_of_a_split_step_settles_no_row_of_a_lat
     link, events = links(router.address, max_message_bytes=16_000)
     await link.start()
     await link.wait_ready(timeout=10)
-    ledger = start(link, "big", FAIL_CLOSED, prompt_length=100, layers=(0, 1))
+    ledger = start(link, "big", FAIL_CLOSED, prompt_tokens=100, layers=(0, 1))
     # One step, two layers, every position in both: too big for one message, so
     # layer 0 and layer 1 of the same positions travel in different parts.
     router.withhold_ack = lambda step: step > 1
@@ -139,7 +139,7 @@ async def test_a_router_that_reads_every_batch_but_acks_none_does_not_keep_their
     link, events = links(router.address, router_timeout_s=30.0)
     await link.start()
     await link.wait_ready(timeout=10)
-    ledger = start(link, "r", FAIL_CLOSED, prompt_length=4, layers=(0, 1))
+    ledger = start(link, "r", FAIL_CLOSED, prompt_tokens=4, layers=(0, 1))
     blocks = [step({"r": list(range(4))}, layer=layer, hidden=4096) for layer in (0, 1)]
     sent_rows = [weakref.ref(block.rows) for block in blocks]
     link.send_step(blocks)

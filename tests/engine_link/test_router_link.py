@@ -56,7 +56,7 @@ async def test_two_replicas_split_requests_and_each_request_stays_on_one(routers
     await link.start()
     await link.wait_ready(2, timeout=10)
     ids = [f"req-{i}" for i in range(32)]
-    ledgers = {r: start(link, r, prompt_length=2) for r in ids}
+    ledgers = {r: start(link, r, prompt_tokens=2) for r in ids}
     owners = {r: link.replica_of(r) for r in ids}
     assert owners == {r: pick_replica(r, [a.address, b.address]) for r in ids}
     assert set(owners.values()) == {a.address, b.address}
@@ -98,8 +98,8 @@ async def test_acks_settle_ledger_positions_and_verdicts_reach_their_request(rou
     await link.start()
     await link.wait_ready(timeout=10)
     assert router.hellos[0].accepts_replies
-    calm = start(link, "calm", prompt_length=2)
-    hot = start(link, "hot", prompt_length=2)
+    calm = start(link, "calm", prompt_tokens=2)
+    hot = start(link, "hot", prompt_tokens=2)
     link.send_step([step({"calm": [0, 1], "hot": [0, 1]}, first={"hot": 0.5})])
     link.send_step([step({"calm": [2], "hot": [2]}, first={"hot": 5.0})])
     calm.computed_below(3)
@@ -126,7 +126,7 @@ async def test_a_refused_request_start_leaves_the_stream_up_and_the_request_unsc
     await link.start()
     await link.wait_ready(timeout=10)
     bad = start(link, "bad", [types_pb.ProbeBinding(probe="missing", failure_policy=types_pb.FAILURE_POLICY_FAIL_CLOSED)])
-    start(link, "good", prompt_length=1)
+    start(link, "good", prompt_tokens=1)
     link.send_step([step({"good": [0], "bad": [0]})])
     await events.wait_for(lambda: events.of(Processed, "good"))
     [refused] = events.of(Unscored, "bad")
@@ -145,7 +145,7 @@ async def test_killed_replica_rehomes_its_requests_then_reconnects_on_the_same_p
     await link.wait_ready(2, timeout=10)
     ids = [f"req-{i}" for i in range(32)]
     for request_id in ids:
-        start(link, request_id, prompt_length=1, caller=f"caller-of-{request_id}")
+        start(link, request_id, prompt_tokens=1, caller=f"caller-of-{request_id}")
     on_a = [r for r in ids if link.replica_of(r) == a.address]
     on_b = [r for r in ids if link.replica_of(r) == b.address]
     assert on_a and on_b
@@ -174,7 +174,7 @@ async def test_killed_replica_rehomes_its_requests_then_reconnects_on_the_same_p
     assert a_again.requests == {}
     fresh = [f"fresh-{i}" for i in range(32)]
     for request_id in fresh:
-        start(link, request_id, prompt_length=1)
+        start(link, request_id, prompt_tokens=1)
     assert {link.replica_of(r) for r in fresh} == {a.address, b.address}
 
 
@@ -184,7 +184,7 @@ async def test_dns_target_resolves_localhost(routers, links):
     await link.start()
     await link.wait_ready(timeout=10)
     assert link.replicas_up() == [router.address]
-    start(link, "r", prompt_length=1)
+    start(link, "r", prompt_tokens=1)
     link.send_step([step({"r": [0]})])
     await events.wait_for(lambda: events.of(Processed, "r"))
     assert router.hellos[0].engine_id == "engine-test"
@@ -209,7 +209,7 @@ async def test_dns_membership_changes_live(routers, links, caplog):
     await link.wait_ready(timeout=10)
     ids = [f"req-{i}" for i in range(10)]
     for request_id in ids:
-        start(link, request_id, prompt_length=1)
+        start(link, request_id, prompt_tokens=1)
     assert {link.replica_of(r) for r in ids} == {a.address}
 
     resolved.append(b.address)
@@ -277,7 +277,7 @@ async def test_a_stalled_router_never_blocks_the_caller_and_every_loss_is_counte
     link, _ = links(router.address, queue_max_batches=4, heartbeat_timeout_s=5.0)
     await link.start()
     await link.wait_ready(timeout=10)
-    ledger = start(link, "r", prompt_length=1)
+    ledger = start(link, "r", prompt_tokens=1)
     router.reading.clear()
 
     async def held_by_flow_control() -> bool:
@@ -322,7 +322,7 @@ async def test_a_step_over_the_message_limit_is_split(routers, links):
     link, events = links(router.address, max_message_bytes=limit)
     await link.start()
     await link.wait_ready(timeout=10)
-    ledger = start(link, "big", prompt_length=100)
+    ledger = start(link, "big", prompt_tokens=100)
     block = step({"big": list(range(100))}, hidden=64)  # ~26 KB of rows
     link.send_step([block])
     ledger.computed_below(100)
@@ -340,7 +340,7 @@ async def test_a_silent_replica_is_marked_down_by_the_heartbeat_timeout(routers,
     await link.wait_ready(2, timeout=10)
     ids = [f"req-{i}" for i in range(32)]
     for request_id in ids:
-        start(link, request_id, prompt_length=1)
+        start(link, request_id, prompt_tokens=1)
     on_a = [r for r in ids if link.replica_of(r) == a.address]
     assert on_a
     a.silent = True  # the stream stays open; nothing comes back
@@ -367,7 +367,7 @@ async def test_no_reachable_replica_drops_rows_and_signals_unavailability(router
     link, events = links(router.address, router_timeout_s=0.2)
     await link.start()
     await link.wait_ready(timeout=10)
-    ledger = start(link, "r", prompt_length=1)
+    ledger = start(link, "r", prompt_tokens=1)
     link.send_step([step({"r": [0]})])
     await events.wait_for(lambda: events.of(Processed, "r"))
 
@@ -397,7 +397,7 @@ async def test_no_reachable_replica_drops_rows_and_signals_unavailability(router
 async def test_a_request_started_before_any_replica_is_up_starts_clean(routers, links):
     router = await routers()
     link, events = links(router.address)
-    start(link, "early", prompt_length=3)  # before start(): nothing is up
+    start(link, "early", prompt_tokens=3)  # before start(): nothing is up
     assert link.unavailable_since("early") is not None
     await link.start()
     await link.wait_ready(timeout=10)
@@ -416,7 +416,7 @@ async def test_drain_moves_requests_away_and_drops_its_probes_from_the_catalog(r
     assert loaded(link) == ["first_element", "only_on_a"]
     ids = [f"req-{i}" for i in range(32)]
     for request_id in ids:
-        start(link, request_id, prompt_length=1)
+        start(link, request_id, prompt_tokens=1)
     on_a = [r for r in ids if link.replica_of(r) == a.address]
     assert on_a
 
@@ -428,7 +428,7 @@ async def test_drain_moves_requests_away_and_drops_its_probes_from_the_catalog(r
     assert loaded(link) == ["first_element"]
     assert a.address in link.replicas_up()  # draining, not down
     for request_id in (f"new-{i}" for i in range(8)):
-        start(link, request_id, prompt_length=1)
+        start(link, request_id, prompt_tokens=1)
         assert link.replica_of(request_id) == b.address
 
 
@@ -442,13 +442,13 @@ async def test_a_lone_draining_replica_keeps_its_requests_until_another_is_up(ro
     link, events = links("dns:routers.test:1", resolver=resolver, dns_refresh_s=0.02)
     await link.start()
     await link.wait_ready(timeout=10)
-    start(link, "r", prompt_length=1)
+    start(link, "r", prompt_tokens=1)
     a.drain()
     await until(lambda: loaded(link) == [])
     assert link.replica_of("r") == a.address  # nowhere better: it stays
     link.send_step([step({"r": [0]})])
     await events.wait_for(lambda: events.of(Processed, "r"))
-    start(link, "late", prompt_length=1)
+    start(link, "late", prompt_tokens=1)
     assert link.replica_of("late") is None  # a draining replica takes no new request
     assert link.unavailable_since("late") is not None
 
@@ -476,7 +476,7 @@ async def test_close_ends_streams_gracefully(routers, links):
     link, _ = links(router.address)
     await link.start()
     await link.wait_ready(timeout=10)
-    start(link, "r", prompt_length=1)
+    start(link, "r", prompt_tokens=1)
     link.send_step([step({"r": [0]})])
     await link.close()
     assert router.half_closed == 1
@@ -536,7 +536,7 @@ async def test_a_queued_batch_keeps_alive_no_more_than_twice_its_rows(routers, l
     link, _ = links(router.address)
     await link.start()
     await link.wait_ready(timeout=10)
-    start(link, "r", prompt_length=1)
+    start(link, "r", prompt_tokens=1)
     rows = np.random.default_rng(0).normal(size=(10, HIDDEN)).astype(np.float32)
     probe_block, *client_blocks = received_step(rows, "r", layers=10)
     # No await in between: the writer cannot run, so the batches stay queued.

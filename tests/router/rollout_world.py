@@ -127,7 +127,7 @@ class Engine:
         infos = pin_versions(request_id, {"router": self.client.probes}, [Wanted(p, None, True) for p in probes])
         bindings = [session_pb.SessionBinding(probe=p, digest=info.digest) for p, info in zip(probes, infos)]
         self.client.send(request_start=session_pb.RequestStart(request_id=request_id, bindings=bindings,
-                                                               prompt_length=2, caller=caller))
+                                                               prompt_tokens=2, caller=caller))
 
     async def step(self, request_rows: dict[str, tuple[int, float]]) -> None:
         """One batch: per request one row at (position, first element); waits for its ack."""

@@ -53,7 +53,7 @@ async def test_load_list_unload_live_without_dropping_the_session(make_router, t
     assert [p.name for p in listed.probes] == ["by_path", "first", "inline"]
 
     # The new probes score on the same session.
-    client.start("r", "by_path", "inline", prompt_length=0)
+    client.start("r", "by_path", "inline", prompt_tokens=0)
     replies = await client.until_ack(client.batch(block(np.ones((1, HIDDEN)), ["r"], [0])))
     scored = [m.scores.probe_scores for m in replies if m.WhichOneof("message") == "scores"]
     assert sorted((s.probe, s.scores[0]) for s in scored) == [("by_path", 2.0), ("inline", 3.0)]
@@ -83,7 +83,7 @@ async def test_forced_unload_detaches_running_requests_with_an_error(make_router
     stub = admin(router)
     client = SessionClient(router)
     await client.open()
-    client.start("r", "p", prompt_length=0)
+    client.start("r", "p", prompt_tokens=0)
     await client.sync()
     assert (await stub.UnloadProbe(admin_pb.UnloadProbeRequest(name="p", force=True))).unloaded is True
     replies = await client.until_ack(client.batch(block(np.ones((1, HIDDEN)), ["r"], [0])))
@@ -102,7 +102,7 @@ async def test_replace_keeps_running_requests_on_the_old_version_and_refuses_it_
     stub = admin(router)
     client = SessionClient(router)
     await client.open()
-    client.start("old", "p", prompt_length=0)
+    client.start("old", "p", prompt_tokens=0)
     await client.sync()
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.LoadProbe(admin_pb.LoadProbeRequest(inline=inline("p", E0 * 10, version="2")))
@@ -112,9 +112,9 @@ async def test_replace_keeps_running_requests_on_the_old_version_and_refuses_it_
     info = (await stub.LoadProbe(admin_pb.LoadProbeRequest(inline=inline("p", E0 * 10, version="2"), replace=True))).probe
     assert info.version == "2" and info.digest != old_digest
     assert (await client.until("catalog")).catalog.probes[0].digest == info.digest
-    client.start("new", "p", prompt_length=0)
+    client.start("new", "p", prompt_tokens=0)
     # A request pinned to the version that was replaced is refused, naming the probe and both versions.
-    client.start("late", "p", prompt_length=0, digests={"p": old_digest})
+    client.start("late", "p", prompt_tokens=0, digests={"p": old_digest})
     rows = np.ones((3, HIDDEN))
     replies = await client.until_ack(client.batch(block(rows, ["old", "new", "late"], [0, 0, 0])))
     scored = [m.scores.probe_scores for m in replies if m.WhichOneof("message") == "scores"]

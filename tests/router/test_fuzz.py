@@ -138,7 +138,7 @@ def plausible_batches(draw) -> types_pb.ActivationBatch:
 def session_messages() -> st.SearchStrategy[session_pb.SessionRequest]:
     start = st.builds(
         lambda rid, incarnation, bindings, prompt: session_pb.SessionRequest(request_start=session_pb.RequestStart(
-            request_id=rid, incarnation=incarnation, prompt_length=prompt,
+            request_id=rid, incarnation=incarnation, prompt_tokens=prompt,
             bindings=[session_pb.SessionBinding(probe=name, failure_policy=policy, action=action,
                                         digest=LOADED_DIGESTS.get(name, "") if version == "loaded" else version)
                       for name, policy, action, version in bindings])),

@@ -181,6 +181,24 @@ async def test_unknown_enum_values_in_request_start_are_refused_naming_the_field
     await client.close()
 
 
+async def test_a_request_start_without_an_id_or_with_a_negative_prompt_is_refused_naming_the_field(
+        make_router, probes_dir):
+    router = await make_router(probes_dir)
+    client = SessionClient(router)
+    await client.open()
+    watch = session_pb.SessionBinding(probe="watch", digest=client.digests["watch"])
+    client.send(request_start=session_pb.RequestStart(request_id="", incarnation=4, bindings=[watch]))
+    client.send(request_start=session_pb.RequestStart(request_id="r", incarnation=5, prompt_tokens=-1,
+                                                      bindings=[watch]))
+    replies = await client.sync()
+    assert [(e.request_id, e.incarnation, e.code, e.message) for e in errors(replies)] == [
+        ("", 4, session_pb.STATUS_CODE_INVALID_ARGUMENT, "request_start.request_id is empty"),
+        ("r", 5, session_pb.STATUS_CODE_INVALID_ARGUMENT, "request_start.prompt_tokens -1 is negative"),
+    ]
+    assert router.live_requests() == 0
+    await client.close()
+
+
 async def test_requests_past_the_per_session_limit_get_resource_exhausted(make_router, probes_dir):
     router = await make_router(probes_dir, max_requests_per_session=2)
     client = SessionClient(router)

@@ -145,7 +145,7 @@ async def test_promote_and_roll_back_change_new_requests_only(router):
         await engine.catalog_lists(v2.digest)
         # A binding pinned to the rolled-back canary (a request re-homed here, say) is
         # refused, never moved to the serving version.
-        engine.client.start("pinned-to-v3", PROBE, prompt_length=2, digests={PROBE: v3.digest})
+        engine.client.start("pinned-to-v3", PROBE, prompt_tokens=2, digests={PROBE: v3.digest})
         [refused] = await engine.client.sync()
         assert refused.error.code == session_pb.STATUS_CODE_FAILED_PRECONDITION, refused
         assert f"version '2' ({v2.digest}) on this router; the request was bound to {v3.digest}" in \
@@ -216,7 +216,7 @@ async def test_a_shadow_left_alone_by_a_forced_unload_still_scores_and_logs(make
         router.registry.load(load_probe_bytes(probe.manifest_json, probe.weights_safetensors), role=role)
     client = SessionClient(router)
     await client.open()
-    client.start("r", PROBE, prompt_length=2)
+    client.start("r", PROBE, prompt_tokens=2)
     await client.sync()
     router.registry.roll_back(PROBE)
     router.registry.unload(PROBE, force=True)
@@ -242,7 +242,7 @@ async def test_a_promoted_shadow_unloaded_by_force_leaves_its_requests_serving_b
         router.registry.load(load_probe_bytes(probe.manifest_json, probe.weights_safetensors), role=role)
     client = SessionClient(router)
     await client.open()
-    client.start("r", PROBE, prompt_length=2)  # version 1, with version 2 as its shadow
+    client.start("r", PROBE, prompt_tokens=2)  # version 1, with version 2 as its shadow
     await client.sync()
     router.registry.promote(PROBE)
     router.registry.unload(PROBE, force=True)  # version 2, now serving, and the request's shadow

@@ -55,10 +55,10 @@ async def test_many_interleaved_requests_abort_exactly_where_the_rule_fired(make
     assert [p.name for p in hello.probes] == ["deep", "prompt", "tox", "watch"]
     rng = np.random.default_rng(7)
     request_ids = [f"req-{i}" for i in range(24)]
-    prompt_length = 4
+    prompt_tokens = 4
     for rid in request_ids:
-        client.start(rid, "tox", "watch", prompt_length=prompt_length)
-    next_position = {rid: prompt_length for rid in request_ids}
+        client.start(rid, "tox", "watch", prompt_tokens=prompt_tokens)
+    next_position = {rid: prompt_tokens for rid in request_ids}
     sent: dict[str, list[tuple[int, float]]] = {rid: [] for rid in request_ids}
     watch_sent: dict[str, list[tuple[int, float]]] = {rid: [] for rid in request_ids}
     aborts: dict[str, types_pb.Verdict] = {}
@@ -128,7 +128,7 @@ async def test_an_engine_that_accepts_replies_gets_each_batchs_replies_as_one_me
     await bundled.open(accepts_replies=True)
     for client in (single, bundled):
         for rid in ("a", "b", "c"):
-            client.start(rid, "tox", "watch", prompt_length=4)
+            client.start(rid, "tox", "watch", prompt_tokens=4)
     steps = [  # row[0] >= 5 twice in a row aborts ("tox"); row[1] is "watch"'s score
         [("a", 4, 9.0), ("b", 4, 0.0), ("c", 4, 9.0)],
         [("a", 5, 9.0), ("b", 5, 9.0), ("c", 5, 0.0)],
@@ -162,7 +162,7 @@ async def test_multi_layer_probe_reads_rows_in_forward_order(make_router, probes
     router = await make_router(probes_dir)
     client = SessionClient(router)
     await client.open()
-    client.start("r", "deep", prompt_length=2)
+    client.start("r", "deep", prompt_tokens=2)
     rng = np.random.default_rng(3)
     layer1, layer2 = rng.normal(size=(3, HIDDEN)), rng.normal(size=(3, HIDDEN))
     positions = [2, 3, 4]
@@ -186,7 +186,7 @@ async def test_token_scope_and_action_override(make_router, probes_dir):
     client = SessionClient(router)
     await client.open()
     # tox bound as observe: scores, never an abort.
-    client.start("r", "tox", "prompt", prompt_length=2, actions={"tox": types_pb.PROBE_ACTION_OBSERVE})
+    client.start("r", "tox", "prompt", prompt_tokens=2, actions={"tox": types_pb.PROBE_ACTION_OBSERVE})
     rows = np.zeros((4, HIDDEN))
     rows[:, 0] = 9.0
     rows[:, 3] = [1, 2, 3, 4]
@@ -286,7 +286,7 @@ async def test_scores_rate_limited_flush_at_request_end(make_router, probes_dir)
     router = await make_router(probes_dir, scores_interval=3600.0)
     client = SessionClient(router)
     await client.open()
-    client.start("r", "watch", prompt_length=0)
+    client.start("r", "watch", prompt_tokens=0)
     rows = np.zeros((1, HIDDEN))
     first = await client.until_ack(client.batch(block(rows + 1, ["r"], [0])))
     second = await client.until_ack(client.batch(block(rows + 2, ["r"], [1])))
@@ -319,7 +319,7 @@ async def test_bad_records_get_in_band_errors_and_the_stream_lives_on(make_route
     router = await make_router(probes_dir)
     client = SessionClient(router)
     await client.open()
-    client.start("r", "tox", prompt_length=0)
+    client.start("r", "tox", prompt_tokens=0)
     client.start("gone", "tox")
     client.end("gone")
     await client.sync()
@@ -389,7 +389,7 @@ async def test_one_bad_block_does_not_stop_the_good_blocks_of_its_batch(make_rou
     router = await make_router(probes_dir)
     client = SessionClient(router)
     await client.open()
-    client.start("r", "tox", prompt_length=0)
+    client.start("r", "tox", prompt_tokens=0)
     hot = np.full((2, HIDDEN), 8.0)
     batch = to_batch([block(hot, ["r"] * 2, [0, 1], dtype="bfloat16"),
                       block(hot, ["r"] * 2, [0, 1], layer=3)])
@@ -405,8 +405,8 @@ async def test_nan_rows_in_blocks_read_alike_are_named_by_their_own_block(make_r
     router = await make_router(probes_dir)
     client = SessionClient(router)
     await client.open()
-    client.start("r", "watch", prompt_length=0)  # an observe probe: its scores name what it read
-    client.start("s", "watch", prompt_length=0)
+    client.start("r", "watch", prompt_tokens=0)  # an observe probe: its scores name what it read
+    client.start("s", "watch", prompt_tokens=0)
     await client.sync()
     clean, dirty = np.zeros((3, HIDDEN)), np.zeros((3, HIDDEN))
     dirty[2, 4] = np.nan  # the third row of the second block: s at position 7
@@ -427,7 +427,7 @@ async def test_nan_rows_of_a_block_no_probe_reads_are_still_reported(make_router
     router = await make_router(probes_dir)
     client = SessionClient(router)
     await client.open()
-    client.start("r", "watch", prompt_length=0)
+    client.start("r", "watch", prompt_tokens=0)
     await client.sync()
     dirty = np.zeros((2, HIDDEN))
     dirty[1, 0] = np.inf
@@ -446,7 +446,7 @@ async def test_a_fault_in_blocks_read_alike_spares_the_blocks_other_probes_read(
     router = await make_router(probes_dir)
     client = SessionClient(router)
     await client.open()
-    client.start("r", "tox", "deep", prompt_length=0)
+    client.start("r", "tox", "deep", prompt_tokens=0)
     await client.sync()
     evaluate = ProjectionPlan.evaluate
 
@@ -518,7 +518,7 @@ async def test_drain_refuses_new_requests_and_stops_after_active_ones_end(make_r
     router = await make_router(probes_dir, grace_period=10.0)
     client = SessionClient(router)
     await client.open()
-    client.start("running", "tox", prompt_length=0)
+    client.start("running", "tox", prompt_tokens=0)
     await client.sync()
     shutdown = asyncio.create_task(router.shutdown())
     drain = await client.until("drain")
@@ -547,7 +547,7 @@ async def test_trajectory_abort_over_interleaved_requests_matches_a_loop(make_ro
     rng = np.random.default_rng(11)
     request_ids = [f"t{i}" for i in range(8)]
     for rid in request_ids:
-        client.start(rid, "ema", prompt_length=0)
+        client.start(rid, "ema", prompt_tokens=0)
     values = {rid: [] for rid in request_ids}
     aborts = {}
     for step_index in range(6):

@@ -146,7 +146,7 @@ class Request:
 
     request_id: str
     incarnation: int
-    prompt_length: int
+    prompt_tokens: int
     bindings: list[tuple[ProbeSpec, int]]  # request_start order; action UNSPECIFIED defers to the manifest
     start: int  # request_start goes right before this step
     end: int  # request_end goes right before this step (the step count: after the last one)
@@ -157,7 +157,7 @@ class Request:
         """The (position, layer) of each row `probe` reads of this request over the
         whole run, in forward order, and those rows."""
         keys = sorted((position, layer) for positions in self.positions.values() for position in positions
-                      if selects(probe.tokens, position, self.prompt_length) for layer in probe.layers)
+                      if selects(probe.tokens, position, self.prompt_tokens) for layer in probe.layers)
         rows = [self.rows[(probe.tensor_type, layer, position)] for position, layer in keys]
         return keys, np.array(rows, dtype=np.float64).reshape(len(keys), HIDDEN)
 
@@ -167,14 +167,14 @@ def binding_aborts(probe: ProbeSpec, action: int) -> bool:
     return action == types_pb.PROBE_ACTION_ABORT or (action == types_pb.PROBE_ACTION_UNSPECIFIED and probe.action == "abort")
 
 
-def selects(tokens: dict, position: int, prompt_length: int) -> bool:
+def selects(tokens: dict, position: int, prompt_tokens: int) -> bool:
     """A manifest's token selector read literally: scope, then indexes or ranges within it."""
     scope = tokens["scope"]
-    local = position - prompt_length if scope == "generated" else position
-    in_scope = {"prompt": position < prompt_length, "generated": position >= prompt_length}.get(scope, True)
+    local = position - prompt_tokens if scope == "generated" else position
+    in_scope = {"prompt": position < prompt_tokens, "generated": position >= prompt_tokens}.get(scope, True)
 
     def resolve(index: int) -> int:  # negative prompt indexes count from the prompt's end
-        return prompt_length + index if scope == "prompt" and index < 0 else index
+        return prompt_tokens + index if scope == "prompt" and index < 0 else index
 
     picked = [local == resolve(i) for i in tokens.get("indexes", [])]
     picked += [resolve(r["start"]) <= local < resolve(r["stop"]) for r in tokens.get("ranges", [])]
@@ -278,7 +278,7 @@ def random_requests(rng: np.random.Generator, probes: list[ProbeSpec], steps: in
             carried = [r for r in alive if rng.random() < 0.75]
         for request in carried:
             first = max((p[-1] + 1 for p in request.positions.values()), default=0)
-            count = int(rng.integers(1, request.prompt_length + 2 if first == 0 else 3))
+            count = int(rng.integers(1, request.prompt_tokens + 2 if first == 0 else 3))
             request.positions[step] = list(range(first, first + count))
             for position in request.positions[step]:
                 for tensor_type, layer in CAPTURED:
@@ -314,7 +314,7 @@ def batch_of(requests: list[Request], step: int, rng: np.random.Generator) -> ty
         blocks.append(Block(tensor_type, TENSOR_TYPES[tensor_type], layer,
                             np.array([r.rows[(tensor_type, layer, p)] for r, p in picked]),
                             [r.request_id for r, _ in picked], np.array([p for _, p in picked]),
-                            np.array([p >= r.prompt_length for r, p in picked]), wire_dtype))
+                            np.array([p >= r.prompt_tokens for r, p in picked]), wire_dtype))
     batch = to_batch(blocks, step=100 + step)
     # The id table in the requests' order, as an engine keeps it from step to step
     # (to_batch lists ids as the shuffled rows name them): the session then reuses
@@ -346,7 +346,7 @@ def run_session(probes: list[ProbeSpec], requests: list[Request], steps: int, di
         for r in requests:
             if r.start == step:
                 assert state.start(session_pb.RequestStart(
-                    request_id=r.request_id, incarnation=r.incarnation, prompt_length=r.prompt_length,
+                    request_id=r.request_id, incarnation=r.incarnation, prompt_tokens=r.prompt_tokens,
                     bindings=[session_pb.SessionBinding(probe=p.name, action=a, digest=digests[p.name])
                               for p, a in r.bindings])) == []
         if step < steps:

@@ -68,20 +68,20 @@ class SessionBinding(_message.Message):
     def __init__(self, probe: _Optional[str] = ..., failure_policy: _Optional[_Union[_types_pb2.FailurePolicy, str]] = ..., action: _Optional[_Union[_types_pb2.ProbeAction, str]] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class RequestStart(_message.Message):
-    __slots__ = ("request_id", "prompt_length", "state_reset", "incarnation", "bindings", "caller")
+    __slots__ = ("request_id", "prompt_tokens", "state_reset", "incarnation", "bindings", "caller")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STATE_RESET_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     BINDINGS_FIELD_NUMBER: _ClassVar[int]
     CALLER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    prompt_length: int
+    prompt_tokens: int
     state_reset: bool
     incarnation: int
     bindings: _containers.RepeatedCompositeFieldContainer[SessionBinding]
     caller: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_length: _Optional[int] = ..., state_reset: _Optional[bool] = ..., incarnation: _Optional[int] = ..., bindings: _Optional[_Iterable[_Union[SessionBinding, _Mapping]]] = ..., caller: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., state_reset: _Optional[bool] = ..., incarnation: _Optional[int] = ..., bindings: _Optional[_Iterable[_Union[SessionBinding, _Mapping]]] = ..., caller: _Optional[str] = ...) -> None: ...
 
 class RequestEnd(_message.Message):
     __slots__ = ("request_id", "finish_reason", "incarnation")

@@ -5,8 +5,8 @@
     controller = CaptureController(engine)
     await controller.start()                 # before the first generate()
     controller.validate(points)              # InvalidArgument names the point
-    params = require_prompt_computation(params, points, prompt_len)
-    await controller.register(request_id, points, prompt_len)
+    params = require_prompt_computation(params, points, prompt_tokens)
+    await controller.register(request_id, points, prompt_tokens)
     ... engine.generate(prompt, params, request_id) ...
     blocks = await controller.drain()        # in a loop: waits for the next rows
     await controller.unregister(request_id)  # when the request ends
@@ -142,13 +142,13 @@ def enable_capture(cli_args) -> None:
         setattr(cli_args, key, value)
 
 
-def require_prompt_computation(sampling_params, points: list[ExtractionPoint], prompt_len: int):
+def require_prompt_computation(sampling_params, points: list[ExtractionPoint], prompt_tokens: int):
     """Makes vLLM compute every prompt position when a point captures prompt tokens.
 
     Prompt positions served from the prefix cache never pass through the
     model, so no hook would see them. Returns the (mutated) SamplingParams.
     """
-    if needs_prompt_positions(points, prompt_len):
+    if needs_prompt_positions(points, prompt_tokens):
         sampling_params.skip_reading_prefix_cache = True
     return sampling_params
 
@@ -236,21 +236,21 @@ class CaptureController:
     def model_info(self) -> types_pb.ModelInfo:
         return self.topology.model_info(self._vllm_version)
 
-    def validate(self, points: list[ExtractionPoint], prompt_len: int | None = None) -> None:
+    def validate(self, points: list[ExtractionPoint], prompt_tokens: int | None = None) -> None:
         """Raises InvalidArgument naming the point that this engine cannot serve."""
         self.topology.validate(points)
-        if prompt_len is not None:
+        if prompt_tokens is not None:
             for i, point in enumerate(points):
-                point.tokens.check_prompt_length(f'extraction_points[{i}] "{point.name}"', prompt_len)
+                point.tokens.check_prompt_tokens(f'extraction_points[{i}] "{point.name}"', prompt_tokens)
 
-    async def register(self, request_id: str, points: list[ExtractionPoint], prompt_len: int) -> None:
+    async def register(self, request_id: str, points: list[ExtractionPoint], prompt_tokens: int) -> None:
         """Validates, then tells every worker; await it before generate()."""
-        self.validate(points, prompt_len)
+        self.validate(points, prompt_tokens)
         if request_id in self._registered:
             raise FailedPrecondition(f"request {request_id!r} is already registered for capture")
         payload = [p.to_proto().SerializeToString() for p in points]
         await self.engine.collective_rpc(
-            "undercurrent_register", args=(request_id, payload, int(prompt_len))
+            "undercurrent_register", args=(request_id, payload, int(prompt_tokens))
         )
         self._registered.add(request_id)
         self._ending.discard(request_id)

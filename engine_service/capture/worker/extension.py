@@ -71,11 +71,11 @@ class CaptureWorkerExtension:
         host, or was told to stop (it is then drained by RPC)."""
         return self._undercurrent.push_to(sink)
 
-    def undercurrent_register(self, request_id: str, points: list[bytes], prompt_len: int) -> None:
+    def undercurrent_register(self, request_id: str, points: list[bytes], prompt_tokens: int) -> None:
         parsed = tuple(
             ExtractionPoint.from_proto(types_pb.ExtractionPoint.FromString(p)) for p in points
         )
-        self._undercurrent.mapper.register(Registration(request_id, parsed, int(prompt_len)))
+        self._undercurrent.mapper.register(Registration(request_id, parsed, int(prompt_tokens)))
 
     def undercurrent_unregister(self, request_id: str) -> int:
         """Stops capturing new rows; rows already buffered go out with the next drain.

@@ -22,11 +22,11 @@ from engine_service.capture.request_ids import parent_request_id, record_request
 
 @dataclass(frozen=True)
 class Registration:
-    """What one request captures; prompt_len decides which positions are generated."""
+    """What one request captures; prompt_tokens decides which positions are generated."""
 
     request_id: str
     points: tuple[ExtractionPoint, ...]
-    prompt_len: int
+    prompt_tokens: int
 
 
 @dataclass(frozen=True)
@@ -66,28 +66,28 @@ def _select(point: ExtractionPoint, slots: list[_Slot], positions: np.ndarray
     selects from these requests' rows (given in batch order), with one mask over
     all of them, each row with its own request's prompt length; None when it
     selects nothing this step."""
-    starts_, stops_, record_ids, prompt_lens_ = zip(*slots)
+    starts_, stops_, record_ids, prompt_tokens_ = zip(*slots)
     starts = np.array(starts_, dtype=np.int64)
     counts = np.array(stops_, dtype=np.int64) - starts
     total = int(counts.sum())
     if total == len(starts):  # one row each: a decode step
-        rows, prompt_lens = starts, np.array(prompt_lens_, dtype=np.int64)
+        rows, prompt_tokens = starts, np.array(prompt_tokens_, dtype=np.int64)
     else:  # each request's rows are [start, stop): one arange over all of them
         first_out = np.cumsum(counts) - counts
         rows = np.arange(total, dtype=np.int64) + np.repeat(starts - first_out, counts)
-        prompt_lens = np.repeat(np.array(prompt_lens_, dtype=np.int64), counts)
+        prompt_tokens = np.repeat(np.array(prompt_tokens_, dtype=np.int64), counts)
     row_positions = positions[rows]
-    picked = point.tokens.mask(row_positions, prompt_lens)
+    picked = point.tokens.mask(row_positions, prompt_tokens)
     if picked.all():
         per_row = (list(record_ids) if total == len(starts)
                    else [r for r, n in zip(record_ids, counts.tolist()) for _ in range(n)])
-        return rows, per_row, row_positions, row_positions >= prompt_lens
+        return rows, per_row, row_positions, row_positions >= prompt_tokens
     local = np.flatnonzero(picked)
     if not len(local):
         return None
     owner = np.repeat(np.arange(len(starts)), counts)[local]
     return (rows[local], [record_ids[i] for i in owner.tolist()], row_positions[local],
-            row_positions[local] >= prompt_lens[local])
+            row_positions[local] >= prompt_tokens[local])
 
 
 class RowMapper:
@@ -197,7 +197,7 @@ class RowMapper:
             requests = by_point_set.get(id(point_set))
             if requests is None:
                 requests = by_point_set[id(point_set)] = (point_set, [])
-            requests[1].append((lo, hi, record_id, registration.prompt_len))
+            requests[1].append((lo, hi, record_id, registration.prompt_tokens))
         by_point: dict[int, tuple[ExtractionPoint, tuple[int, ...], list[list[_Slot]]]] = {}
         for point_set, slots in by_point_set.values():
             for point, layers in point_set:
@@ -222,7 +222,7 @@ class RowMapper:
         if first > expected:
             skipped = np.arange(expected, first)
             for point in registration.points:
-                if point.tokens.mask(skipped, registration.prompt_len).any():
+                if point.tokens.mask(skipped, registration.prompt_tokens).any():
                     self.gaps.append(PromptGap(record_id, point.name, expected, first))
         self._next_position[internal_id] = max(expected, last + 1)
 
