@@ -84,7 +84,7 @@ def say(message: str) -> None:
 def double_probes(config: dict) -> list[types_pb.ProbeInfo]:
     """What the router process offers for bench.overhead's all_* probes."""
     layers = list(range(config["num_hidden_layers"]))
-    return [types_pb.ProbeInfo(name=f"all_{name}", kind="norm", tensor_type=tensor_type,
+    return [types_pb.ProbeInfo(name=f"all_{name}", kind=types_pb.PROBE_KIND_NORM, tensor_type=tensor_type,
                          layers=[] if name == "final_norm" else layers, hidden_size=config["hidden_size"],
                          dtype="float32", action=types_pb.PROBE_ACTION_OBSERVE, threshold=1e30, version="1",
                          tokens=types_pb.TokenSelector(scope=types_pb.TokenSelector.SCOPE_ALL))

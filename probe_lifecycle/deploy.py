@@ -25,6 +25,7 @@ from pathlib import Path
 
 import grpc
 
+from common.enum_names import short_name
 from common.probe_format.files import ProbeFileError, load_probe_bytes
 from common.probe_format.manifest import ManifestError
 from common.router_targets import DnsTarget, parse_targets, resolve_dns
@@ -218,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         fail("probe_lifecycle.deploy", str(err))
     for item in deployed:
         p = item.probe
-        print(f"{'replaced' if item.replaced else 'loaded'} {p.name} (version {p.version}, {p.kind}, "
+        kind = short_name(types_pb.ProbeKind, p.kind).lower()
+        print(f"{'replaced' if item.replaced else 'loaded'} {p.name} (version {p.version}, {kind}, "
               f"threshold {p.threshold:.6g}) on router {item.address}")
     if args.engine:
         print(f"engine {args.engine} offers {deployed[0].probe.name}; bind it by name in Generate")

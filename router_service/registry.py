@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from common.probe_format.manifest import KIND_VALUES
 from common.probe_format.probes import Probe
 from router_service import rollout
 from undercurrent.v1 import types_pb2 as types_pb
@@ -199,7 +200,7 @@ class ProbeRegistry:
         m = probe.manifest
         return types_pb.ProbeInfo(
             name=m.name,
-            kind=m.kind,
+            kind=KIND_VALUES[m.kind],
             tensor_type=m.tensor_type,
             layers=list(m.layers),
             hidden_size=m.hidden_size,

@@ -26,7 +26,7 @@ from common.grpc_server import SERVICE_FULL_NAMES, ServerHandle, start_server
 from common.security.config import ServerSecurity
 
 PROBE = types_pb.ProbeInfo(
-    name="first_element", kind="threshold", tensor_type=types_pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=[0],
+    name="first_element", kind=types_pb.PROBE_KIND_LINEAR, tensor_type=types_pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=[0],
     version="1", digest="sha256:first-element-v1",
 )
 

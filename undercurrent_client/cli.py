@@ -310,8 +310,9 @@ def run_generate(args, out: TextIO, err: TextIO) -> int:
 
 def _describe(probe: types_pb.ProbeInfo) -> list[str]:
     return [
-        probe.name, probe.kind, tensor_type_from_proto(probe.tensor_type),
-        ",".join(map(str, probe.layers)), short_name(types_pb.ProbeAction, probe.action).lower(),
+        probe.name, short_name(types_pb.ProbeKind, probe.kind).lower(),
+        tensor_type_from_proto(probe.tensor_type), ",".join(map(str, probe.layers)),
+        short_name(types_pb.ProbeAction, probe.action).lower(),
         f"{probe.threshold:g}", probe.version,
         str(probe.active_requests) + (" (unloading)" if probe.unloading else ""),
     ]

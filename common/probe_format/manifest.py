@@ -20,12 +20,14 @@ from common.capture_spec import (
     tensor_type_to_proto,
 )
 from common.errors import InvalidArgument
-from common.enum_names import short_name
+from common.enum_names import from_short_name, short_name
 from undercurrent.v1 import types_pb2 as types_pb
 
 TOKEN_KINDS = ("linear", "logistic", "mean_difference", "norm")
 """Kinds that score each row on its own."""
 KINDS = (*TOKEN_KINDS, "trajectory", "cascade")
+KIND_VALUES = {kind: from_short_name(types_pb.ProbeKind, kind) for kind in KINDS}
+"""Each kind as the contract names it (ProbeInfo.kind): ProbeKind has a value per kind."""
 AGGREGATIONS = ("ema", "rolling_mean", "max_rolling_mean", "count_over")
 WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
 

@@ -30,7 +30,7 @@ async def test_async_admin_uploads_lists_and_unloads(router, tmp_path):
     async with AsyncProbeAdminClient(f"127.0.0.1:{router.port}") as admin:
         info = await admin.load(upload=local)
         assert (info.name, info.kind, list(info.layers), info.action) == (
-            "uploaded", "linear", [2], types_pb.PROBE_ACTION_OBSERVE)
+            "uploaded", types_pb.PROBE_KIND_LINEAR, [2], types_pb.PROBE_ACTION_OBSERVE)
         info = await admin.load(upload=single)
         assert (info.name, info.threshold, info.action) == ("single", 1.5, types_pb.PROBE_ACTION_ABORT)
         assert (await admin.load(on_router)).name == "by_path"

@@ -20,8 +20,8 @@ LAYERS = [0, 1, 2, 3]
 def probe_info(name: str, layers=LAYERS) -> types_pb.ProbeInfo:
     """An observe probe on the residual stream of `layers` for every generated token."""
     return types_pb.ProbeInfo(
-        name=name, kind="norm", tensor_type=types_pb.TENSOR_TYPE_RESIDUAL_STREAM, layers=list(layers),
-        hidden_size=128, dtype="float32", action=types_pb.PROBE_ACTION_OBSERVE, threshold=1e9,
+        name=name, kind=types_pb.PROBE_KIND_NORM, tensor_type=types_pb.TENSOR_TYPE_RESIDUAL_STREAM,
+        layers=list(layers), hidden_size=128, dtype="float32", action=types_pb.PROBE_ACTION_OBSERVE, threshold=1e9,
         version="1", tokens=types_pb.TokenSelector(scope=types_pb.TokenSelector.SCOPE_GENERATED),
     )
 

@@ -12,6 +12,7 @@ from common.probe_format.files import ProbeRoot, encode_safetensors
 from tests.router.helpers import HIDDEN, SessionClient, block, channel, errors, kinds, linear_probe, manifest
 from undercurrent.v1 import admin_pb2 as admin_pb
 from undercurrent.v1 import router_session_pb2 as session_pb
+from undercurrent.v1 import types_pb2 as types_pb
 from undercurrent.v1 import admin_pb2_grpc as admin_pb_grpc
 
 E0 = np.eye(HIDDEN)[0]
@@ -43,7 +44,7 @@ async def test_load_list_unload_live_without_dropping_the_session(make_router, t
     # Load by path and inline: each pushes a catalog to the open session.
     path = linear_probe(tmp_path / "more", "by_path", E0 * 2, kind="linear", threshold=0.0, action="observe")
     info = (await stub.LoadProbe(admin_pb.LoadProbeRequest(path=str(path.relative_to(tmp_path))))).probe
-    assert (info.name, info.kind, list(info.layers)) == ("by_path", "linear", [1])
+    assert (info.name, info.kind, list(info.layers)) == ("by_path", types_pb.PROBE_KIND_LINEAR, [1])
     catalog = (await client.until("catalog")).catalog
     assert [p.name for p in catalog.probes] == ["by_path", "first"]
     await stub.LoadProbe(admin_pb.LoadProbeRequest(inline=inline("inline", E0 * 3)))

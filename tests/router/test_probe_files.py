@@ -8,7 +8,10 @@ import pytest
 from common.probe_format.files import (
     ProbeFileError, load_probe_bytes, load_probe_path, probe_paths, write_probe, write_probe_file,
 )
+from common.probe_format.manifest import KINDS
+from router_service.registry import ProbeRegistry
 from tests.router.helpers import HIDDEN, manifest
+from undercurrent.v1 import types_pb2 as types_pb
 
 WEIGHT = np.linspace(-1, 1, HIDDEN)
 
@@ -122,3 +125,32 @@ def test_missing_paths(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ProbeFileError, match=r"no manifest.json in the probe directory"):
         load_probe_path(tmp_path / "empty")
+
+
+# A probe of every kind the router implements, with the tensors it needs.
+EVERY_KIND = {
+    "linear": ({}, {"weight": WEIGHT}),
+    "logistic": ({}, {"weight": WEIGHT}),
+    "mean_difference": ({}, {"direction": WEIGHT}),
+    "norm": ({}, {}),
+    "trajectory": ({"base": {"kind": "norm"}, "aggregation": {"kind": "ema", "alpha": 0.5}}, {}),
+    "cascade": ({"k": 1, "members": [{"name": "a", "kind": "norm", "threshold": 1.0},
+                                     {"name": "b", "kind": "norm", "threshold": 2.0}]}, {}),
+}
+
+
+def test_every_kind_is_described_by_its_probe_kind_and_the_contract_has_no_other(tmp_path):
+    registry = ProbeRegistry()
+    for kind, (fields, tensors) in EVERY_KIND.items():
+        spec = manifest(kind, kind, **fields)
+        if kind == "cascade":
+            del spec["threshold"]  # a cascade's threshold is its k
+        registry.load(load_probe_path(write_probe(tmp_path / kind, spec, tensors)))
+    described = {p.name: types_pb.ProbeKind.Name(registry.info(p).kind) for p in registry.probes()}
+    assert described == {
+        "linear": "PROBE_KIND_LINEAR", "logistic": "PROBE_KIND_LOGISTIC",
+        "mean_difference": "PROBE_KIND_MEAN_DIFFERENCE", "norm": "PROBE_KIND_NORM",
+        "trajectory": "PROBE_KIND_TRAJECTORY", "cascade": "PROBE_KIND_CASCADE",
+    }
+    assert set(EVERY_KIND) == set(KINDS)  # every kind of the format was loaded above
+    assert set(described.values()) == set(types_pb.ProbeKind.keys()) - {"PROBE_KIND_UNSPECIFIED"}

@@ -114,7 +114,7 @@ test('ProbeAdmin loads, lists and unloads a probe', { skip: skipRouted }, async 
   const admin = new ProbeAdminClient(ROUTER, adminOptions);
   const { manifestJson, name } = fixture.admin;
   const loaded = await admin.load({ manifestJson });
-  assert.deepEqual([loaded.name, loaded.kind, loaded.action], [name, 'norm', 'PROBE_ACTION_OBSERVE']);
+  assert.deepEqual([loaded.name, loaded.kind, loaded.action], [name, 'PROBE_KIND_NORM', 'PROBE_ACTION_OBSERVE']);
   await assert.rejects(admin.load({ manifestJson }), (err) => err instanceof RpcError && err.code === 'ALREADY_EXISTS');
   const names = (await admin.list()).map((p) => p.name);
   assert.ok(names.includes(name) && names.includes(fixture.abort.probe.name), names.join(','));

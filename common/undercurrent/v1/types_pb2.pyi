@@ -37,6 +37,16 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_ROUTER_UNAVAILABLE: _ClassVar[FinishReason]
     FINISH_REASON_ERROR: _ClassVar[FinishReason]
 
+class ProbeKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROBE_KIND_UNSPECIFIED: _ClassVar[ProbeKind]
+    PROBE_KIND_LINEAR: _ClassVar[ProbeKind]
+    PROBE_KIND_LOGISTIC: _ClassVar[ProbeKind]
+    PROBE_KIND_MEAN_DIFFERENCE: _ClassVar[ProbeKind]
+    PROBE_KIND_NORM: _ClassVar[ProbeKind]
+    PROBE_KIND_TRAJECTORY: _ClassVar[ProbeKind]
+    PROBE_KIND_CASCADE: _ClassVar[ProbeKind]
+
 class ProbeRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PROBE_ROLE_UNSPECIFIED: _ClassVar[ProbeRole]
@@ -61,6 +71,13 @@ FINISH_REASON_PROBE_ABORT: FinishReason
 FINISH_REASON_CLIENT_ABORT: FinishReason
 FINISH_REASON_ROUTER_UNAVAILABLE: FinishReason
 FINISH_REASON_ERROR: FinishReason
+PROBE_KIND_UNSPECIFIED: ProbeKind
+PROBE_KIND_LINEAR: ProbeKind
+PROBE_KIND_LOGISTIC: ProbeKind
+PROBE_KIND_MEAN_DIFFERENCE: ProbeKind
+PROBE_KIND_NORM: ProbeKind
+PROBE_KIND_TRAJECTORY: ProbeKind
+PROBE_KIND_CASCADE: ProbeKind
 PROBE_ROLE_UNSPECIFIED: ProbeRole
 PROBE_ROLE_SERVING: ProbeRole
 PROBE_ROLE_CANARY: ProbeRole
@@ -250,7 +267,7 @@ class ProbeInfo(_message.Message):
     CANARY_SHARE_FIELD_NUMBER: _ClassVar[int]
     CANARY_FIELD_NUMBER: _ClassVar[int]
     name: str
-    kind: str
+    kind: ProbeKind
     tensor_type: TensorType
     layers: _containers.RepeatedScalarFieldContainer[int]
     hidden_size: int
@@ -266,4 +283,4 @@ class ProbeInfo(_message.Message):
     role: ProbeRole
     canary_share: float
     canary: ProbeInfo
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., tensor_type: _Optional[_Union[TensorType, str]] = ..., layers: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., action: _Optional[_Union[ProbeAction, str]] = ..., threshold: _Optional[float] = ..., version: _Optional[str] = ..., tokens: _Optional[_Union[TokenSelector, _Mapping]] = ..., active_requests: _Optional[int] = ..., unloading: _Optional[bool] = ..., digest: _Optional[str] = ..., stateful: _Optional[bool] = ..., role: _Optional[_Union[ProbeRole, str]] = ..., canary_share: _Optional[float] = ..., canary: _Optional[_Union[ProbeInfo, _Mapping]] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[ProbeKind, str]] = ..., tensor_type: _Optional[_Union[TensorType, str]] = ..., layers: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., action: _Optional[_Union[ProbeAction, str]] = ..., threshold: _Optional[float] = ..., version: _Optional[str] = ..., tokens: _Optional[_Union[TokenSelector, _Mapping]] = ..., active_requests: _Optional[int] = ..., unloading: _Optional[bool] = ..., digest: _Optional[str] = ..., stateful: _Optional[bool] = ..., role: _Optional[_Union[ProbeRole, str]] = ..., canary_share: _Optional[float] = ..., canary: _Optional[_Union[ProbeInfo, _Mapping]] = ...) -> None: ...
