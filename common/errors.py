@@ -13,6 +13,7 @@ import logging
 import grpc
 from google.protobuf import descriptor_pool
 from google.protobuf.message import DecodeError
+from google.rpc import code_pb2
 from grpc import aio
 
 from common.log_limits import RateLimitedLog
@@ -62,17 +63,14 @@ class Unavailable(UndercurrentError):
 
 
 def status_code_value(name: str) -> int:
-    """The proto StatusCode value of a gRPC status-code name ("NOT_FOUND")."""
-    from undercurrent.v1 import router_session_pb2 as session_pb
-
-    return session_pb.StatusCode.Value(f"STATUS_CODE_{name}")
+    """The google.rpc.Code value of a gRPC status-code name ("NOT_FOUND")."""
+    return code_pb2.Code.Value(name)
 
 
 def status_code_name(value: int) -> str:
-    """The gRPC status-code name ("NOT_FOUND") of a proto StatusCode value."""
-    from undercurrent.v1 import router_session_pb2 as session_pb
-
-    return session_pb.StatusCode.Name(value).removeprefix("STATUS_CODE_")
+    """The gRPC status-code name ("NOT_FOUND") of a google.rpc.Code value; a
+    value this build does not know (from a newer peer) as its number."""
+    return code_pb2.Code.Name(value) if value in code_pb2.Code.values() else str(value)
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:

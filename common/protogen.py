@@ -21,7 +21,10 @@ PACKAGE_INIT = '"""Generated from proto/undercurrent; regenerate with `make prot
 
 
 def proto_files() -> list[str]:
-    return sorted(str(p.relative_to(PROTO_ROOT)) for p in PROTO_ROOT.rglob("*.proto"))
+    """The contract's files. proto/google holds vendored googleapis files, which
+    protoc reads as imports only: their Python modules come from
+    googleapis-common-protos."""
+    return sorted(str(p.relative_to(PROTO_ROOT)) for p in (PROTO_ROOT / "undercurrent").rglob("*.proto"))
 
 
 def generate(out_dir: Path) -> list[Path]:

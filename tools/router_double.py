@@ -17,6 +17,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from google.rpc import code_pb2
 from undercurrent.v1 import router_session_pb2 as session_pb
 from undercurrent.v1 import types_pb2 as types_pb
 from undercurrent.v1 import router_session_pb2_grpc as session_pb_grpc
@@ -187,12 +188,12 @@ class RouterDouble(session_pb_grpc.ProbeRouterServiceServicer):
             self.incarnations[start.request_id] = start.incarnation
             self.log.append(("start", start.request_id))
             if _named(start.request_id, self.refuse):
-                return [self._error(start.request_id, session_pb.STATUS_CODE_RESOURCE_EXHAUSTED, "too many requests")]
+                return [self._error(start.request_id, code_pb2.RESOURCE_EXHAUSTED, "too many requests")]
             loaded = {p.name: p.digest for p in self.probes}
             return [
-                self._error(start.request_id, session_pb.STATUS_CODE_NOT_FOUND, f"probe {b.probe!r} is not loaded", probe=b.probe)
+                self._error(start.request_id, code_pb2.NOT_FOUND, f"probe {b.probe!r} is not loaded", probe=b.probe)
                 if b.probe not in loaded else
-                self._error(start.request_id, session_pb.STATUS_CODE_FAILED_PRECONDITION,
+                self._error(start.request_id, code_pb2.FAILED_PRECONDITION,
                             f"probe {b.probe!r} is {loaded[b.probe]} here, bound to {b.digest}", probe=b.probe)
                 for b in start.bindings
                 if loaded.get(b.probe) != b.digest
@@ -226,7 +227,7 @@ class RouterDouble(session_pb_grpc.ProbeRouterServiceServicer):
     def _score(self, batch: types_pb.ActivationBatch) -> list[session_pb.SessionResponse]:
         self.batches.append(batch)
         if batch.step in self.fail_steps:
-            return [self._error("", session_pb.STATUS_CODE_INTERNAL, "scoring the batch failed", step=batch.step),
+            return [self._error("", code_pb2.INTERNAL, "scoring the batch failed", step=batch.step),
                     *self._ack(batch.step)]
         per_request: dict[str, list[tuple[int, float]]] = {}
         for block in from_batch(batch):
@@ -240,7 +241,7 @@ class RouterDouble(session_pb_grpc.ProbeRouterServiceServicer):
             received.steps.append(batch.step)
             self.log.append(("batch", request_id))
             if _named(request_id, self.bad_rows):
-                replies.append(self._error(request_id, session_pb.STATUS_CODE_INVALID_ARGUMENT,
+                replies.append(self._error(request_id, code_pb2.INVALID_ARGUMENT,
                                            "rows: NaN or Inf", step=batch.step))
                 continue
             replies.append(scores_reply(request_id, self.incarnations[request_id], probe=PROBE.name,

@@ -135,13 +135,15 @@ def test_compose_serves_tls_with_tokens_from_the_certs_job():
         "UNDERCURRENT_ADMIN_TOKEN_FILE": "/secrets/admin-token"}
 
 
-def test_router_image_has_what_the_certs_job_and_tls_need():
-    """common.devcerts and common.security.tls import cryptography; the router
-    image (which runs the certs job) installs requirements/router.txt only."""
+def test_router_image_has_what_the_certs_job_tls_and_the_stubs_need():
+    """common.devcerts and common.security.tls import cryptography, and the
+    router session's stubs google.rpc.code_pb2 (googleapis-common-protos); the
+    router image (which runs the certs job) installs requirements/router.txt only."""
     router = (REPO / "requirements" / "router.txt").read_text().splitlines()
     lock = (REPO / "requirements" / "cpu.lock.txt").read_text().splitlines()
-    pinned = next(line for line in lock if line.startswith("cryptography=="))
-    assert pinned in router
+    for package in ("cryptography", "googleapis-common-protos"):
+        pinned = next(line for line in lock if line.startswith(f"{package}=="))
+        assert pinned in router
 
 
 def test_compose_takes_ports_tag_and_base_image_from_the_environment():

@@ -7,6 +7,7 @@ import gc
 import time
 import weakref
 
+from google.rpc import code_pb2
 from undercurrent.v1 import router_session_pb2 as session_pb
 
 from engine_service.link import Abort, Processed, Scores, Unscored
@@ -68,6 +69,23 @@ async def test_a_batch_error_naming_only_its_step_concerns_every_request_in_it(r
     assert metric(link, "unscored_records_total", reason="router_error") == 2
 
 
+async def test_an_error_code_this_engine_does_not_know_still_fails_the_run_it_names(routers, links):
+    """A newer router may send a google.rpc.Code value this build lacks: it is
+    counted and reported by its number, and the run's rows are unscored."""
+    router = await routers()
+    link, events = links(router.address)
+    await link.start()
+    await link.wait_ready(timeout=10)
+    start(link, "r", FAIL_CLOSED)
+    await router.wait_for(lambda: "r" in router.incarnations)
+    router.push(session_pb.SessionResponse(error=session_pb.RequestError(
+        request_id="r", incarnation=router.incarnations["r"], code=99, message="a newer kind of problem")))
+    await events.wait_for(lambda: events.of(Unscored, "r"))
+    [unscored] = events.of(Unscored, "r")
+    assert unscored.failure.fail_closed and unscored.failure.reason.endswith(": 99: a newer kind of problem")
+    assert metric(link, "router_errors_total", code="99") == 1
+
+
 async def test_rows_left_unacknowledged_past_the_router_timeout_expire_while_the_replica_stays_up(
     routers, links
 ):
@@ -106,7 +124,7 @@ async def test_messages_from_a_replica_that_does_not_own_the_request_are_ignored
     b.push(abort_reply(on_a, incarnation))
     b.push(scores_reply(on_a, incarnation))
     b.push(session_pb.SessionResponse(error=session_pb.RequestError(request_id=on_a, incarnation=incarnation,
-                                                    code=session_pb.STATUS_CODE_INTERNAL)))
+                                                    code=code_pb2.INTERNAL)))
     await until(lambda: metric(link, "ignored_messages_total", reason="not_its_replica") == 3)
     # From its owner, the same verdict counts.
     a.push(abort_reply(on_a, incarnation))

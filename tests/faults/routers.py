@@ -11,6 +11,7 @@ from collections import defaultdict
 from common.activations import from_batch
 from tools.dev_security import DevSecurity
 from tools.router_double import RouterDouble
+from google.rpc import code_pb2
 from undercurrent.v1 import router_session_pb2 as session_pb
 from undercurrent.v1 import types_pb2 as types_pb
 
@@ -67,7 +68,7 @@ class ErroringRouter(_TLSRouterDouble):
         for request_id in dict.fromkeys(r for b in from_batch(batch) for r in b.request_ids):
             self.errors_sent += 1
             self.errored.add(request_id)
-            replies.append(self._error(request_id, session_pb.STATUS_CODE_INTERNAL, "probe evaluation failed",
+            replies.append(self._error(request_id, code_pb2.INTERNAL, "probe evaluation failed",
                                        probe=self.probe, step=batch.step))
         replies.append(session_pb.SessionResponse(ack=session_pb.StepAck(step=batch.step)))
         return replies

@@ -21,10 +21,12 @@ def test_stubs_import_absolutely_and_each_file_defines_its_audience_s_service():
 
     files = {engine_pb2: "EngineService", router_session_pb2: "ProbeRouterService",
              admin_pb2: "ProbeAdminService"}
+    imports = {engine_pb2: ["undercurrent/v1/types.proto"], admin_pb2: ["undercurrent/v1/types.proto"],
+               router_session_pb2: ["google/rpc/code.proto", "undercurrent/v1/types.proto"]}
     for module, service in files.items():
         assert module.DESCRIPTOR.package == "undercurrent.v1"
         assert set(module.DESCRIPTOR.services_by_name) == {service}
-        assert [d.name for d in module.DESCRIPTOR.dependencies] == ["undercurrent/v1/types.proto"]
+        assert [d.name for d in module.DESCRIPTOR.dependencies] == imports[module]
     assert not types_pb2.DESCRIPTOR.services_by_name and not types_pb2.DESCRIPTOR.dependencies
     for module, name in ((engine_pb2_grpc, "EngineServiceStub"),
                          (router_session_pb2_grpc, "ProbeRouterServiceStub"),
@@ -61,3 +63,22 @@ def test_the_run_incarnation_stays_on_the_router_session():
     run_scoped = {name for name in session if "incarnation" in pool.FindMessageTypeByName(name).fields_by_name}
     assert run_scoped == {f"undercurrent.v1.{name}" for name in (
         "RequestStart", "RequestEnd", "RequestError", "SessionScores", "SessionAbort")}
+
+
+def test_request_errors_carry_google_rpc_codes_from_the_vendored_code_proto_the_package_ships():
+    """RequestError.code is google.rpc.Code. protoc and buf read the vendored
+    proto/google/rpc/code.proto; at run time its module comes from the pinned
+    googleapis-common-protos, so the two must be the same file."""
+    from importlib import resources
+
+    from google.rpc import code_pb2
+    from undercurrent.v1 import router_session_pb2
+
+    code = router_session_pb2.RequestError.DESCRIPTOR.fields_by_name["code"]
+    assert code.enum_type is code_pb2.Code.DESCRIPTOR
+    vendored = protogen.PROTO_ROOT / "google" / "rpc" / "code.proto"
+    assert vendored.read_text() == (resources.files("google.rpc") / "code.proto").read_text()
+    assert vendored.read_text().startswith("// Copyright") and "Apache License, Version 2.0" in vendored.read_text()
+    assert protogen.proto_files() == [
+        "undercurrent/v1/admin.proto", "undercurrent/v1/engine.proto",
+        "undercurrent/v1/router_session.proto", "undercurrent/v1/types.proto"]  # no google/ stubs of ours

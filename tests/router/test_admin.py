@@ -6,12 +6,12 @@ import json
 import grpc
 import numpy as np
 import pytest
+from google.rpc import code_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.probe_format.files import ProbeRoot, encode_safetensors
 from tests.router.helpers import HIDDEN, SessionClient, block, channel, errors, kinds, linear_probe, manifest
 from undercurrent.v1 import admin_pb2 as admin_pb
-from undercurrent.v1 import router_session_pb2 as session_pb
 from undercurrent.v1 import types_pb2 as types_pb
 from undercurrent.v1 import admin_pb2_grpc as admin_pb_grpc
 
@@ -66,7 +66,7 @@ async def test_load_list_unload_live_without_dropping_the_session(make_router, t
     assert (listed["by_path"].unloading, listed["by_path"].active_requests) == (True, 1)
     client.start("s", "by_path")
     replies = await client.sync()
-    assert [(e.request_id, e.code) for e in errors(replies)] == [("s", session_pb.STATUS_CODE_FAILED_PRECONDITION)]
+    assert [(e.request_id, e.code) for e in errors(replies)] == [("s", code_pb2.FAILED_PRECONDITION)]
     assert "being unloaded" in errors(replies)[0].message
     replies = await client.until_ack(client.batch(block(np.ones((1, HIDDEN)), ["r"], [1])))
     assert "by_path" in [m.scores.probe_scores.probe for m in replies]  # still scoring its running request
@@ -89,7 +89,7 @@ async def test_forced_unload_detaches_running_requests_with_an_error(make_router
     assert (await stub.UnloadProbe(admin_pb.UnloadProbeRequest(name="p", force=True))).unloaded is True
     replies = await client.until_ack(client.batch(block(np.ones((1, HIDDEN)), ["r"], [0])))
     assert kinds(replies) == ["error", "ack"]
-    assert (replies[0].error.request_id, replies[0].error.probe, replies[0].error.code) == ("r", "p", session_pb.STATUS_CODE_NOT_FOUND)
+    assert (replies[0].error.request_id, replies[0].error.probe, replies[0].error.code) == ("r", "p", code_pb2.NOT_FOUND)
     assert "unloaded by force" in replies[0].error.message
     client.end("r")
     await client.sync()
@@ -121,7 +121,7 @@ async def test_replace_keeps_running_requests_on_the_old_version_and_refuses_it_
     scored = [m.scores.probe_scores for m in replies if m.WhichOneof("message") == "scores"]
     assert {s.request_id: s.scores[0] for s in scored} == {"old": 1.0, "new": 10.0}
     refusal = next(m.error for m in replies if m.error.request_id == "late" and not m.error.step)
-    assert (refusal.code, refusal.probe) == (session_pb.STATUS_CODE_FAILED_PRECONDITION, "p")
+    assert (refusal.code, refusal.probe) == (code_pb2.FAILED_PRECONDITION, "p")
     assert refusal.message == (f"request_start.bindings[0]: probe 'p' is version '2' ({info.digest}) on this "
                                f"router; the request was bound to {old_digest}")
     await client.close()

@@ -10,7 +10,7 @@ import urllib.request
 
 import numpy as np
 import pytest
-from undercurrent.v1 import router_session_pb2 as session_pb
+from google.rpc import code_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.router.helpers import HIDDEN, SessionClient, channel, errors, linear_probe, manifest
@@ -47,7 +47,7 @@ async def test_serves_health_and_metrics_drains_on_sigterm_and_exits_cleanly(tmp
         proc.send_signal(signal.SIGTERM)
         assert "shutting down" in (await client.until("drain")).drain.reason
         client.start("late", "p")
-        assert [(e.request_id, e.code) for e in errors(await client.sync())] == [("late", session_pb.STATUS_CODE_UNAVAILABLE)]
+        assert [(e.request_id, e.code) for e in errors(await client.sync())] == [("late", code_pb2.UNAVAILABLE)]
         assert proc.poll() is None  # waits for "running"
         client.end("running")
         await client.sync()

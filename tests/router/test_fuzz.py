@@ -15,6 +15,7 @@ import time
 import grpc
 import numpy as np
 import pytest
+from google.rpc import code_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -31,8 +32,8 @@ from undercurrent.v1 import router_session_pb2_grpc as session_pb_grpc
 PROPER = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
           grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION,
           grpc.StatusCode.ALREADY_EXISTS}
-IN_BAND = {session_pb.STATUS_CODE_INVALID_ARGUMENT, session_pb.STATUS_CODE_NOT_FOUND, session_pb.STATUS_CODE_RESOURCE_EXHAUSTED,
-           session_pb.STATUS_CODE_FAILED_PRECONDITION, session_pb.STATUS_CODE_ALREADY_EXISTS}
+IN_BAND = {code_pb2.INVALID_ARGUMENT, code_pb2.NOT_FOUND, code_pb2.RESOURCE_EXHAUSTED,
+           code_pb2.FAILED_PRECONDITION, code_pb2.ALREADY_EXISTS}
 MAX_MESSAGE_BYTES = 1024 * 1024
 REQUEST_IDS = ("r1", "r2", "r3")
 PROBES = ("watch", "stop", "absent")

@@ -8,6 +8,7 @@ import asyncio
 import grpc
 import numpy as np
 import pytest
+from google.rpc import code_pb2
 
 from common.activations import to_batch
 from router_service import session as session_module
@@ -65,7 +66,7 @@ async def test_an_overflowing_shape_is_refused_alone_and_the_rest_of_the_batch_i
     step = client.raw_batch(batch)
     replies = await client.until_ack(step)
     [err] = errors(replies)
-    assert (err.request_id, err.incarnation, err.step, err.code) == ("a", 11, step, session_pb.STATUS_CODE_INVALID_ARGUMENT)
+    assert (err.request_id, err.incarnation, err.step, err.code) == ("a", 11, step, code_pb2.INVALID_ARGUMENT)
     assert "blocks[0] (p@1).rows: tensor.data has 0 bytes but shape [4294967296, 4294967296]" in err.message
     assert scored(replies) == {"b": [(0, 2.0)]}
     assert [m.scores.incarnation for m in replies if m.scores.probe_scores.request_id] == [12]
@@ -90,7 +91,7 @@ async def test_a_block_that_fails_unexpectedly_is_internal_for_its_requests_only
     step = client.batch(block(rows(1.0), ["a"], [0], layer=1), block(rows(2.0), ["b"], [0], layer=1))
     replies = await client.until_ack(step)
     assert [(e.request_id, e.incarnation, e.step, e.code) for e in errors(replies)] == [
-        ("a", 1, step, session_pb.STATUS_CODE_INTERNAL)]
+        ("a", 1, step, code_pb2.INTERNAL)]
     assert errors(replies)[0].message == "blocks[0]: internal error: MemoryError: injected; the block was not scored"
     assert scored(replies) == {"b": [(0, 2.0)]}
     await client.close()
@@ -108,12 +109,12 @@ async def test_nonfinite_and_negative_position_rows_are_refused_per_request_and_
     replies = await client.until_ack(step)
     got = sorted((e.request_id, e.incarnation, e.step, e.code, e.message) for e in errors(replies))
     assert got == [
-        ("a", 5, step, session_pb.STATUS_CODE_INVALID_ARGUMENT,
+        ("a", 5, step, code_pb2.INVALID_ARGUMENT,
          "blocks[0] (p@1).rows: 1 row(s) with NaN or Inf at token_positions [1]; those rows were not scored"),
-        ("a", 5, step, session_pb.STATUS_CODE_INVALID_ARGUMENT,
+        ("a", 5, step, code_pb2.INVALID_ARGUMENT,
          "blocks[0] (p@1).rows: 1 row(s) with a negative token position at token_positions [-2]; "
          "those rows were not scored"),
-        ("b", 6, step, session_pb.STATUS_CODE_INVALID_ARGUMENT,
+        ("b", 6, step, code_pb2.INVALID_ARGUMENT,
          "blocks[0] (p@1).rows: 1 row(s) with NaN or Inf at token_positions [1]; those rows were not scored"),
     ]
     assert scored(replies) == {"a": [(0, 1.0)], "b": [(0, 4.0)]}
@@ -158,10 +159,10 @@ async def test_records_of_unknown_and_ended_requests_name_the_step_and_the_last_
     client.send(request_end=session_pb.RequestEnd(request_id="live", incarnation=99))
     step = client.batch(block(rows(1.0, 2.0, 3.0), ["done", "never", "live"], [0, 0, 0]))
     replies = await client.until_ack(step)
-    got = sorted((e.request_id, e.incarnation, e.step, session_pb.StatusCode.Name(e.code)) for e in errors(replies))
-    assert got == [("done", 3, step, "STATUS_CODE_FAILED_PRECONDITION"),
-                   ("live", 99, 0, "STATUS_CODE_NOT_FOUND"),
-                   ("never", 0, step, "STATUS_CODE_NOT_FOUND")]
+    got = sorted((e.request_id, e.incarnation, e.step, code_pb2.Code.Name(e.code)) for e in errors(replies))
+    assert got == [("done", 3, step, "FAILED_PRECONDITION"),
+                   ("live", 99, 0, "NOT_FOUND"),
+                   ("never", 0, step, "NOT_FOUND")]
     assert scored(replies) == {"live": [(0, 3.0)]}
     assert router.live_requests() == 1
     await client.close()
@@ -175,8 +176,8 @@ async def test_unknown_enum_values_in_request_start_are_refused_naming_the_field
           session_pb.SessionBinding(probe="watch", action=5, digest=client.digests["watch"]))
     replies = await client.sync()
     assert [(e.request_id, e.incarnation, e.code, e.message) for e in errors(replies)] == [
-        ("r", 8, session_pb.STATUS_CODE_INVALID_ARGUMENT, "request_start.bindings[0].failure_policy: 9 is not a FailurePolicy"),
-        ("r", 8, session_pb.STATUS_CODE_INVALID_ARGUMENT, "request_start.bindings[1].action: 5 is not a ProbeAction"),
+        ("r", 8, code_pb2.INVALID_ARGUMENT, "request_start.bindings[0].failure_policy: 9 is not a FailurePolicy"),
+        ("r", 8, code_pb2.INVALID_ARGUMENT, "request_start.bindings[1].action: 5 is not a ProbeAction"),
     ]
     await client.close()
 
@@ -192,8 +193,8 @@ async def test_a_request_start_without_an_id_or_with_a_negative_prompt_is_refuse
                                                       bindings=[watch]))
     replies = await client.sync()
     assert [(e.request_id, e.incarnation, e.code, e.message) for e in errors(replies)] == [
-        ("", 4, session_pb.STATUS_CODE_INVALID_ARGUMENT, "request_start.request_id is empty"),
-        ("r", 5, session_pb.STATUS_CODE_INVALID_ARGUMENT, "request_start.prompt_tokens -1 is negative"),
+        ("", 4, code_pb2.INVALID_ARGUMENT, "request_start.request_id is empty"),
+        ("r", 5, code_pb2.INVALID_ARGUMENT, "request_start.prompt_tokens -1 is negative"),
     ]
     assert router.live_requests() == 0
     await client.close()
@@ -207,7 +208,7 @@ async def test_requests_past_the_per_session_limit_get_resource_exhausted(make_r
         start(client, f"r{i}", 100 + i)
     replies = await client.sync()
     assert [(e.request_id, e.incarnation, e.code) for e in errors(replies)] == [
-        ("r2", 102, session_pb.STATUS_CODE_RESOURCE_EXHAUSTED)]
+        ("r2", 102, code_pb2.RESOURCE_EXHAUSTED)]
     assert "--max-requests-per-session" in errors(replies)[0].message
     assert router.live_requests() == 2
     client.send(request_end=session_pb.RequestEnd(request_id="r0", incarnation=100))
@@ -308,5 +309,5 @@ async def test_an_internal_failure_on_request_start_names_the_request_and_incarn
     start(client, "r", 42)
     replies = await client.sync()
     assert [(e.request_id, e.incarnation, e.code, e.message) for e in errors(replies)] == [
-        ("r", 42, session_pb.STATUS_CODE_INTERNAL, "request_start: internal error: KeyError: 'injected'")]
+        ("r", 42, code_pb2.INTERNAL, "request_start: internal error: KeyError: 'injected'")]
     await client.close()

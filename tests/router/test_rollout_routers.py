@@ -7,6 +7,7 @@ import io
 
 import numpy as np
 import pytest
+from google.rpc import code_pb2
 
 from common.canary import canary_takes
 from common.probe_format.files import load_probe_bytes
@@ -15,7 +16,6 @@ from router_service.verdict_log.writer import LogSettings
 from tests.router.helpers import SessionClient, block
 from tests.router.rollout_world import PROBE, Engine, admin, inline, rows, start_router
 from undercurrent.v1 import admin_pb2 as admin_pb
-from undercurrent.v1 import router_session_pb2 as session_pb
 from undercurrent.v1 import types_pb2 as types_pb
 from undercurrent_client import cli
 
@@ -147,7 +147,7 @@ async def test_promote_and_roll_back_change_new_requests_only(router):
         # refused, never moved to the serving version.
         engine.client.start("pinned-to-v3", PROBE, prompt_tokens=2, digests={PROBE: v3.digest})
         [refused] = await engine.client.sync()
-        assert refused.error.code == session_pb.STATUS_CODE_FAILED_PRECONDITION, refused
+        assert refused.error.code == code_pb2.FAILED_PRECONDITION, refused
         assert f"version '2' ({v2.digest}) on this router; the request was bound to {v3.digest}" in \
             refused.error.message
         engine.start("after-roll-back")  # binds v2 again

@@ -6,6 +6,7 @@ import threading
 import grpc
 import numpy as np
 import pytest
+from google.rpc import code_pb2
 
 from common.activations import to_batch
 from common.probe_format.files import write_probe
@@ -341,19 +342,19 @@ async def test_bad_records_get_in_band_errors_and_the_stream_lives_on(make_route
         b.rows.shape[0] = 2**40
 
     cases = [
-        (corrupt(good_batch(), set_dtype), "r", session_pb.STATUS_CODE_INVALID_ARGUMENT,
+        (corrupt(good_batch(), set_dtype), "r", code_pb2.INVALID_ARGUMENT,
          "blocks[0] (p@1).rows: tensor.dtype 'int8' is not supported"),
-        (corrupt(good_batch(), cut_bytes), "r", session_pb.STATUS_CODE_INVALID_ARGUMENT,
+        (corrupt(good_batch(), cut_bytes), "r", code_pb2.INVALID_ARGUMENT,
          "blocks[0] (p@1).rows: tensor.data has 125 bytes but shape [2, 16] of float32 needs 128"),
-        (to_batch([block(np.zeros((2, HIDDEN + 1)), ["r", "r"], [0, 1])]), "r", session_pb.STATUS_CODE_INVALID_ARGUMENT,
+        (to_batch([block(np.zeros((2, HIDDEN + 1)), ["r", "r"], [0, 1])]), "r", code_pb2.INVALID_ARGUMENT,
          "blocks[0] (p@1).rows.shape: hidden size 17 does not match the model's hidden_size 16"),
-        (corrupt(good_batch(), bad_index), "r", session_pb.STATUS_CODE_INVALID_ARGUMENT,
+        (corrupt(good_batch(), bad_index), "r", code_pb2.INVALID_ARGUMENT,
          "blocks[0] (p@1).request_index: index out of range of 1 request ids"),
-        (corrupt(good_batch(), huge_shape), "r", session_pb.STATUS_CODE_INVALID_ARGUMENT,
+        (corrupt(good_batch(), huge_shape), "r", code_pb2.INVALID_ARGUMENT,
          f"blocks[0] (p@1).rows: tensor.data has 128 bytes but shape [{2**40}, 16] of float32 needs"),
-        (good_batch("never"), "never", session_pb.STATUS_CODE_NOT_FOUND,
+        (good_batch("never"), "never", code_pb2.NOT_FOUND,
          "blocks[0] (p@1): request 'never' was never started on this session"),
-        (good_batch("gone"), "gone", session_pb.STATUS_CODE_FAILED_PRECONDITION,
+        (good_batch("gone"), "gone", code_pb2.FAILED_PRECONDITION,
          "blocks[0] (p@1): records for request 'gone' after its request_end"),
     ]
     for batch, rid, code, message in cases:
@@ -379,7 +380,7 @@ async def test_bad_records_get_in_band_errors_and_the_stream_lives_on(make_route
     client.start("s", "nope", "tox")
     replies = await client.sync()
     assert [(e.request_id, e.probe, e.code) for e in errors(replies)] == [
-        ("r", "", session_pb.STATUS_CODE_ALREADY_EXISTS), ("s", "nope", session_pb.STATUS_CODE_NOT_FOUND)]
+        ("r", "", code_pb2.ALREADY_EXISTS), ("s", "nope", code_pb2.NOT_FOUND)]
     assert "probe 'nope' is not loaded" in errors(replies)[1].message
     assert router.live_requests() == 2
     await client.close()
@@ -460,7 +461,7 @@ async def test_a_fault_in_blocks_read_alike_spares_the_blocks_other_probes_read(
     step = client.batch(block(hot, ["r"] * 2, [0, 1], layer=1), block(hot, ["r"] * 2, [0, 1], layer=2))
     replies = await client.until_ack(step)
     assert kinds(replies) == ["error", "scores", "abort", "ack"]
-    assert (replies[0].error.code, replies[0].error.step) == (session_pb.STATUS_CODE_INTERNAL, step)
+    assert (replies[0].error.code, replies[0].error.step) == (code_pb2.INTERNAL, step)
     assert replies[0].error.message == (
         "blocks[1]: internal error: RuntimeError: injected fault; the block was not scored")
     deep = replies[1].scores.probe_scores
@@ -480,15 +481,15 @@ async def test_incompatible_probes_are_left_out_of_the_catalog_and_reported(make
     assert [p.name for p in hello.probes] == ["fits"]
     reported = [await client.recv() for _ in range(3)]
     assert {(m.error.request_id, m.error.probe, m.error.code) for m in reported} == {
-        ("", "attn", session_pb.STATUS_CODE_FAILED_PRECONDITION), ("", "deep", session_pb.STATUS_CODE_FAILED_PRECONDITION),
-        ("", "wide", session_pb.STATUS_CODE_FAILED_PRECONDITION)}
+        ("", "attn", code_pb2.FAILED_PRECONDITION), ("", "deep", code_pb2.FAILED_PRECONDITION),
+        ("", "wide", code_pb2.FAILED_PRECONDITION)}
     messages = {m.error.probe: m.error.message for m in reported}
     assert messages["wide"] == "probe 'wide': hidden_size 32 does not match the model's hidden_size 16"
     assert "layers [7] are out of range" in messages["deep"]
     assert "tensor_type 'attn_out' is not offered" in messages["attn"]
     client.start("r", "deep")
     replies = await client.sync()
-    assert [(e.code, e.probe) for e in errors(replies)] == [(session_pb.STATUS_CODE_FAILED_PRECONDITION, "deep")]
+    assert [(e.code, e.probe) for e in errors(replies)] == [(code_pb2.FAILED_PRECONDITION, "deep")]
     await client.close()
 
 
@@ -525,7 +526,7 @@ async def test_drain_refuses_new_requests_and_stops_after_active_ones_end(make_r
     assert "shutting down" in drain.drain.reason
     client.start("late", "tox")
     replies = await client.sync()
-    assert [(e.request_id, e.code) for e in errors(replies)] == [("late", session_pb.STATUS_CODE_UNAVAILABLE)]
+    assert [(e.request_id, e.code) for e in errors(replies)] == [("late", code_pb2.UNAVAILABLE)]
     # The running request is still scored while draining.
     hot = np.full((2, HIDDEN), 6.0)
     replies = await client.until_ack(client.batch(block(hot, ["running"] * 2, [0, 1])))
@@ -595,7 +596,7 @@ async def test_an_internal_failure_still_acks_the_step_and_keeps_the_session(mak
     # One error per request of the batch, each naming its request, incarnation and step.
     assert kinds(replies) == ["error", "error", "ack"]
     assert [(e.request_id, e.incarnation, e.step, e.code) for e in errors(replies)] == [
-        ("q", 8, step, session_pb.STATUS_CODE_INTERNAL), ("r", 7, step, session_pb.STATUS_CODE_INTERNAL)]
+        ("q", 8, step, code_pb2.INTERNAL), ("r", 7, step, code_pb2.INTERNAL)]
     assert replies[0].error.message == (
         "batch: internal error: RuntimeError: injected fault; the batch was not scored")
     monkeypatch.undo()

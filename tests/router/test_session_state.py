@@ -11,6 +11,7 @@ from common.probe_format.files import load_probe_path
 from router_service.registry import ProbeRegistry
 from router_service.session import SessionState
 from tests.router.helpers import HIDDEN, block, bound, linear_probe, model_info
+from google.rpc import code_pb2
 from undercurrent.v1 import router_session_pb2 as session_pb
 
 
@@ -44,7 +45,7 @@ def test_a_batch_that_fails_whole_names_each_request_with_its_incarnation_and_st
     batch = to_batch([block(rows(1.0, 2.0), ["a", "b"], [0, 0])], step=9)
     replies = state.batch_failed(batch, RuntimeError("boom"))
     assert summary(replies) == [("error", "a", 1, 9), ("error", "b", 2, 9), ("ack", "", 0, 9)]
-    assert {m.error.code for m in replies[:2]} == {session_pb.STATUS_CODE_INTERNAL}
+    assert {m.error.code for m in replies[:2]} == {code_pb2.INTERNAL}
 
 
 def test_rows_of_a_refused_request_start_are_refused_naming_its_incarnation(state):
@@ -54,7 +55,7 @@ def test_rows_of_a_refused_request_start_are_refused_naming_its_incarnation(stat
     start(state, "a", 1)
     start(state, "b", 2)
     [full] = start(state, "c", 3)  # the state holds two requests
-    assert (full.error.code, full.error.incarnation) == (session_pb.STATUS_CODE_RESOURCE_EXHAUSTED, 3)
+    assert (full.error.code, full.error.incarnation) == (code_pb2.RESOURCE_EXHAUSTED, 3)
     replies = state.batch(to_batch([block(rows(1.0, 2.0), ["a", "c"], [0, 0])], step=5))
     assert summary(replies) == [("error", "c", 3, 5), ("scores", "a", 1, 0), ("ack", "", 0, 5)]
     assert replies[0].error.message == ("blocks[0] (p@1): records for request 'c', whose request_start this "
@@ -87,7 +88,7 @@ def test_unknown_enums_and_the_request_limit(state):
     assert start(state, "b", 2) == []
     [over] = start(state, "c", 3)
     assert (over.error.code, over.error.request_id, over.error.incarnation) == (
-        session_pb.STATUS_CODE_RESOURCE_EXHAUSTED, "c", 3)
+        code_pb2.RESOURCE_EXHAUSTED, "c", 3)
     assert sorted(state.requests) == ["a", "b"]
 
 
@@ -187,7 +188,7 @@ def test_a_request_named_twice_in_one_batch_has_the_second_slots_rows_refused(st
     batch.blocks[0].request_index[2] = 2  # the row at position 1 names "a" through [2]
     replies = state.batch(batch)
     assert summary(replies) == [("error", "a", 1, 6), ("scores", "a", 1, 0), ("scores", "b", 2, 0), ("ack", "", 0, 6)]
-    assert replies[0].error.code == session_pb.STATUS_CODE_INVALID_ARGUMENT
+    assert replies[0].error.code == code_pb2.INVALID_ARGUMENT
     assert replies[0].error.message == (
         "batch.request_ids[2]: request 'a' is named again (first at [0]); the rows naming [2] were not scored")
     scored = replies[1].scores.probe_scores

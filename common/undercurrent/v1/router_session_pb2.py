@@ -22,10 +22,11 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.rpc import code_pb2 as google_dot_rpc_dot_code__pb2
 from undercurrent.v1 import types_pb2 as undercurrent_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$undercurrent/v1/router_session.proto\x12\x0fundercurrent.v1\x1a\x1bundercurrent/v1/types.proto\"e\n\x0cSessionHello\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12)\n\x05model\x18\x02 \x01(\x0b\x32\x1a.undercurrent.v1.ModelInfo\x12\x17\n\x0f\x61\x63\x63\x65pts_replies\x18\x03 \x01(\x08\"\x95\x01\n\x0eSessionBinding\x12\r\n\x05probe\x18\x01 \x01(\t\x12\x36\n\x0e\x66\x61ilure_policy\x18\x02 \x01(\x0e\x32\x1e.undercurrent.v1.FailurePolicy\x12,\n\x06\x61\x63tion\x18\x03 \x01(\x0e\x32\x1c.undercurrent.v1.ProbeAction\x12\x0e\n\x06\x64igest\x18\x04 \x01(\t\"\xb4\x01\n\x0cRequestStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x05\x12\x13\n\x0bstate_reset\x18\x04 \x01(\x08\x12\x13\n\x0bincarnation\x18\x05 \x01(\x04\x12\x31\n\x08\x62indings\x18\x06 \x03(\x0b\x32\x1f.undercurrent.v1.SessionBinding\x12\x0e\n\x06\x63\x61ller\x18\x07 \x01(\tJ\x04\x08\x02\x10\x03R\x06probes\"k\n\nRequestEnd\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x34\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1d.undercurrent.v1.FinishReason\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\"$\n\tHeartbeat\x12\x17\n\x0fsent_unix_nanos\x18\x01 \x01(\x03\"\x9b\x02\n\x0eSessionRequest\x12.\n\x05hello\x18\x01 \x01(\x0b\x32\x1d.undercurrent.v1.SessionHelloH\x00\x12\x36\n\rrequest_start\x18\x02 \x01(\x0b\x32\x1d.undercurrent.v1.RequestStartH\x00\x12\x31\n\x05\x62\x61tch\x18\x03 \x01(\x0b\x32 .undercurrent.v1.ActivationBatchH\x00\x12\x32\n\x0brequest_end\x18\x04 \x01(\x0b\x32\x1b.undercurrent.v1.RequestEndH\x00\x12/\n\theartbeat\x18\x05 \x01(\x0b\x32\x1a.undercurrent.v1.HeartbeatH\x00\x42\t\n\x07message\"L\n\x0bRouterHello\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12*\n\x06probes\x18\x02 \x03(\x0b\x32\x1a.undercurrent.v1.ProbeInfo\":\n\x0cProbeCatalog\x12*\n\x06probes\x18\x01 \x03(\x0b\x32\x1a.undercurrent.v1.ProbeInfo\"\x17\n\x07StepAck\x12\x0c\n\x04step\x18\x01 \x01(\x04\"\x90\x01\n\x0cRequestError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05probe\x18\x02 \x01(\t\x12)\n\x04\x63ode\x18\x03 \x01(\x0e\x32\x1b.undercurrent.v1.StatusCode\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x13\n\x0bincarnation\x18\x05 \x01(\x04\x12\x0c\n\x04step\x18\x06 \x01(\x04\"\x17\n\x05\x44rain\x12\x0e\n\x06reason\x18\x01 \x01(\t\"X\n\rSessionScores\x12\x32\n\x0cprobe_scores\x18\x01 \x01(\x0b\x32\x1c.undercurrent.v1.ProbeScores\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\"N\n\x0cSessionAbort\x12)\n\x07verdict\x18\x01 \x01(\x0b\x32\x18.undercurrent.v1.Verdict\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\"\xd2\x03\n\x0fSessionResponse\x12-\n\x05hello\x18\x01 \x01(\x0b\x32\x1c.undercurrent.v1.RouterHelloH\x00\x12\x30\n\x06scores\x18\n \x01(\x0b\x32\x1e.undercurrent.v1.SessionScoresH\x00\x12.\n\x05\x61\x62ort\x18\x0b \x01(\x0b\x32\x1d.undercurrent.v1.SessionAbortH\x00\x12\'\n\x03\x61\x63k\x18\x04 \x01(\x0b\x32\x18.undercurrent.v1.StepAckH\x00\x12/\n\theartbeat\x18\x05 \x01(\x0b\x32\x1a.undercurrent.v1.HeartbeatH\x00\x12\'\n\x05\x64rain\x18\x06 \x01(\x0b\x32\x16.undercurrent.v1.DrainH\x00\x12.\n\x05\x65rror\x18\x07 \x01(\x0b\x32\x1d.undercurrent.v1.RequestErrorH\x00\x12\x30\n\x07\x63\x61talog\x18\x08 \x01(\x0b\x32\x1d.undercurrent.v1.ProbeCatalogH\x00\x12\x32\n\x07replies\x18\t \x01(\x0b\x32\x1f.undercurrent.v1.SessionRepliesH\x00\x42\t\n\x07messageJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04\"D\n\x0eSessionReplies\x12\x32\n\x08messages\x18\x01 \x03(\x0b\x32 .undercurrent.v1.SessionResponse*\x92\x04\n\nStatusCode\x12\x1b\n\x17STATUS_CODE_UNSPECIFIED\x10\x00\x12\x19\n\x15STATUS_CODE_CANCELLED\x10\x01\x12\x17\n\x13STATUS_CODE_UNKNOWN\x10\x02\x12 \n\x1cSTATUS_CODE_INVALID_ARGUMENT\x10\x03\x12!\n\x1dSTATUS_CODE_DEADLINE_EXCEEDED\x10\x04\x12\x19\n\x15STATUS_CODE_NOT_FOUND\x10\x05\x12\x1e\n\x1aSTATUS_CODE_ALREADY_EXISTS\x10\x06\x12!\n\x1dSTATUS_CODE_PERMISSION_DENIED\x10\x07\x12\"\n\x1eSTATUS_CODE_RESOURCE_EXHAUSTED\x10\x08\x12#\n\x1fSTATUS_CODE_FAILED_PRECONDITION\x10\t\x12\x17\n\x13STATUS_CODE_ABORTED\x10\n\x12\x1c\n\x18STATUS_CODE_OUT_OF_RANGE\x10\x0b\x12\x1d\n\x19STATUS_CODE_UNIMPLEMENTED\x10\x0c\x12\x18\n\x14STATUS_CODE_INTERNAL\x10\r\x12\x1b\n\x17STATUS_CODE_UNAVAILABLE\x10\x0e\x12\x19\n\x15STATUS_CODE_DATA_LOSS\x10\x0f\x12\x1f\n\x1bSTATUS_CODE_UNAUTHENTICATED\x10\x10\x32\x66\n\x12ProbeRouterService\x12P\n\x07Session\x12\x1f.undercurrent.v1.SessionRequest\x1a .undercurrent.v1.SessionResponse(\x01\x30\x01\x42{\n\x13\x64\x65v.undercurrent.v1B\x12RouterSessionProtoP\x01ZNgithub.com/undercurrent-dev/undercurrent/gen/go/undercurrent/v1;undercurrentv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$undercurrent/v1/router_session.proto\x12\x0fundercurrent.v1\x1a\x15google/rpc/code.proto\x1a\x1bundercurrent/v1/types.proto\"e\n\x0cSessionHello\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12)\n\x05model\x18\x02 \x01(\x0b\x32\x1a.undercurrent.v1.ModelInfo\x12\x17\n\x0f\x61\x63\x63\x65pts_replies\x18\x03 \x01(\x08\"\x95\x01\n\x0eSessionBinding\x12\r\n\x05probe\x18\x01 \x01(\t\x12\x36\n\x0e\x66\x61ilure_policy\x18\x02 \x01(\x0e\x32\x1e.undercurrent.v1.FailurePolicy\x12,\n\x06\x61\x63tion\x18\x03 \x01(\x0e\x32\x1c.undercurrent.v1.ProbeAction\x12\x0e\n\x06\x64igest\x18\x04 \x01(\t\"\xb4\x01\n\x0cRequestStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x05\x12\x13\n\x0bstate_reset\x18\x04 \x01(\x08\x12\x13\n\x0bincarnation\x18\x05 \x01(\x04\x12\x31\n\x08\x62indings\x18\x06 \x03(\x0b\x32\x1f.undercurrent.v1.SessionBinding\x12\x0e\n\x06\x63\x61ller\x18\x07 \x01(\tJ\x04\x08\x02\x10\x03R\x06probes\"k\n\nRequestEnd\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x34\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1d.undercurrent.v1.FinishReason\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\"$\n\tHeartbeat\x12\x17\n\x0fsent_unix_nanos\x18\x01 \x01(\x03\"\x9b\x02\n\x0eSessionRequest\x12.\n\x05hello\x18\x01 \x01(\x0b\x32\x1d.undercurrent.v1.SessionHelloH\x00\x12\x36\n\rrequest_start\x18\x02 \x01(\x0b\x32\x1d.undercurrent.v1.RequestStartH\x00\x12\x31\n\x05\x62\x61tch\x18\x03 \x01(\x0b\x32 .undercurrent.v1.ActivationBatchH\x00\x12\x32\n\x0brequest_end\x18\x04 \x01(\x0b\x32\x1b.undercurrent.v1.RequestEndH\x00\x12/\n\theartbeat\x18\x05 \x01(\x0b\x32\x1a.undercurrent.v1.HeartbeatH\x00\x42\t\n\x07message\"L\n\x0bRouterHello\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12*\n\x06probes\x18\x02 \x03(\x0b\x32\x1a.undercurrent.v1.ProbeInfo\":\n\x0cProbeCatalog\x12*\n\x06probes\x18\x01 \x03(\x0b\x32\x1a.undercurrent.v1.ProbeInfo\"\x17\n\x07StepAck\x12\x0c\n\x04step\x18\x01 \x01(\x04\"\x85\x01\n\x0cRequestError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05probe\x18\x02 \x01(\t\x12\x1e\n\x04\x63ode\x18\x03 \x01(\x0e\x32\x10.google.rpc.Code\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\x13\n\x0bincarnation\x18\x05 \x01(\x04\x12\x0c\n\x04step\x18\x06 \x01(\x04\"\x17\n\x05\x44rain\x12\x0e\n\x06reason\x18\x01 \x01(\t\"X\n\rSessionScores\x12\x32\n\x0cprobe_scores\x18\x01 \x01(\x0b\x32\x1c.undercurrent.v1.ProbeScores\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\"N\n\x0cSessionAbort\x12)\n\x07verdict\x18\x01 \x01(\x0b\x32\x18.undercurrent.v1.Verdict\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\"\xd2\x03\n\x0fSessionResponse\x12-\n\x05hello\x18\x01 \x01(\x0b\x32\x1c.undercurrent.v1.RouterHelloH\x00\x12\x30\n\x06scores\x18\n \x01(\x0b\x32\x1e.undercurrent.v1.SessionScoresH\x00\x12.\n\x05\x61\x62ort\x18\x0b \x01(\x0b\x32\x1d.undercurrent.v1.SessionAbortH\x00\x12\'\n\x03\x61\x63k\x18\x04 \x01(\x0b\x32\x18.undercurrent.v1.StepAckH\x00\x12/\n\theartbeat\x18\x05 \x01(\x0b\x32\x1a.undercurrent.v1.HeartbeatH\x00\x12\'\n\x05\x64rain\x18\x06 \x01(\x0b\x32\x16.undercurrent.v1.DrainH\x00\x12.\n\x05\x65rror\x18\x07 \x01(\x0b\x32\x1d.undercurrent.v1.RequestErrorH\x00\x12\x30\n\x07\x63\x61talog\x18\x08 \x01(\x0b\x32\x1d.undercurrent.v1.ProbeCatalogH\x00\x12\x32\n\x07replies\x18\t \x01(\x0b\x32\x1f.undercurrent.v1.SessionRepliesH\x00\x42\t\n\x07messageJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04\"D\n\x0eSessionReplies\x12\x32\n\x08messages\x18\x01 \x03(\x0b\x32 .undercurrent.v1.SessionResponse2f\n\x12ProbeRouterService\x12P\n\x07Session\x12\x1f.undercurrent.v1.SessionRequest\x1a .undercurrent.v1.SessionResponse(\x01\x30\x01\x42{\n\x13\x64\x65v.undercurrent.v1B\x12RouterSessionProtoP\x01ZNgithub.com/undercurrent-dev/undercurrent/gen/go/undercurrent/v1;undercurrentv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,38 +34,36 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'undercurrent.v1.router_sess
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\023dev.undercurrent.v1B\022RouterSessionProtoP\001ZNgithub.com/undercurrent-dev/undercurrent/gen/go/undercurrent/v1;undercurrentv1'
-  _globals['_STATUSCODE']._serialized_start=2002
-  _globals['_STATUSCODE']._serialized_end=2532
-  _globals['_SESSIONHELLO']._serialized_start=86
-  _globals['_SESSIONHELLO']._serialized_end=187
-  _globals['_SESSIONBINDING']._serialized_start=190
-  _globals['_SESSIONBINDING']._serialized_end=339
-  _globals['_REQUESTSTART']._serialized_start=342
-  _globals['_REQUESTSTART']._serialized_end=522
-  _globals['_REQUESTEND']._serialized_start=524
-  _globals['_REQUESTEND']._serialized_end=631
-  _globals['_HEARTBEAT']._serialized_start=633
-  _globals['_HEARTBEAT']._serialized_end=669
-  _globals['_SESSIONREQUEST']._serialized_start=672
-  _globals['_SESSIONREQUEST']._serialized_end=955
-  _globals['_ROUTERHELLO']._serialized_start=957
-  _globals['_ROUTERHELLO']._serialized_end=1033
-  _globals['_PROBECATALOG']._serialized_start=1035
-  _globals['_PROBECATALOG']._serialized_end=1093
-  _globals['_STEPACK']._serialized_start=1095
-  _globals['_STEPACK']._serialized_end=1118
-  _globals['_REQUESTERROR']._serialized_start=1121
-  _globals['_REQUESTERROR']._serialized_end=1265
-  _globals['_DRAIN']._serialized_start=1267
-  _globals['_DRAIN']._serialized_end=1290
-  _globals['_SESSIONSCORES']._serialized_start=1292
-  _globals['_SESSIONSCORES']._serialized_end=1380
-  _globals['_SESSIONABORT']._serialized_start=1382
-  _globals['_SESSIONABORT']._serialized_end=1460
-  _globals['_SESSIONRESPONSE']._serialized_start=1463
-  _globals['_SESSIONRESPONSE']._serialized_end=1929
-  _globals['_SESSIONREPLIES']._serialized_start=1931
-  _globals['_SESSIONREPLIES']._serialized_end=1999
-  _globals['_PROBEROUTERSERVICE']._serialized_start=2534
-  _globals['_PROBEROUTERSERVICE']._serialized_end=2636
+  _globals['_SESSIONHELLO']._serialized_start=109
+  _globals['_SESSIONHELLO']._serialized_end=210
+  _globals['_SESSIONBINDING']._serialized_start=213
+  _globals['_SESSIONBINDING']._serialized_end=362
+  _globals['_REQUESTSTART']._serialized_start=365
+  _globals['_REQUESTSTART']._serialized_end=545
+  _globals['_REQUESTEND']._serialized_start=547
+  _globals['_REQUESTEND']._serialized_end=654
+  _globals['_HEARTBEAT']._serialized_start=656
+  _globals['_HEARTBEAT']._serialized_end=692
+  _globals['_SESSIONREQUEST']._serialized_start=695
+  _globals['_SESSIONREQUEST']._serialized_end=978
+  _globals['_ROUTERHELLO']._serialized_start=980
+  _globals['_ROUTERHELLO']._serialized_end=1056
+  _globals['_PROBECATALOG']._serialized_start=1058
+  _globals['_PROBECATALOG']._serialized_end=1116
+  _globals['_STEPACK']._serialized_start=1118
+  _globals['_STEPACK']._serialized_end=1141
+  _globals['_REQUESTERROR']._serialized_start=1144
+  _globals['_REQUESTERROR']._serialized_end=1277
+  _globals['_DRAIN']._serialized_start=1279
+  _globals['_DRAIN']._serialized_end=1302
+  _globals['_SESSIONSCORES']._serialized_start=1304
+  _globals['_SESSIONSCORES']._serialized_end=1392
+  _globals['_SESSIONABORT']._serialized_start=1394
+  _globals['_SESSIONABORT']._serialized_end=1472
+  _globals['_SESSIONRESPONSE']._serialized_start=1475
+  _globals['_SESSIONRESPONSE']._serialized_end=1941
+  _globals['_SESSIONREPLIES']._serialized_start=1943
+  _globals['_SESSIONREPLIES']._serialized_end=2011
+  _globals['_PROBEROUTERSERVICE']._serialized_start=2013
+  _globals['_PROBEROUTERSERVICE']._serialized_end=2115
 # @@protoc_insertion_point(module_scope)

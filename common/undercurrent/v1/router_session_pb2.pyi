@@ -1,49 +1,12 @@
+from google.rpc import code_pb2 as _code_pb2
 from undercurrent.v1 import types_pb2 as _types_pb2
 from google.protobuf.internal import containers as _containers
-from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
-
-class StatusCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    STATUS_CODE_UNSPECIFIED: _ClassVar[StatusCode]
-    STATUS_CODE_CANCELLED: _ClassVar[StatusCode]
-    STATUS_CODE_UNKNOWN: _ClassVar[StatusCode]
-    STATUS_CODE_INVALID_ARGUMENT: _ClassVar[StatusCode]
-    STATUS_CODE_DEADLINE_EXCEEDED: _ClassVar[StatusCode]
-    STATUS_CODE_NOT_FOUND: _ClassVar[StatusCode]
-    STATUS_CODE_ALREADY_EXISTS: _ClassVar[StatusCode]
-    STATUS_CODE_PERMISSION_DENIED: _ClassVar[StatusCode]
-    STATUS_CODE_RESOURCE_EXHAUSTED: _ClassVar[StatusCode]
-    STATUS_CODE_FAILED_PRECONDITION: _ClassVar[StatusCode]
-    STATUS_CODE_ABORTED: _ClassVar[StatusCode]
-    STATUS_CODE_OUT_OF_RANGE: _ClassVar[StatusCode]
-    STATUS_CODE_UNIMPLEMENTED: _ClassVar[StatusCode]
-    STATUS_CODE_INTERNAL: _ClassVar[StatusCode]
-    STATUS_CODE_UNAVAILABLE: _ClassVar[StatusCode]
-    STATUS_CODE_DATA_LOSS: _ClassVar[StatusCode]
-    STATUS_CODE_UNAUTHENTICATED: _ClassVar[StatusCode]
-STATUS_CODE_UNSPECIFIED: StatusCode
-STATUS_CODE_CANCELLED: StatusCode
-STATUS_CODE_UNKNOWN: StatusCode
-STATUS_CODE_INVALID_ARGUMENT: StatusCode
-STATUS_CODE_DEADLINE_EXCEEDED: StatusCode
-STATUS_CODE_NOT_FOUND: StatusCode
-STATUS_CODE_ALREADY_EXISTS: StatusCode
-STATUS_CODE_PERMISSION_DENIED: StatusCode
-STATUS_CODE_RESOURCE_EXHAUSTED: StatusCode
-STATUS_CODE_FAILED_PRECONDITION: StatusCode
-STATUS_CODE_ABORTED: StatusCode
-STATUS_CODE_OUT_OF_RANGE: StatusCode
-STATUS_CODE_UNIMPLEMENTED: StatusCode
-STATUS_CODE_INTERNAL: StatusCode
-STATUS_CODE_UNAVAILABLE: StatusCode
-STATUS_CODE_DATA_LOSS: StatusCode
-STATUS_CODE_UNAUTHENTICATED: StatusCode
 
 class SessionHello(_message.Message):
     __slots__ = ("engine_id", "model", "accepts_replies")
@@ -143,11 +106,11 @@ class RequestError(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     probe: str
-    code: StatusCode
+    code: _code_pb2.Code
     message: str
     incarnation: int
     step: int
-    def __init__(self, request_id: _Optional[str] = ..., probe: _Optional[str] = ..., code: _Optional[_Union[StatusCode, str]] = ..., message: _Optional[str] = ..., incarnation: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., probe: _Optional[str] = ..., code: _Optional[_Union[_code_pb2.Code, str]] = ..., message: _Optional[str] = ..., incarnation: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class Drain(_message.Message):
     __slots__ = ("reason",)
