@@ -19,7 +19,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: run test install postgres proto models bench clean compose-check compose-test
+.PHONY: run test install postgres proto check-contract models bench clean compose-check compose-test
 
 run: install models
 	$(PY) -m tools.run_demo --model $(MODELS)/tiny-llama $(RUN_ARGS)
@@ -59,6 +59,12 @@ $(MODELS)/%/config.json:
 # Regenerates the checked-in stubs. tests/test_proto_stubs.py fails when they are stale.
 proto: install
 	$(PY) -m common.protogen
+
+# The contract lints clean (buf lint) and breaks nothing the released contract
+# promised (buf breaking against proto/released/undercurrent-v1.binpb); `make
+# test` runs the same checks (tests/foundation/test_proto_lint.py).
+check-contract: install
+	$(PY) -m tools.contract check
 
 bench: install models
 	$(PY) -m bench.stream_throughput

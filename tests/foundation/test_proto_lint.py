@@ -1,19 +1,16 @@
-"""The contract lints clean with buf's STANDARD and COMMENTS rules (buf.yaml)."""
+"""The contract lints clean with buf's STANDARD and COMMENTS rules (buf.yaml),
+and breaks nothing the released contract (proto/released/) promised."""
 
-import subprocess
+import shutil
 from pathlib import Path
 
 import yaml
+from google.protobuf import descriptor_pb2
 
-from tools import node_client
+from tools.contract import RELEASED, breaking, lint
 from undercurrent.v1 import admin_pb2, engine_pb2, router_session_pb2, types_pb2
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def lint(root: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([str(node_client.buf()), "lint"], cwd=root, capture_output=True,
-                          text=True, timeout=120)
 
 
 def test_buf_config_uses_standard_and_comment_rules_on_proto():
@@ -55,3 +52,56 @@ def test_file_options_name_go_and_java_packages():
         assert (options.java_package, options.java_multiple_files) == ("dev.undercurrent.v1", True)
         outer_names.add(options.java_outer_classname)
     assert len(outer_names) == 4  # one Java outer class per file, none clashing
+
+
+def test_released_image_holds_the_v1_contract():
+    released = descriptor_pb2.FileDescriptorSet.FromString(RELEASED.read_bytes())
+    assert sorted(f.name for f in released.file) == [
+        "google/rpc/code.proto", "undercurrent/v1/admin.proto", "undercurrent/v1/engine.proto",
+        "undercurrent/v1/router_session.proto", "undercurrent/v1/types.proto"]
+    services = {s.name for f in released.file for s in f.service}
+    assert services == {"EngineService", "ProbeAdminService", "ProbeRouterService"}
+
+
+def test_contract_breaks_nothing_the_released_one_promised():
+    result = breaking(REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout == ""
+
+
+def edited_contract(tmp_path: Path, path: str, old: str, new: str) -> Path:
+    """A copy of the workspace with one edit to one proto file."""
+    shutil.copy(REPO / "buf.yaml", tmp_path / "buf.yaml")
+    shutil.copytree(REPO / "proto", tmp_path / "proto", ignore=shutil.ignore_patterns("released"))
+    proto = tmp_path / "proto" / path
+    text = proto.read_text()
+    assert old in text
+    proto.write_text(text.replace(old, new))
+    return tmp_path
+
+
+def test_breaking_reports_a_removed_field(tmp_path):
+    """The check bites: deleting a released field fails it, naming the field."""
+    root = edited_contract(tmp_path, "undercurrent/v1/engine.proto", "  int64 unprobed_tokens = 5;\n", "")
+    assert lint(root).returncode == 0  # still a well-formed, commented contract
+    result = breaking(root)
+    assert result.returncode != 0
+    assert ('Previously present field "5" with name "unprobed_tokens" on message "GenerateFinished" '
+            "was deleted.") in result.stdout, result.stdout
+
+
+def test_breaking_reports_a_renamed_field_and_its_json_name(tmp_path):
+    """A rename keeps the binary wire format but not JSON or generated code."""
+    root = edited_contract(tmp_path, "undercurrent/v1/engine.proto", "int32 generated_tokens = 4;",
+                           "int32 tokens_generated = 4;")
+    result = breaking(root)
+    assert result.returncode != 0
+    assert 'changed option "json_name" from "generatedTokens" to "tokensGenerated"' in result.stdout
+    assert 'changed name from "generated_tokens" to "tokens_generated"' in result.stdout
+
+
+def test_breaking_lets_an_added_field_pass(tmp_path):
+    root = edited_contract(tmp_path, "undercurrent/v1/engine.proto", "  int64 unprobed_tokens = 5;\n",
+                           "  int64 unprobed_tokens = 5;\n  // A new count.\n  int64 new_count = 99;\n")
+    result = breaking(root)
+    assert result.returncode == 0, result.stdout + result.stderr
