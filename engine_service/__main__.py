@@ -95,6 +95,11 @@ def build_parser():
         default="fail_closed",
         help="default for bindings that set none",
     )
+    ours.add_argument(
+        "--guards-file", type=Path, default=None,
+        help="JSON file of operator-set bindings per caller, applied to every request of theirs, which "
+             "a request cannot remove or weaken (docs/security.md); re-read when it changes",
+    )
     ours.add_argument("--router-timeout", type=float, default=EngineSettings.router_timeout_s,
                       help="seconds a row may wait for its router's ack before it counts unscored "
                            "(fail_closed bindings then end the request), and a request may wait "

@@ -18,9 +18,8 @@ from engine_service.request.probe_points import binding_points
 CLOSED = types_pb.FAILURE_POLICY_FAIL_CLOSED
 
 
-def wanted(bindings: Sequence[types_pb.ProbeBinding], default_failure_policy: int) -> list[Wanted]:
-    """The client's bindings as homing sees them; INVALID_ARGUMENT names a
-    binding without a probe or a probe bound twice."""
+def check_names(bindings: Sequence[types_pb.ProbeBinding]) -> None:
+    """INVALID_ARGUMENT names a binding without a probe or a probe bound twice."""
     seen: dict[str, int] = {}
     for i, binding in enumerate(bindings):
         if not binding.probe:
@@ -29,6 +28,11 @@ def wanted(bindings: Sequence[types_pb.ProbeBinding], default_failure_policy: in
             raise InvalidArgument(f"probes[{i}].probe: {binding.probe!r} is bound twice "
                                   f"(also probes[{seen[binding.probe]}])")
         seen[binding.probe] = i
+
+
+def wanted(bindings: Sequence[types_pb.ProbeBinding], default_failure_policy: int) -> list[Wanted]:
+    """The bindings as homing sees them (their names checked)."""
+    check_names(bindings)
     return [Wanted(b.probe, None, (b.failure_policy or default_failure_policy) == CLOSED) for b in bindings]
 
 

@@ -74,6 +74,7 @@ class RequestRun:
         ledger: RequestLedger | None = None,
         captures: bool = False,
         on_first_token: Callable[[], None] = lambda: None,
+        operator_probes: frozenset[str] = frozenset(),
     ) -> None:
         self.key = key
         self.request_id = request_id
@@ -84,6 +85,7 @@ class RequestRun:
         self.bindings = bindings
         self.infos = infos
         self.gate = TokenGate(prompt_tokens) if gate_tokens else None
+        self.operator_probes = operator_probes  # bindings the caller's guards set
         self.stream = stream
         self.ledger = ledger
         self.captures = captures  # registered extraction points (client or probe)
@@ -273,6 +275,7 @@ class RequestRun:
             unprobed_tokens=ledger.unprobed_tokens(below=received_below) if ledger else 0,
             dropped_records=self.dropped_records(),
             message=self.message,
+            gated=self.gate is not None,
         )
         if ledger is not None:
             for binding, info, (scored, unprobed, restarts, why) in zip(
@@ -280,7 +283,8 @@ class RequestRun:
                 finished.bindings.add(
                     probe=binding.probe, version=info.version, digest=binding.digest,
                     failure_policy=binding.failure_policy, action=binding.action,
-                    rows_scored=scored, rows_unprobed=unprobed, state_restarts=restarts, message=why)
+                    rows_scored=scored, rows_unprobed=unprobed, state_restarts=restarts, message=why,
+                    operator_set=binding.probe in self.operator_probes)
             first = next(iter(ledger.failures), None)
             if not finished.message and finished.unprobed_tokens and first and not ledger.fail_closed_failure():
                 finished.message = f"{finished.unprobed_tokens} tokens unprobed (fail_open): {first.reason}"

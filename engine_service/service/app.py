@@ -111,6 +111,24 @@ def link_config(args, client_tls):
         fail("engine_service", f"--router: {err}")
 
 
+def load_guards(args, links):
+    """The operator-set bindings of --guards-file (None without it); a bad file
+    fails before anything starts."""
+    from engine_service.request.guards import GuardConfigError, GuardsFile, describe
+
+    if args.guards_file is None:
+        return None
+    if links is None:
+        fail("engine_service", "--guards-file: needs --router (guards are probes the routers run)")
+    try:
+        guards = GuardsFile(args.guards_file)
+    except GuardConfigError as err:
+        fail("engine_service", str(err))
+    log.info("guards from %s: default %s", args.guards_file,
+             ", ".join(map(describe, guards.for_caller(""))) or "none")
+    return guards
+
+
 async def run(args) -> int:
     from vllm.platforms import current_platform
 
@@ -127,6 +145,7 @@ async def run(args) -> int:
     except SecurityConfigError as err:
         fail("engine_service", str(err))
     links = link_config(args, client_tls)  # bad --router fails before anything starts
+    guards = load_guards(args, links)
     metrics = EngineMetrics(include_vllm=bool(args.metrics_port))
     host = listen_host(args)
     holder: dict = {}
@@ -173,6 +192,7 @@ async def run(args) -> int:
         ),
         metrics=metrics,
         allowances=allowances,
+        guards=guards,
     )
     if args.keep_off_worker_cores:
         await place_engine_service(runtime.capture)

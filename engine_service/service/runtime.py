@@ -36,6 +36,7 @@ from engine_service.capture.driver.controller import CaptureController, require_
 from engine_service.engine_core.tokens_ahead import AllowancePublisher
 from engine_service.link.batching import partition_by_owner
 from engine_service.request import bindings as pins
+from engine_service.request import guards as operator_guards
 from engine_service.request import validation as reqs
 from engine_service.request.client_stream import ClientStream
 from engine_service.request.ledger import RequestLedger
@@ -87,8 +88,11 @@ class EngineRuntime:
         settings: EngineSettings | None = None,
         metrics: EngineMetrics | None = None,
         allowances: AllowancePublisher | None = None,
+        guards: operator_guards.GuardsFile | None = None,
     ):
         self.llm = llm
+        # The operator-set bindings of each caller (--guards-file), or None.
+        self.guards = guards
         # With --max-tokens-ahead: tells vLLM's scheduler how far each probed request may compute.
         self.allowances = allowances
         self.capture = capture
@@ -268,6 +272,9 @@ class EngineRuntime:
         request_id = reqs.request_id_of(message)
         limits = self.settings.limits
         reqs.check_request(message, len(self.runs), limits, self.limits)
+        pins.check_names(message.probes)
+        guarded = operator_guards.apply(self.guards.for_caller(caller) if self.guards else (), message)
+        message = guarded.request
         message_bytes = reqs.client_message_bytes(message, limits)
         ids = await reqs.prompt_ids_off_loop(message, self._tokenizer.encode, self.limits)
         reqs.check_capacity(len(self.runs), limits)  # others may have started meanwhile
@@ -288,6 +295,7 @@ class EngineRuntime:
         run = RequestRun(
             key, request_id, incarnation, len(ids), bindings, infos,
             gate_tokens=message.gate_tokens,
+            operator_probes=guarded.operator_probes,
             stream=stream,
             decode=self._tokenizer.decode,
             ledger=(RequestLedger(len(ids), pins.for_ledger(bindings, infos), probe_captures)

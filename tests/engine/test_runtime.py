@@ -8,6 +8,7 @@ client saw, and the counts in GenerateFinished.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -17,7 +18,8 @@ import vllm.sampling_params  # noqa: F401  (the runtime imports it per request; 
 from undercurrent.v1 import engine_pb2 as engine_pb
 from undercurrent.v1 import types_pb2 as types_pb
 
-from common.errors import Unavailable
+from common.errors import InvalidArgument, Unavailable
+from engine_service.request.guards import GuardsFile
 from engine_service.link import RouterLinkConfig
 from engine_service.service.runtime import EngineRuntime, EngineSettings
 from tests.engine_link.helpers import FAST, until
@@ -83,7 +85,7 @@ async def stack():
         await s.router.kill()
 
 
-def request(rid: str, policy: int | None = CLOSED, max_tokens: int = 40, gate: bool = True, **kw):
+def request(rid: str, policy: int | None = CLOSED, max_tokens: int = 40, gate: bool | None = True, **kw):
     message = engine_pb.GenerateRequest(
         request_id=rid,
         token_ids=engine_pb.TokenIds(ids=PROMPT),
@@ -498,3 +500,33 @@ async def test_an_abort_before_vllm_runs_the_request_ends_it_and_vllm_never_runs
     assert outcome.finished.finish_reason == types_pb.FINISH_REASON_CLIENT_ABORT
     assert outcome.tokens == [] and outcome.finished.generated_tokens == 0
     assert not ran(s.llm.running, "early") and not ran(s.llm.aborted[1:], "early")
+
+
+# -- operator-set bindings ----------------------------------------------------------
+
+
+async def test_an_operator_guard_binds_gates_and_aborts_a_request_that_names_no_probe(stack, tmp_path):
+    """The caller's guard is in force on a request that binds nothing: its tokens
+    are gated, it ends at the guard's verdict, and its finish says the binding
+    was the operator's."""
+    trigger = len(PROMPT) + 6
+    s = await stack(step_s=0.01, score=lambda request_id, position: 500.0 if position == trigger else 0.0)
+    path = tmp_path / "guards.json"
+    path.write_text(json.dumps({"callers": {"demo": [
+        {"probe": PROBE.name, "failure_policy": "fail_closed", "action": "abort", "gate_tokens": True}]}}))
+    s.runtime.guards = GuardsFile(path)
+    outcome = Outcome()
+    async for response in s.runtime.generate(request("guarded", policy=None, gate=None), caller="demo"):
+        outcome.responses.append(response)
+    finished = outcome.finished
+    assert finished.finish_reason == types_pb.FINISH_REASON_PROBE_ABORT and finished.gated, finished
+    assert finished.verdict.token_position == trigger
+    assert len(outcome.tokens) == trigger - len(PROMPT)  # none at or after the trigger
+    assert [(b.probe, b.operator_set, b.failure_policy) for b in finished.bindings] == [(PROBE.name, True, CLOSED)]
+    # Another caller has no guard: nothing is bound, nothing gated.
+    other = await run(s.runtime, request("free", policy=None, gate=None, max_tokens=12))
+    assert (other.finished.finish_reason, other.finished.gated, list(other.finished.bindings)) == (
+        types_pb.FINISH_REASON_LENGTH, False, [])
+    with pytest.raises(InvalidArgument, match=r"^probes\[0\]\.failure_policy: FAIL_OPEN would weaken"):
+        async for _ in s.runtime.generate(request("weaker", policy=OPEN), caller="demo"):
+            pass

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from undercurrent.v1 import types_pb2 as undercurrent_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cundercurrent/v1/engine.proto\x12\x0fundercurrent.v1\x1a\x1bundercurrent/v1/types.proto\"\x80\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xc9\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12.\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x19.undercurrent.v1.TokenIdsH\x00\x12\x31\n\x08sampling\x18\x04 \x01(\x0b\x32\x1f.undercurrent.v1.SamplingParams\x12-\n\x06probes\x18\x05 \x03(\x0b\x32\x1d.undercurrent.v1.ProbeBinding\x12;\n\x11\x65xtraction_points\x18\x06 \x03(\x0b\x32 .undercurrent.v1.ExtractionPoint\x12\x13\n\x0bgate_tokens\x18\x07 \x01(\x08\x12$\n\x1cmax_activation_message_bytes\x18\x08 \x01(\rB\x08\n\x06prompt\"<\n\x0fGenerateStarted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\"B\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x13\n\x0b\x66irst_index\x18\x03 \x01(\x05\":\n\nProbeEvent\x12,\n\x06scores\x18\x01 \x01(\x0b\x32\x1c.undercurrent.v1.ProbeScores\"\x99\x02\n\x10GenerateFinished\x12\x34\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1d.undercurrent.v1.FinishReason\x12)\n\x07verdict\x18\x02 \x01(\x0b\x32\x18.undercurrent.v1.Verdict\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x04 \x01(\x05\x12\x17\n\x0funprobed_tokens\x18\x05 \x01(\x03\x12\x17\n\x0f\x64ropped_records\x18\x06 \x01(\x03\x12\x0f\n\x07message\x18\x07 \x01(\t\x12\x30\n\x08\x62indings\x18\x08 \x03(\x0b\x32\x1e.undercurrent.v1.BindingReport\"\xfa\x01\n\rBindingReport\x12\r\n\x05probe\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\x12\x36\n\x0e\x66\x61ilure_policy\x18\x04 \x01(\x0e\x32\x1e.undercurrent.v1.FailurePolicy\x12,\n\x06\x61\x63tion\x18\x05 \x01(\x0e\x32\x1c.undercurrent.v1.ProbeAction\x12\x13\n\x0brows_scored\x18\x06 \x01(\x03\x12\x15\n\rrows_unprobed\x18\x07 \x01(\x03\x12\x16\n\x0estate_restarts\x18\x08 \x01(\x05\x12\x0f\n\x07message\x18\t \x01(\t\"\xa3\x02\n\x10GenerateResponse\x12\x33\n\x07started\x18\x01 \x01(\x0b\x32 .undercurrent.v1.GenerateStartedH\x00\x12-\n\x06tokens\x18\x02 \x01(\x0b\x32\x1b.undercurrent.v1.TokenChunkH\x00\x12\x32\n\x0bprobe_event\x18\x03 \x01(\x0b\x32\x1b.undercurrent.v1.ProbeEventH\x00\x12\x37\n\x0b\x61\x63tivations\x18\x04 \x01(\x0b\x32 .undercurrent.v1.ActivationBatchH\x00\x12\x35\n\x08\x66inished\x18\x05 \x01(\x0b\x32!.undercurrent.v1.GenerateFinishedH\x00\x42\x07\n\x05\x65vent\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"A\n\x14GetModelInfoResponse\x12)\n\x05model\x18\x01 \x01(\x0b\x32\x1a.undercurrent.v1.ModelInfo2\x87\x02\n\rEngineService\x12Q\n\x08Generate\x12 .undercurrent.v1.GenerateRequest\x1a!.undercurrent.v1.GenerateResponse0\x01\x12\x46\n\x05\x41\x62ort\x12\x1d.undercurrent.v1.AbortRequest\x1a\x1e.undercurrent.v1.AbortResponse\x12[\n\x0cGetModelInfo\x12$.undercurrent.v1.GetModelInfoRequest\x1a%.undercurrent.v1.GetModelInfoResponseBt\n\x13\x64\x65v.undercurrent.v1B\x0b\x45ngineProtoP\x01ZNgithub.com/undercurrent-dev/undercurrent/gen/go/undercurrent/v1;undercurrentv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cundercurrent/v1/engine.proto\x12\x0fundercurrent.v1\x1a\x1bundercurrent/v1/types.proto\"\x80\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xde\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12.\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x19.undercurrent.v1.TokenIdsH\x00\x12\x31\n\x08sampling\x18\x04 \x01(\x0b\x32\x1f.undercurrent.v1.SamplingParams\x12-\n\x06probes\x18\x05 \x03(\x0b\x32\x1d.undercurrent.v1.ProbeBinding\x12;\n\x11\x65xtraction_points\x18\x06 \x03(\x0b\x32 .undercurrent.v1.ExtractionPoint\x12\x18\n\x0bgate_tokens\x18\x07 \x01(\x08H\x01\x88\x01\x01\x12$\n\x1cmax_activation_message_bytes\x18\x08 \x01(\rB\x08\n\x06promptB\x0e\n\x0c_gate_tokens\"<\n\x0fGenerateStarted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\"B\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x13\n\x0b\x66irst_index\x18\x03 \x01(\x05\":\n\nProbeEvent\x12,\n\x06scores\x18\x01 \x01(\x0b\x32\x1c.undercurrent.v1.ProbeScores\"\xa8\x02\n\x10GenerateFinished\x12\x34\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1d.undercurrent.v1.FinishReason\x12)\n\x07verdict\x18\x02 \x01(\x0b\x32\x18.undercurrent.v1.Verdict\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x04 \x01(\x05\x12\x17\n\x0funprobed_tokens\x18\x05 \x01(\x03\x12\x17\n\x0f\x64ropped_records\x18\x06 \x01(\x03\x12\x0f\n\x07message\x18\x07 \x01(\t\x12\x30\n\x08\x62indings\x18\x08 \x03(\x0b\x32\x1e.undercurrent.v1.BindingReport\x12\r\n\x05gated\x18\t \x01(\x08\"\x90\x02\n\rBindingReport\x12\r\n\x05probe\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0e\n\x06\x64igest\x18\x03 \x01(\t\x12\x36\n\x0e\x66\x61ilure_policy\x18\x04 \x01(\x0e\x32\x1e.undercurrent.v1.FailurePolicy\x12,\n\x06\x61\x63tion\x18\x05 \x01(\x0e\x32\x1c.undercurrent.v1.ProbeAction\x12\x13\n\x0brows_scored\x18\x06 \x01(\x03\x12\x15\n\rrows_unprobed\x18\x07 \x01(\x03\x12\x16\n\x0estate_restarts\x18\x08 \x01(\x05\x12\x0f\n\x07message\x18\t \x01(\t\x12\x14\n\x0coperator_set\x18\n \x01(\x08\"\xa3\x02\n\x10GenerateResponse\x12\x33\n\x07started\x18\x01 \x01(\x0b\x32 .undercurrent.v1.GenerateStartedH\x00\x12-\n\x06tokens\x18\x02 \x01(\x0b\x32\x1b.undercurrent.v1.TokenChunkH\x00\x12\x32\n\x0bprobe_event\x18\x03 \x01(\x0b\x32\x1b.undercurrent.v1.ProbeEventH\x00\x12\x37\n\x0b\x61\x63tivations\x18\x04 \x01(\x0b\x32 .undercurrent.v1.ActivationBatchH\x00\x12\x35\n\x08\x66inished\x18\x05 \x01(\x0b\x32!.undercurrent.v1.GenerateFinishedH\x00\x42\x07\n\x05\x65vent\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"A\n\x14GetModelInfoResponse\x12)\n\x05model\x18\x01 \x01(\x0b\x32\x1a.undercurrent.v1.ModelInfo2\x87\x02\n\rEngineService\x12Q\n\x08Generate\x12 .undercurrent.v1.GenerateRequest\x1a!.undercurrent.v1.GenerateResponse0\x01\x12\x46\n\x05\x41\x62ort\x12\x1d.undercurrent.v1.AbortRequest\x1a\x1e.undercurrent.v1.AbortResponse\x12[\n\x0cGetModelInfo\x12$.undercurrent.v1.GetModelInfoRequest\x1a%.undercurrent.v1.GetModelInfoResponseBt\n\x13\x64\x65v.undercurrent.v1B\x0b\x45ngineProtoP\x01ZNgithub.com/undercurrent-dev/undercurrent/gen/go/undercurrent/v1;undercurrentv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,27 +38,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=337
   _globals['_TOKENIDS']._serialized_end=360
   _globals['_GENERATEREQUEST']._serialized_start=363
-  _globals['_GENERATEREQUEST']._serialized_end=692
-  _globals['_GENERATESTARTED']._serialized_start=694
-  _globals['_GENERATESTARTED']._serialized_end=754
-  _globals['_TOKENCHUNK']._serialized_start=756
-  _globals['_TOKENCHUNK']._serialized_end=822
-  _globals['_PROBEEVENT']._serialized_start=824
-  _globals['_PROBEEVENT']._serialized_end=882
-  _globals['_GENERATEFINISHED']._serialized_start=885
-  _globals['_GENERATEFINISHED']._serialized_end=1166
-  _globals['_BINDINGREPORT']._serialized_start=1169
-  _globals['_BINDINGREPORT']._serialized_end=1419
-  _globals['_GENERATERESPONSE']._serialized_start=1422
-  _globals['_GENERATERESPONSE']._serialized_end=1713
-  _globals['_ABORTREQUEST']._serialized_start=1715
-  _globals['_ABORTREQUEST']._serialized_end=1749
-  _globals['_ABORTRESPONSE']._serialized_start=1751
-  _globals['_ABORTRESPONSE']._serialized_end=1781
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1783
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1804
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1806
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1871
-  _globals['_ENGINESERVICE']._serialized_start=1874
-  _globals['_ENGINESERVICE']._serialized_end=2137
+  _globals['_GENERATEREQUEST']._serialized_end=713
+  _globals['_GENERATESTARTED']._serialized_start=715
+  _globals['_GENERATESTARTED']._serialized_end=775
+  _globals['_TOKENCHUNK']._serialized_start=777
+  _globals['_TOKENCHUNK']._serialized_end=843
+  _globals['_PROBEEVENT']._serialized_start=845
+  _globals['_PROBEEVENT']._serialized_end=903
+  _globals['_GENERATEFINISHED']._serialized_start=906
+  _globals['_GENERATEFINISHED']._serialized_end=1202
+  _globals['_BINDINGREPORT']._serialized_start=1205
+  _globals['_BINDINGREPORT']._serialized_end=1477
+  _globals['_GENERATERESPONSE']._serialized_start=1480
+  _globals['_GENERATERESPONSE']._serialized_end=1771
+  _globals['_ABORTREQUEST']._serialized_start=1773
+  _globals['_ABORTREQUEST']._serialized_end=1807
+  _globals['_ABORTRESPONSE']._serialized_start=1809
+  _globals['_ABORTRESPONSE']._serialized_end=1839
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1841
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1862
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1864
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1929
+  _globals['_ENGINESERVICE']._serialized_start=1932
+  _globals['_ENGINESERVICE']._serialized_end=2195
 # @@protoc_insertion_point(module_scope)

@@ -78,7 +78,7 @@ class ProbeEvent(_message.Message):
     def __init__(self, scores: _Optional[_Union[_types_pb2.ProbeScores, _Mapping]] = ...) -> None: ...
 
 class GenerateFinished(_message.Message):
-    __slots__ = ("finish_reason", "verdict", "prompt_tokens", "generated_tokens", "unprobed_tokens", "dropped_records", "message", "bindings")
+    __slots__ = ("finish_reason", "verdict", "prompt_tokens", "generated_tokens", "unprobed_tokens", "dropped_records", "message", "bindings", "gated")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     VERDICT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,7 @@ class GenerateFinished(_message.Message):
     DROPPED_RECORDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     BINDINGS_FIELD_NUMBER: _ClassVar[int]
+    GATED_FIELD_NUMBER: _ClassVar[int]
     finish_reason: _types_pb2.FinishReason
     verdict: _types_pb2.Verdict
     prompt_tokens: int
@@ -95,10 +96,11 @@ class GenerateFinished(_message.Message):
     dropped_records: int
     message: str
     bindings: _containers.RepeatedCompositeFieldContainer[BindingReport]
-    def __init__(self, finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., verdict: _Optional[_Union[_types_pb2.Verdict, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., unprobed_tokens: _Optional[int] = ..., dropped_records: _Optional[int] = ..., message: _Optional[str] = ..., bindings: _Optional[_Iterable[_Union[BindingReport, _Mapping]]] = ...) -> None: ...
+    gated: bool
+    def __init__(self, finish_reason: _Optional[_Union[_types_pb2.FinishReason, str]] = ..., verdict: _Optional[_Union[_types_pb2.Verdict, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., unprobed_tokens: _Optional[int] = ..., dropped_records: _Optional[int] = ..., message: _Optional[str] = ..., bindings: _Optional[_Iterable[_Union[BindingReport, _Mapping]]] = ..., gated: _Optional[bool] = ...) -> None: ...
 
 class BindingReport(_message.Message):
-    __slots__ = ("probe", "version", "digest", "failure_policy", "action", "rows_scored", "rows_unprobed", "state_restarts", "message")
+    __slots__ = ("probe", "version", "digest", "failure_policy", "action", "rows_scored", "rows_unprobed", "state_restarts", "message", "operator_set")
     PROBE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +110,7 @@ class BindingReport(_message.Message):
     ROWS_UNPROBED_FIELD_NUMBER: _ClassVar[int]
     STATE_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    OPERATOR_SET_FIELD_NUMBER: _ClassVar[int]
     probe: str
     version: str
     digest: str
@@ -117,7 +120,8 @@ class BindingReport(_message.Message):
     rows_unprobed: int
     state_restarts: int
     message: str
-    def __init__(self, probe: _Optional[str] = ..., version: _Optional[str] = ..., digest: _Optional[str] = ..., failure_policy: _Optional[_Union[_types_pb2.FailurePolicy, str]] = ..., action: _Optional[_Union[_types_pb2.ProbeAction, str]] = ..., rows_scored: _Optional[int] = ..., rows_unprobed: _Optional[int] = ..., state_restarts: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    operator_set: bool
+    def __init__(self, probe: _Optional[str] = ..., version: _Optional[str] = ..., digest: _Optional[str] = ..., failure_policy: _Optional[_Union[_types_pb2.FailurePolicy, str]] = ..., action: _Optional[_Union[_types_pb2.ProbeAction, str]] = ..., rows_scored: _Optional[int] = ..., rows_unprobed: _Optional[int] = ..., state_restarts: _Optional[int] = ..., message: _Optional[str] = ..., operator_set: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("started", "tokens", "probe_event", "activations", "finished")
