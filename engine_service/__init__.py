@@ -4,7 +4,8 @@ Which process runs what:
 - `__main__` (the command line) and `service/` (gRPC server, runtime, metrics)
   run in the engine service process, with vLLM's AsyncLLM front end;
   `request/` (one request's path: checks, ledger, gate, client stream) and
-  `link/` (the Sessions to the router replicas) run there too.
+  `link/` (the Sessions to the router replicas) run there too, and so does
+  `openai_api/` (the OpenAI-compatible HTTP API, on the same event loop).
 - `capture/driver/` runs in the engine service process, `capture/worker/` in
   each vLLM worker process; `capture/channel.py`, `graphs.py` and
   `request_ids.py` are what both sides share.

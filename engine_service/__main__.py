@@ -125,6 +125,14 @@ def build_parser():
         "at most this many tokens after its trigger and a silent router stops the request "
         "(default 0: no bound)",
     )
+    openai = parser.add_argument_group("OpenAI-compatible HTTP API (docs/openai.md)")
+    openai.add_argument("--openai-port", type=int, default=0,
+                        help="port of the OpenAI-compatible API (/v1/models, /v1/completions, "
+                             "/v1/chat/completions), on --host, with the gRPC port's TLS and client tokens "
+                             "(default 0: off)")
+    openai.add_argument("--chat-template", default=None,
+                        help="chat template for /v1/chat/completions, a file or the template itself "
+                             "(default: the tokenizer's)")
     ours.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: off)")
     ours.add_argument("--metrics-host", default=LOOPBACK,
                       help=f"address the metrics port listens on (default {LOOPBACK}; metrics are not "

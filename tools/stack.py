@@ -29,10 +29,11 @@ def router(port: int, probes_dir: Path, *extra: str) -> Service:
 
 
 def engine(model: str, router_addresses: str, *extra: str, workers_bind: str | None = None,
-           max_model_len: int = 512, router_timeout_s: float = 3.0, dtype: str = "float32") -> Service:
+           max_model_len: int = 512, router_timeout_s: float = 3.0, dtype: str = "float32",
+           log_stats: bool = False) -> Service:
     """An engine whose requests give up on an unreachable router after router_timeout_s, with reflection."""
     return processes.engine(model, router_addresses, "--router-timeout", str(router_timeout_s), "--reflection", *extra,
-                            workers_bind=workers_bind, max_model_len=max_model_len, dtype=dtype)
+                            workers_bind=workers_bind, max_model_len=max_model_len, dtype=dtype, log_stats=log_stats)
 
 
 # The slack a failure may take on top of the engine's --router-timeout to end a

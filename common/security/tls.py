@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import ssl
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,6 +139,36 @@ class ServerTLS:
             self.reloads += 1
         log.info("TLS certificate reloaded from %s", self.files.cert)
         return configuration
+
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The same certificate for an HTTP server (the engine's OpenAI port),
+        read afresh at the first handshake after the files changed."""
+        current = {"stamp": _stamp(self.files.paths), "context": self._ssl_context()}
+
+        def refresh(connection, server_name, outer) -> None:
+            stamp = _stamp(self.files.paths)
+            if stamp != current["stamp"]:
+                current["stamp"] = stamp
+                try:
+                    current["context"] = self._ssl_context()
+                    log.info("TLS certificate reloaded from %s (HTTP)", self.files.cert)
+                except TLSConfigError as err:
+                    log.error("TLS files changed but cannot be used (%s); keeping the previous certificate", err)
+            if current["context"] is not outer:
+                connection.context = current["context"]
+
+        current["context"].sni_callback = refresh
+        return current["context"]
+
+    def _ssl_context(self) -> ssl.SSLContext:
+        self.files.read()  # a half-rotated pair fails here, naming the file
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.files.cert, self.files.key)
+        if self.require_client_cert:
+            context.verify_mode = ssl.CERT_REQUIRED
+            context.load_verify_locations(self.files.ca)
+        return context
 
 
 @dataclass

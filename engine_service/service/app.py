@@ -111,6 +111,52 @@ def link_config(args, client_tls):
         fail("engine_service", f"--router: {err}")
 
 
+def bind_openai_port(args, host: str):
+    """The OpenAI API's socket (None without --openai-port), bound before vLLM
+    starts so a busy port fails fast."""
+    from engine_service.openai_api.server import bind
+
+    if not args.openai_port:
+        return None
+    try:
+        return bind(host, args.openai_port)
+    except OSError as err:
+        fail("engine_service", f"--openai-port: cannot listen on {host}:{args.openai_port}: {err.strerror}")
+
+
+async def start_openai(args, sock, runtime, callers, security, llm):
+    """Serves the OpenAI API on `sock` (None: not at all) with the gRPC port's
+    TLS files and client tokens, and vLLM's chat-template renderer."""
+    if sock is None:
+        return None
+    from vllm.renderers.chat_utils import load_chat_template
+    from vllm.renderers.online_renderer import OnlineRenderer
+
+    from common.security.config import ENGINE_SERVICE
+    from engine_service.openai_api.server import OpenAIFront, serve
+
+    model_config = llm.vllm_config.model_config
+    renderer = OnlineRenderer(model_config, llm.renderer, request_logger=None,
+                              chat_template=load_chat_template(args.chat_template),
+                              chat_template_content_format="auto")
+    access = security.access.get(ENGINE_SERVICE)
+    front = OpenAIFront(runtime, callers, access.tokens if access else None, model_config.served_model_name,
+                        renderer, request_limits(args).request_bytes(model_config.max_model_len))
+    served = await serve(front, sock, security.tls.ssl_context() if security.tls else None)
+    scheme = "https" if security.tls else "http"
+    print(f"engine_service: OpenAI API on {scheme}://{sock.getsockname()[0]}:{sock.getsockname()[1]}/v1",
+          flush=True)
+    return served
+
+
+async def stop_openai(served) -> None:
+    if served is None:
+        return
+    server, task = served
+    server.should_exit = True
+    await asyncio.gather(task, return_exceptions=True)
+
+
 def load_guards(args, links):
     """The operator-set bindings of --guards-file (None without it); a bad file
     fails before anything starts."""
@@ -162,6 +208,7 @@ async def run(args) -> int:
         )
     except PortInUse as err:
         fail("engine_service", f"--port: {err}")
+    openai_socket = bind_openai_port(args, host)
     print(f"engine_service: listening on {host}:{server.port}; starting vLLM ...", flush=True)
     allowances = AllowancePublisher(args.max_tokens_ahead) if args.max_tokens_ahead else None
     try:
@@ -198,6 +245,7 @@ async def run(args) -> int:
         await place_engine_service(runtime.capture)
     await runtime.start()
     holder["runtime"] = runtime
+    openai_http = await start_openai(args, openai_socket, runtime, callers, security, llm)
     log.info("start-up heap frozen: %d objects", freeze_startup_heap())
     stop = asyncio.Event()
     health = asyncio.create_task(
@@ -213,6 +261,7 @@ async def run(args) -> int:
         return await _exit_after_engine_loss(server, runtime)
     log.info("shutting down: %d running requests (%s them)", len(runtime.active), args.on_shutdown)
     await runtime.shutdown(abort_running=args.on_shutdown == "abort", grace_s=args.grace_period)
+    await stop_openai(openai_http)
     await server.stop(grace=5)
     llm.shutdown()
     return 0
