@@ -23,9 +23,10 @@ import hmac
 import logging
 import os
 import re
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from common.watched_file import WatchedFile
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +34,6 @@ CLIENT_TOKENS_ENV = "UNDERCURRENT_CLIENT_TOKENS"
 ADMIN_TOKENS_ENV = "UNDERCURRENT_ADMIN_TOKENS"
 MIN_TOKEN_CHARS = 16
 _NAME = re.compile(r"^[A-Za-z0-9_.@-]{1,64}$")
-# A file changed this soon before it was read may change again within the
-# file system's timestamp granularity, invisibly to (mtime, size, inode): it is
-# read again (and compared) until it is older than this.
-SETTLE_S = 2.0
 
 
 class TokenConfigError(ValueError):
@@ -84,15 +81,15 @@ class TokenSet:
     path: Path | None = None
     env_var: str | None = None
     _tokens: list[tuple[bytes, str]] = field(default_factory=list, init=False, repr=False)
-    _stamp: tuple | None = field(default=None, init=False, repr=False)
+    _file: WatchedFile | None = field(default=None, init=False, repr=False)
     _text: str | None = field(default=None, init=False, repr=False)
-    _settled: bool = field(default=True, init=False, repr=False)
     _broken: str | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def from_file(cls, label: str, path: Path) -> "TokenSet":
         """Raises TokenConfigError when the file cannot be used (start-up fails)."""
         tokens = cls(label, path=Path(path))
+        tokens._file = WatchedFile(tokens.path)
         tokens._load_file()
         return tokens
 
@@ -112,39 +109,26 @@ class TokenSet:
     def _set(self, entries: dict[str, str]) -> None:
         self._tokens = [(token.encode(), name) for token, name in entries.items()]
 
-    def _file_stamp(self) -> tuple | None:
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return None
-        return (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino)
-
     def _load_file(self) -> None:
-        stamp = self._file_stamp()
         source = f"--{self.label}-tokens-file {self.path}"
         try:
-            text = self.path.read_text()
+            text = self._file.read()
         except (OSError, UnicodeDecodeError) as err:
             raise TokenConfigError(f"{source}: {getattr(err, 'strerror', None) or err}") from None
         if text != self._text:
             self._set(parse_entries(text, source))
             self._text = text
-        self._stamp = stamp
-        self._settled = stamp is not None and time.time_ns() - stamp[0] > SETTLE_S * 1e9
 
     def _refresh(self) -> None:
         """Re-reads a changed (or not yet settled) file; a file that cannot be
         used makes every token fail until it is fixed (logged)."""
-        if self.path is None:
-            return
-        stamp = self._file_stamp()
-        if stamp == self._stamp and self._settled:
+        if self._file is None or not self._file.changed():
             return
         try:
             before = self._text
             self._load_file()
         except TokenConfigError as err:
-            self._stamp, self._text, self._tokens = stamp, None, []
+            self._text, self._tokens = None, []
             if self._broken != str(err):
                 self._broken = str(err)
                 log.error("%s; refusing every %s token until it is fixed", err, self.label)
