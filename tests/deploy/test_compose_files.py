@@ -149,12 +149,13 @@ def test_router_image_has_what_the_certs_job_tls_and_the_stubs_need():
 def test_compose_takes_ports_tag_and_base_image_from_the_environment():
     config = compose_config("compose.yaml", env={
         "UNDERCURRENT_TAG": "t1", "UNDERCURRENT_ENGINE_PORT": "61000",
-        "UNDERCURRENT_METRICS_PORT": "61001", "BASE_IMAGE": "example/python:3.11"})
+        "UNDERCURRENT_METRICS_PORT": "61001", "UNDERCURRENT_OPENAI_PORT": "61002",
+        "BASE_IMAGE": "example/python:3.11"})
     engine = config["services"]["engine"]
     assert engine["image"] == "undercurrent-engine:t1"
     # Published on the host's loopback unless the operator sets an address.
     assert {(p["host_ip"], p["published"], p["target"]) for p in engine["ports"]} == {
-        ("127.0.0.1", "61000", 50051), ("127.0.0.1", "61001", 9400)}
+        ("127.0.0.1", "61000", 50051), ("127.0.0.1", "61001", 9400), ("127.0.0.1", "61002", 8000)}
     assert engine["build"]["args"]["BASE_IMAGE"] == "example/python:3.11"
     everywhere = compose_config("compose.yaml", env={"UNDERCURRENT_BIND": "0.0.0.0"})["services"]["engine"]
     assert {p["host_ip"] for p in everywhere["ports"]} == {"0.0.0.0"}
