@@ -20,6 +20,7 @@ import pytest
 
 from common.probe_format.files import write_probe
 from tests.conftest import REPO
+from tests.e2e import node_live
 from tests.e2e.test_gating import norm_probe
 from tools import stack
 from tools.dev_security import DevSecurity
@@ -333,3 +334,10 @@ async def test_a_client_that_disconnects_aborts_its_request_in_vllm(served, stre
                 last, still_since = now, time.monotonic()
             await asyncio.sleep(0.2)
     assert 0 < last - vllm_tokens_before < LONG / 2
+
+
+async def test_the_openai_npm_package_streams_aborts_and_meets_the_guard_and_the_door(served, tmp_path):
+    """clients/node/test/openai.test.js, with the official `openai` npm package."""
+    summary, output = await node_live.run_openai({"model": MODEL, "guard": GUARD, "minTokens": MIN_TOKENS},
+                                                 tmp_path, served[1])
+    assert summary == {"pass": "3", "fail": "0", "skipped": "0"}, output
