@@ -56,14 +56,15 @@ async def served(tiny_llama_path, tmp_path_factory):
                      norm_probe(OBSERVER, layer=2, action="observe", threshold=1e9)):
         write_probe(directory / "probes" / manifest["name"], manifest)
     (directory / "guards.json").write_text(json.dumps(GUARDS))
-    router = stack.router(stack.free_port(), directory / "probes").start()
+    router = stack.router(stack.free_port(), directory / "probes")
     openai_port, metrics_port = stack.free_port(), stack.free_port()
     engine = stack.engine(
         tiny_llama_path, router.address, "--openai-port", str(openai_port), "--metrics-port", str(metrics_port),
         "--guards-file", str(directory / "guards.json"), "--chat-template", str(TEMPLATE),
         "--served-model-name", MODEL, "--max-num-seqs", "8", log_stats=True)
-    engine.start()
     try:
+        router.start()
+        engine.start()
         await engine.wait_health(timeout=600)  # a loaded 2-core host starts vLLM slowly
         async with stack.channel(engine.address) as channel:
             await stack.wait_for_probe(engine_pb_grpc.EngineServiceStub(channel), GUARD)
