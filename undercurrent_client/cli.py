@@ -276,7 +276,7 @@ def run_generate(args, out: TextIO, err: TextIO) -> int:
     view = _LiveView(out)
     finished: Finished | None = None
     with EngineClient(connection, timeout=args.timeout) as engine:
-        for event in engine.generate(args.prompt, probes=probes, gate_tokens=args.gate,
+        for event in engine.generate(args.prompt, probes=probes, gate_tokens=args.gate or None,
                                      request_id=args.request_id, **_sampling(args)):
             if isinstance(event, Started):
                 view.prompt_tokens = event.prompt_tokens

@@ -72,14 +72,15 @@ def generate_request(
     ignore_eos: bool = False,
     probes: Iterable[str | Probe] = (),
     points: Iterable[types_pb.ExtractionPoint] = (),
-    gate_tokens: bool = False,
+    gate_tokens: bool | None = None,
     request_id: str = "",
     max_activation_message_bytes: int = 0,
 ) -> engine_pb.GenerateRequest:
     """A GenerateRequest: a text prompt or token ids, sampling, probes by name (or
     Probe), extraction points (see `point`). Unset sampling fields take the
     engine's defaults, and max_activation_message_bytes 0 the engine's 4 MiB
-    split size for streamed activations (the proto documents them)."""
+    split size for streamed activations (the proto documents them); gate_tokens
+    None leaves gating to the caller's operator-set bindings."""
     sampling = engine_pb.SamplingParams(max_tokens=max_tokens, stop=list(stop), ignore_eos=ignore_eos)
     for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
                         ("seed", seed), ("repetition_penalty", repetition_penalty)):
@@ -87,9 +88,11 @@ def generate_request(
             setattr(sampling, name, value)
     request = engine_pb.GenerateRequest(
         request_id=request_id, sampling=sampling, extraction_points=list(points),
-        gate_tokens=gate_tokens, max_activation_message_bytes=max_activation_message_bytes,
+        max_activation_message_bytes=max_activation_message_bytes,
         probes=[(p if isinstance(p, Probe) else Probe(p)).to_proto() for p in probes],
     )
+    if gate_tokens is not None:
+        request.gate_tokens = gate_tokens
     if isinstance(prompt, str):
         request.text = prompt
     else:

@@ -87,6 +87,9 @@ def test_generate_request_sets_only_what_is_given():
     text = generate_request("hi", max_activation_message_bytes=1 << 20)
     assert text.text == "hi" and not text.sampling.HasField("temperature")
     assert text.max_activation_message_bytes == 1 << 20
+    # Unset, gating is the operator's guards' to decide; false is a choice a gating guard refuses.
+    assert not text.HasField("gate_tokens")
+    assert generate_request("hi", gate_tokens=False).HasField("gate_tokens")
 
 
 def test_events_are_typed_and_gathered():
