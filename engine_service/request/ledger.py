@@ -264,7 +264,8 @@ class RequestLedger:
         self._refused: dict[str, set[BindingIndex] | None] = {}
         # QUEUED or SENT, oldest first; a dict so an acknowledged or failed one leaves in O(1).
         self._live: dict[Message, None] = {}
-        # Per binding: the replica whose probe state holds rows of this request.
+        # Per binding: the replica whose probe state holds rows of this request
+        # (set when a row it reads is sent there).
         self._state_on: list[str | None] = [None] * len(bindings)
         self._restarts = [0] * len(bindings)
         self._notes: list[str] = [""] * len(bindings)
@@ -332,10 +333,20 @@ class RequestLedger:
                     self._capture_expected[position] = count
 
     def sent(self, message: Message, step: int) -> None:
-        """The message went out as `step` of its replica's session."""
+        """The message went out as `step` of its replica's session. From now on
+        the replica may score its rows, whatever becomes of its ack: a stateful
+        binding's state holds rows of this request there (a request moved away
+        before the ack would otherwise restart that state unseen, its rows
+        scored partly in each)."""
         if message.state is not _QUEUED:
             return
         message.step, message.state = step, _SENT
+        lost_for = message.lost_for or ()
+        for s, counts in enumerate(message.rows):
+            if counts:
+                for b in self._sets[s].bindings:
+                    if self._stateful[b] and b not in lost_for:
+                        self._state_on[b] = message.replica
 
     def acknowledged(self, message: Message) -> int:
         """The replica acknowledged the step that carried `message`: its rows are
@@ -358,8 +369,6 @@ class RequestLedger:
                     lost = self._lost[b]
                     for position, count in counts.items():
                         lost[position] = lost.get(position, 0) + count
-                elif self._stateful[b]:
-                    self._state_on[b] = message.replica
         return message.num_rows
 
     # -- rows failing ----------------------------------------------------------

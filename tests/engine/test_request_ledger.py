@@ -353,6 +353,28 @@ def test_a_fail_closed_stateful_binding_whose_state_held_rows_fails_when_the_req
     assert led.fail_closed_failure() is failure and not led.holds_state_on("a")
 
 
+def test_a_stateful_bindings_state_is_on_a_replica_from_the_first_row_sent_there_not_its_ack():
+    """A router scores a row as it reads it; the ack may come after the request
+    moved. Counting the state from the ack, a move in between (a draining
+    replica) would start the state afresh elsewhere unseen, the rows at one
+    position scored partly in each: a silent reset."""
+    led = ledger(binding("guard", stateful=True), binding("trend", closed=False, stateful=True))
+    on_a = sent(led, "a", 1, rows(r0=[10]))
+    assert led.holds_state_on("a")  # so a draining `a` keeps the request
+    failure, restarted = led.rehomed("b", "a draining")
+    assert (failure.bindings, restarted) == (("guard",), ["trend"])
+    sent(led, "b", 1, rows(r0=[11]))
+    led.acknowledged(on_a)  # the late ack from `a` does not bring the state back there
+    assert led.holds_state_on("b") and not led.holds_state_on("a")
+
+
+def test_a_binding_the_router_will_not_score_holds_no_state_there():
+    led = ledger(binding("guard", stateful=True))
+    led.refused("a", "not loaded", "guard")
+    sent(led, "a", 1, rows(r0=[10]))
+    assert not led.holds_state_on("a")
+
+
 def test_a_fail_closed_failure_stops_at_the_first_position_a_later_stage_still_owes():
     """PP: stage 0's row at 10 was scored on `a` before stage 1 computed 10. The
     state is lost when the request moves: the failure stops the token at 10, which
