@@ -88,10 +88,11 @@ class EngineRuntime:
         settings: EngineSettings | None = None,
         metrics: EngineMetrics | None = None,
         allowances: AllowancePublisher | None = None,
-        guards: operator_guards.GuardsFile | None = None,
+        guards: operator_guards.GuardsFile | operator_guards.GuardPolicy | None = None,
     ):
         self.llm = llm
-        # The operator-set bindings of each caller (--guards-file), or None.
+        # The operator-set bindings of each caller (--guards-file, re-read as it
+        # changes; or a fixed policy), or None.
         self.guards = guards
         # With --max-tokens-ahead: tells vLLM's scheduler how far each probed request may compute.
         self.allowances = allowances
@@ -273,7 +274,7 @@ class EngineRuntime:
         limits = self.settings.limits
         reqs.check_request(message, len(self.runs), limits, self.limits)
         pins.check_names(message.probes)
-        guarded = operator_guards.apply(self.guards.for_caller(caller) if self.guards else (), message)
+        guarded = operator_guards.apply(self.guards.for_caller(caller) if self.guards is not None else (), message)
         message = guarded.request
         message_bytes = reqs.client_message_bytes(message, limits)
         ids = await reqs.prompt_ids_off_loop(message, self._tokenizer.encode, self.limits)

@@ -23,7 +23,11 @@ I4  every captured probe row is sent to a router once or counted in
     dropped_records;
 I5  a router's message acts only on a request it was given, in its current
     incarnation (stale messages are injected and must change nothing);
-I6  every request ends with exactly one GenerateFinished, its last event.
+I6  every request ends with exactly one GenerateFinished, its last event;
+I7  the operator's guards hold: every request of the guarded caller runs gated
+    with the guard bound fail_closed (so I1 holds every token it is shown until
+    the guard's bound version scored it), both guards reported operator-set,
+    unless it tried to weaken one, which is refused naming the field.
 
 `make test` runs a fixed, derandomized budget (GATING_EXAMPLES, default 1000
 examples of up to 60 steps, about 2 minutes on 2 cores); a long random run:
@@ -34,6 +38,7 @@ examples of up to 60 steps, about 2 minutes on 2 cores); a long random run:
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -44,9 +49,11 @@ from undercurrent.v1 import engine_pb2 as engine_pb
 from undercurrent.v1 import router_session_pb2 as session_pb
 from undercurrent.v1 import types_pb2 as types_pb
 
+from common.errors import InvalidArgument
 from engine_service.link import RouterLink, RouterLinkConfig
 from engine_service.link.events import Abort, Scores, Unscored
 from engine_service.link.send_queue import QueuedBatch
+from engine_service.request import guards as operator_guards
 from engine_service.request.probe_points import binding_points
 from engine_service.request.run import RequestRun
 from engine_service.service.runtime import EngineRuntime, EngineSettings
@@ -65,11 +72,17 @@ REQUEST_IDS = ("a", "b", "c", "d", "e")
 CANARY, SHADOW = types_pb.PROBE_ROLE_CANARY, types_pb.PROBE_ROLE_SHADOW
 CLOSED, OPEN = types_pb.FAILURE_POLICY_FAIL_CLOSED, types_pb.FAILURE_POLICY_FAIL_OPEN
 SUCCESS = (types_pb.FINISH_REASON_STOP, types_pb.FINISH_REASON_LENGTH)
+# The operator guards every request of the caller OPERATOR with the stateful
+# guard (fail_closed, gating) and "early" (fail_open); other callers have none.
+OPERATOR = "ops"
+GUARDS = operator_guards.parse_policy(json.dumps({"callers": {OPERATOR: [
+    {"probe": "guard", "failure_policy": "fail_closed", "action": "abort", "gate_tokens": True},
+    {"probe": "early", "failure_policy": "fail_open"}]}}), "guards")
 REQUEST = st.fixed_dictionaries(dict(
-    rid=st.sampled_from(REQUEST_IDS),
+    rid=st.sampled_from(REQUEST_IDS), caller=st.sampled_from(("", OPERATOR)),
     bindings=st.lists(st.tuples(st.sampled_from(PROBES), st.sampled_from((CLOSED, OPEN))),
-                      min_size=1, max_size=3, unique_by=lambda b: b[0]),
-    gate=st.booleans(), max_tokens=st.integers(1, 8), prompt_tokens=st.integers(1, 3)))
+                      max_size=3, unique_by=lambda b: b[0]),
+    gate=st.sampled_from((None, False, True)), max_tokens=st.integers(1, 8), prompt_tokens=st.integers(1, 3)))
 
 
 
@@ -83,6 +96,7 @@ class Client:
     """One Generate call as its client saw it."""
 
     message: engine_pb.GenerateRequest
+    caller: str
     responses: list[engine_pb.GenerateResponse] = field(default_factory=list)
     error: Exception | None = None
     run: RequestRun | None = None  # the engine's run, once started
@@ -108,7 +122,8 @@ class GatingMachine(RuleBasedStateMachine):
         self.llm = SimVllm(self.world, self.capture)
         # Runs settle when the world answers, not on the wall clock: the link's
         # router timeout is on the world's clock.
-        self.runtime = EngineRuntime(self.llm, self.capture, settings=EngineSettings(router_timeout_s=1e9))
+        self.runtime = EngineRuntime(self.llm, self.capture, settings=EngineSettings(router_timeout_s=1e9),
+                                     guards=GUARDS)
         self.world.runtime = self.runtime
         config = RouterLinkConfig(targets=",".join(REPLICAS), engine_id="sim", router_timeout_s=TIMEOUT,
                                   queue_max_batches=6)
@@ -177,7 +192,7 @@ class GatingMachine(RuleBasedStateMachine):
                     replica.deliver(100)
             self.run_loop(network_moves)
 
-    @initialize(requests=st.lists(REQUEST, min_size=1, max_size=4, unique_by=lambda r: r["rid"]))
+    @initialize(requests=st.lists(REQUEST, min_size=1, max_size=4, unique_by=lambda r: (r["caller"], r["rid"])))
     def first_requests(self, requests):
         """Every example starts with requests running, so its faults meet traffic."""
         for request in requests:
@@ -188,20 +203,20 @@ class GatingMachine(RuleBasedStateMachine):
     def another_request(self, request):
         self.start_request(**request)
 
-    def start_request(self, rid, bindings, gate, max_tokens, prompt_tokens):
+    def start_request(self, rid, caller, bindings, gate, max_tokens, prompt_tokens):
         message = engine_pb.GenerateRequest(request_id=rid, token_ids=engine_pb.TokenIds(ids=list(range(1, prompt_tokens + 1))),
                                      sampling=engine_pb.SamplingParams(max_tokens=max_tokens), gate_tokens=gate)
         for probe, policy in bindings:
             message.probes.add(probe=probe, failure_policy=policy)
-        client = Client(message)
+        client = Client(message, caller)
 
         async def consume():
             try:
-                async for response in self.runtime.generate(message):
+                async for response in self.runtime.generate(message, caller=caller):
                     if response.HasField("started"):
-                        client.run = self.runtime._by_client[("", rid)]
+                        client.run = self.runtime._by_client[(caller, rid)]
                     client.responses.append(response)
-            except Exception as err:  # refused: NotFound, FailedPrecondition, AlreadyExists
+            except Exception as err:  # refused: NotFound, FailedPrecondition, AlreadyExists, InvalidArgument
                 client.error = err
 
         client.task = self.loop.create_task(consume())
@@ -214,7 +229,7 @@ class GatingMachine(RuleBasedStateMachine):
         running = [c for c in self.clients if c.run is not None and not c.finished]
         if running:
             client = data.draw(st.sampled_from(running))
-            self.run_loop(self.runtime.abort(client.message.request_id))
+            self.run_loop(self.runtime.abort(client.message.request_id, caller=client.caller))
 
     # -- vLLM and capture ---------------------------------------------------------------
 
@@ -418,6 +433,31 @@ class GatingMachine(RuleBasedStateMachine):
             assert len(sessions) == 1, (
                 f"I1: stateful probe {binding.probe} scored {run.key} up to {position} in sessions {sessions}")
 
+    @invariant()
+    def operator_guards_hold(self):
+        for client in self.clients:
+            if client.caller != OPERATOR:
+                continue
+            weakened = self.weakened_field(client.message)
+            if weakened is not None:
+                assert client.run is None and isinstance(client.error, InvalidArgument), (
+                    f"I7: a request weakening {weakened} was not refused: {client.error!r}")
+                assert str(client.error).startswith(f"{weakened}: "), f"I7: the refusal names another field: {client.error}"
+            elif client.run is not None:
+                bound = {b.probe: b.failure_policy for b in client.run.bindings}
+                assert client.run.gate is not None and bound.get("guard") == CLOSED, (
+                    f"I7: {client.run.key} of the guarded caller runs {'gated' if client.run.gate else 'ungated'} "
+                    f"with bindings {bound}")
+                assert client.run.operator_probes == {"guard", "early"}, client.run.operator_probes
+
+    @staticmethod
+    def weakened_field(message: engine_pb.GenerateRequest) -> str | None:
+        """The field by which a request of the guarded caller weakens a guard, if it does."""
+        for i, binding in enumerate(message.probes):
+            if binding.probe == "guard" and binding.failure_policy == OPEN:
+                return f"probes[{i}].failure_policy"
+        return "gate_tokens" if message.HasField("gate_tokens") and not message.gate_tokens else None
+
     def check_nothing_waits_past_the_timeout(self) -> None:
         """I2, right after the link's watchdog ran."""
         now = self.world.now
@@ -451,6 +491,10 @@ class GatingMachine(RuleBasedStateMachine):
         verdict = finished.verdict
         if finished.finish_reason == types_pb.FINISH_REASON_PROBE_ABORT:
             assert verdict.reason != self.stale_reasons, f"I5: {run.key} ended by a stale verdict"
+        assert finished.gated == (run.gate is not None), f"{run.key}: gated {finished.gated}"
+        guarded = {"guard", "early"} if client.caller == OPERATOR else set()
+        assert {b.probe for b in finished.bindings if b.operator_set} == guarded, (
+            f"I7: {run.key} reports operator-set {[b.probe for b in finished.bindings if b.operator_set]}")
         if run.ledger is None:
             return
         below = run.prompt_tokens + run.generated
@@ -516,6 +560,7 @@ class GatingMachine(RuleBasedStateMachine):
             assert not stuck, f"liveness: requests {stuck} never finished"
             self.gated_tokens_were_scored_by_every_fail_closed_binding()
             self.finishes_are_one_last_and_honest()
+            self.operator_guards_hold()
             for client in self.clients:
                 assert client.error is not None or len(client.finished) == 1, "I6: a request without its finish"
         finally:
