@@ -98,7 +98,6 @@ def finish_extension(finished: engine_pb.GenerateFinished, request_id: str) -> d
     }
     if finished.HasField("verdict"):
         verdict = _message(finished.verdict)
-        verdict.pop("incarnation", None)
         verdict["generated_index"] = finished.verdict.token_position - finished.prompt_tokens
         data["verdict"] = verdict
     return data
