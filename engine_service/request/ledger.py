@@ -265,8 +265,10 @@ class RequestLedger:
         # QUEUED or SENT, oldest first; a dict so an acknowledged or failed one leaves in O(1).
         self._live: dict[Message, None] = {}
         # Per binding: the replica whose probe state holds rows of this request
-        # (set when a row it reads is sent there).
+        # (set when a row it reads is sent there), and whether that replica's
+        # session was lost since: a router back at the same address starts afresh.
         self._state_on: list[str | None] = [None] * len(bindings)
+        self._state_lost = [False] * len(bindings)
         self._restarts = [0] * len(bindings)
         self._notes: list[str] = [""] * len(bindings)
 
@@ -400,7 +402,10 @@ class RequestLedger:
 
     def replica_failed(self, replica: str, reason: str) -> Failure | None:
         """Every row sent to `replica` and not yet acknowledged is unscored (the
-        replica was lost)."""
+        replica was lost), and a stateful binding's state there is gone with it."""
+        for b, holder in enumerate(self._state_on):
+            if holder == replica:
+                self._state_lost[b] = True
         lost = [m for m in self._live if m.replica == replica and m.state is _SENT]
         return self._fail(lost, reason, dropped=False)
 
@@ -443,14 +448,15 @@ class RequestLedger:
 
     def rehomed(self, new_replica: str, reason: str) -> tuple[Failure | None, list[str]]:
         """The request moved to `new_replica`: a stateful binding whose state holds
-        rows on another replica starts afresh there. Returns the failure for the
-        fail_closed ones (their guarantee is gone), and the probes of the fail_open
-        ones, counted as restarted."""
+        rows on another replica, or on a session of `new_replica` that was lost,
+        starts afresh there. Returns the failure for the fail_closed ones (their
+        guarantee is gone), and the probes of the fail_open ones, counted as
+        restarted."""
         closed, restarted = [], []
         for b, holder in enumerate(self._state_on):
-            if holder is None or holder == new_replica:
+            if holder is None or (holder == new_replica and not self._state_lost[b]):
                 continue
-            self._state_on[b] = None
+            self._state_on[b], self._state_lost[b] = None, False
             if self._closed[b]:
                 closed.append(b)
             else:

@@ -353,6 +353,21 @@ def test_a_fail_closed_stateful_binding_whose_state_held_rows_fails_when_the_req
     assert led.fail_closed_failure() is failure and not led.holds_state_on("a")
 
 
+def test_a_stateful_bindings_state_is_lost_with_its_routers_session_even_back_at_the_same_address():
+    """A router restarted at the address it had holds none of the state its
+    lost session held: the request coming back there has lost it too."""
+    led = ledger(binding("guard", stateful=True), binding("trend", closed=False, stateful=True))
+    led.acknowledged(sent(led, "a", 1, rows(r0=[10])))
+    led.replica_failed("a", "killed")
+    failure, restarted = led.rehomed("a", "a up")
+    assert (failure.bindings, restarted) == (("guard",), ["trend"])
+    assert failure.reason == ("the state of stateful probe(s) 'guard' was lost when the request moved "
+                              "to a (a up)")
+    assert not led.holds_state_on("a")
+    sent(led, "a", 2, rows(r0=[11]))  # the new session's state: kept while that session lives
+    assert led.holds_state_on("a") and led.rehomed("a", "a up") == (None, [])
+
+
 def test_a_stateful_bindings_state_is_on_a_replica_from_the_first_row_sent_there_not_its_ack():
     """A router scores a row as it reads it; the ack may come after the request
     moved. Counting the state from the ack, a move in between (a draining
