@@ -133,7 +133,7 @@ def test_an_engine_error_is_a_500_not_a_finish():
 
 def test_the_extension_carries_the_verdict_and_the_bindings_in_force():
     done = finished(types_pb.FINISH_REASON_PROBE_ABORT, gated=True, verdict=types_pb.Verdict(
-        probe="g", score=2.5, token_position=15, router="10.0.0.1:1", reason="norm over 0", incarnation=4))
+        probe="g", score=2.5, token_position=15, router="10.0.0.1:1", reason="norm over 0"))
     done.bindings.add(probe="g", version="1", digest="sha256:x", failure_policy=types_pb.FAILURE_POLICY_FAIL_CLOSED,
                       action=types_pb.PROBE_ACTION_ABORT, rows_scored=6, operator_set=True)
     ext = results.finish_extension(done, "r1")
