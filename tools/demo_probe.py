@@ -1,4 +1,5 @@
-"""The probe `make run` binds: a norm monitor on the last layer's residual stream.
+"""The probe `make run` binds: the shipped norm monitor on the last layer's
+residual stream, shaped for the model the demo serves.
 
 It only observes, so the demo prints scores without stopping generation.
 """
@@ -9,25 +10,12 @@ import json
 from pathlib import Path
 
 from common.probe_format.files import write_probe
+from tools.shipped_probe import PROBE_NAME, norm_monitor
 
-DEMO_PROBE = "residual_norm"
+DEMO_PROBE = PROBE_NAME
 
 
 def write_demo_probe(probes_dir: Path, model_dir: Path) -> str:
     config = json.loads((model_dir / "config.json").read_text())
-    write_probe(
-        probes_dir / DEMO_PROBE,
-        {
-            "name": DEMO_PROBE,
-            "version": "1",
-            "kind": "norm",
-            "tensor_type": "residual_stream",
-            "layers": [config["num_hidden_layers"] - 1],
-            "hidden_size": config["hidden_size"],
-            "dtype": "float32",
-            "threshold": 1e9,
-            "action": "observe",
-            "tokens": {"scope": "generated"},
-        },
-    )
+    write_probe(probes_dir / DEMO_PROBE, norm_monitor(config))
     return DEMO_PROBE

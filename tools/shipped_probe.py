@@ -31,14 +31,19 @@ CONFIGMAP_NAME = "undercurrent-probes"
 
 
 def probe_manifest(arch: str = DEPLOYED_ARCH) -> dict:
-    shape = ARCHITECTURES[arch]
+    return norm_monitor(ARCHITECTURES[arch])
+
+
+def norm_monitor(config: dict) -> dict:
+    """The probe's manifest for a model of this (Hugging Face) config: the
+    shipped deployments' and `make run`'s."""
     return {
         "name": PROBE_NAME,
         "version": "1",
         "kind": "norm",
         "tensor_type": "residual_stream",
-        "layers": [shape["num_hidden_layers"] - 1],
-        "hidden_size": shape["hidden_size"],
+        "layers": [config["num_hidden_layers"] - 1],
+        "hidden_size": config["hidden_size"],
         "dtype": "float32",
         "threshold": 1e9,
         "action": "observe",
