@@ -37,9 +37,9 @@ from common.probe_format.files import (
 )
 from router_service.server import DEFAULT_MAX_SESSIONS, Router, RouterConfig
 from router_service.session import DEFAULT_MAX_REQUESTS_PER_SESSION
-from router_service.verdict_log.records import DEFAULT_MAX_ROWS
-from router_service.verdict_log.store import StoreError
-from router_service.verdict_log.writer import DEFAULT_QUEUE, LogSettings
+from common.verdict_log.records import DEFAULT_MAX_ROWS
+from common.verdict_log.store import StoreError
+from router_service.verdict_log import DEFAULT_QUEUE, LogSettings
 
 log = logging.getLogger(__name__)
 

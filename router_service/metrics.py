@@ -11,7 +11,7 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, M
 from prometheus_client.registry import Collector
 
 from router_service.rollout import DELTA_BUCKETS, Agreement
-from router_service.verdict_log.writer import LogMetrics
+from router_service.verdict_log import LogMetrics
 
 PROBE_SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
 

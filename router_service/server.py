@@ -21,7 +21,7 @@ from common.probe_format.files import DEFAULT_MAX_INLINE_PROBE_BYTES, ProbeRoot,
 from router_service.registry import ProbeRegistry
 from router_service.servicers import AdminServicer, LiveSession, SessionServicer
 from router_service.session import DEFAULT_MAX_REQUESTS_PER_SESSION
-from router_service.verdict_log.writer import LogSettings, VerdictLog
+from router_service.verdict_log import LogSettings, VerdictLog
 from undercurrent.v1 import router_session_pb2 as session_pb
 from undercurrent.v1 import admin_pb2_grpc as admin_pb_grpc
 from undercurrent.v1 import router_session_pb2_grpc as session_pb_grpc

@@ -37,8 +37,8 @@ from router_service.binding_grid import BindingGrid
 from router_service.metrics import RouterMetrics
 from common.probe_format.probes import Probe, ProjectionPlan, first_firing_segments
 from router_service.registry import ProbeRegistry
-from router_service.verdict_log import records
-from router_service.verdict_log.writer import VerdictLog
+from common.verdict_log import records
+from router_service.verdict_log import VerdictLog
 from undercurrent.v1 import router_session_pb2 as session_pb
 from undercurrent.v1 import types_pb2 as types_pb
 

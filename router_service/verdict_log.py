@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from common.log_limits import RateLimitedLog
-from router_service.verdict_log.records import DEFAULT_MAX_ROWS, ShadowOutcome, VerdictRecord
-from router_service.verdict_log.store import Store, open_store
+from common.verdict_log.records import DEFAULT_MAX_ROWS, ShadowOutcome, VerdictRecord
+from common.verdict_log.store import Store, open_store
 
 log = logging.getLogger(__name__)
 _errors = RateLimitedLog(log)

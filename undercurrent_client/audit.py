@@ -21,8 +21,8 @@ from contextlib import closing
 from datetime import datetime, timezone
 from typing import TextIO
 
-from router_service.verdict_log.records import KINDS, ShadowOutcome, VerdictRecord
-from router_service.verdict_log.store import Query, Store, StoreError, open_store
+from common.verdict_log.records import KINDS, ShadowOutcome, VerdictRecord
+from common.verdict_log.store import Query, Store, StoreError, open_store
 
 LOG_ENV = "UNDERCURRENT_VERDICT_LOG"
 _AGE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
@@ -152,7 +152,7 @@ def _describe(r: VerdictRecord) -> str:
 
 def run_replay(args, out: TextIO, now: float) -> int:
     # The scoring code (numpy, scipy) loads only for a replay: `undercurrent` starts fast.
-    from router_service.verdict_log.replay import ReplayError, replay
+    from common.verdict_log.replay import ReplayError, replay
 
     with closing(_open(args)) as store:
         found = [r for r in store.records(Query(request_id=args.request_id)) if r.rows is not None]

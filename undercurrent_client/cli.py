@@ -1,5 +1,5 @@
 """`undercurrent`: generate with probes, manage probes, capture activations, describe
-the model, and audit the routers' verdict log (router_service.verdict_log.audit),
+the model, and audit the routers' verdict log (undercurrent_client.audit),
 from a shell.
 
 Errors are one line on stderr: `undercurrent: error: ...`; exit status 2 for bad
@@ -18,7 +18,7 @@ import grpc
 
 from common.capture_spec import Scope, TokenSelector, tensor_type_from_proto
 from common.enum_names import short_name
-from router_service.verdict_log import audit
+from undercurrent_client import audit
 from undercurrent.v1 import types_pb2 as types_pb
 from undercurrent_client import capture_file
 from undercurrent_client.activations import ActivationSet

@@ -18,7 +18,7 @@ import numpy as np
 from common.probe_format.files import ProbeFileError, load_probe_bytes
 from common.probe_format.manifest import ManifestError
 from common.probe_format.probes import ProjectionPlan
-from router_service.verdict_log.records import ProbeVersion, VerdictRecord
+from common.verdict_log.records import ProbeVersion, VerdictRecord
 
 # Scores are float32 dot products of float32 rows; a replay on other hardware or
 # with another BLAS may round differently, by a few float32 ulps of the terms.

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from router_service.verdict_log.records import ProbeVersion, ShadowOutcome, VerdictRecord
+from common.verdict_log.records import ProbeVersion, ShadowOutcome, VerdictRecord
 
 SQLITE_BUSY_TIMEOUT_S = 1.0  # a write that waits longer on a lock fails, and the writer retries it
 

@@ -10,7 +10,7 @@ import io
 import numpy as np
 import pytest
 
-from router_service.verdict_log.store import Query, open_store
+from common.verdict_log.store import Query, open_store
 from tools import firing_probes, stack
 from tools.aborts import until_within
 from undercurrent.v1 import engine_pb2 as engine_pb

@@ -19,11 +19,11 @@ from common.probe_format.manifest import manifest_from_dict
 from common.probe_format.probes import ProjectionPlan
 from router_service import rollout
 from router_service.registry import Bound, ProbeRegistry
-from router_service.verdict_log import audit
-from router_service.verdict_log.records import ProbeVersion, ShadowOutcome, VerdictRecord
-from router_service.verdict_log.replay import ReplayError, replay
-from router_service.verdict_log.store import Query, StoreError, open_store
-from router_service.verdict_log.writer import LogMetrics, LogSettings, VerdictLog
+from undercurrent_client import audit
+from common.verdict_log.records import ProbeVersion, ShadowOutcome, VerdictRecord
+from common.verdict_log.replay import ReplayError, replay
+from common.verdict_log.store import Query, StoreError, open_store
+from router_service.verdict_log import LogMetrics, LogSettings, VerdictLog
 from tests.router.helpers import HIDDEN, manifest
 from undercurrent_client import cli
 

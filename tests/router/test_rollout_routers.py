@@ -11,8 +11,8 @@ from google.rpc import code_pb2
 
 from common.canary import canary_takes
 from common.probe_format.files import load_probe_bytes
-from router_service.verdict_log.store import Query, open_store
-from router_service.verdict_log.writer import LogSettings
+from common.verdict_log.store import Query, open_store
+from router_service.verdict_log import LogSettings
 from tests.router.helpers import SessionClient, block
 from tests.router.rollout_world import PROBE, Engine, admin, inline, rows, start_router
 from undercurrent.v1 import admin_pb2 as admin_pb

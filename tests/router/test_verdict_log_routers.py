@@ -10,7 +10,7 @@ import sqlite3
 import numpy as np
 import pytest
 
-from router_service.verdict_log.store import Query, open_store
+from common.verdict_log.store import Query, open_store
 from tests.router import rollout_world as world
 from tests.router.rollout_world import PROBE, Engine, admin, inline, sigmoid, start_router
 from tools.postgres_server import PostgresServer, PostgresUnavailable
