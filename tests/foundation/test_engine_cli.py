@@ -1,8 +1,11 @@
 """Bad command-line input ends the engine with one line naming the problem."""
 
+import contextlib
+import io
 import socket
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 
@@ -16,6 +19,19 @@ def run_engine(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     )
 
 
+def refuse(*args: str) -> subprocess.CompletedProcess:
+    """The engine's main() on these flags in this process (vLLM's import is paid
+    once, not per case): it must exit 2 before it starts anything."""
+    from engine_service.__main__ import main
+
+    stderr = io.StringIO()
+    started = AssertionError(f"main({args}) went on to start the engine")
+    with (contextlib.redirect_stderr(stderr), pytest.raises(SystemExit) as exited,
+          mock.patch("engine_service.service.app.run", side_effect=started)):
+        main(list(args))
+    return subprocess.CompletedProcess(args, exited.value.code, "", stderr.getvalue())
+
+
 def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
     assert result.returncode == 2, result.stderr[-2000:]
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
@@ -26,12 +42,13 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) 
 
 
 def test_missing_model_path():
+    """As a process: the one line, exit 2 and no traceback reach the shell."""
     result = run_engine("--model", "/nonexistent/model-dir", "--port", "0")
     assert_one_line_error(result, "--model", "/nonexistent/model-dir", "does not exist")
 
 
 def test_unknown_flag():
-    result = run_engine("--model", str(EMBEDDED_MODELS["tiny-llama"]), "--no-such-flag")
+    result = refuse("--model", str(EMBEDDED_MODELS["tiny-llama"]), "--no-such-flag")
     assert_one_line_error(result, "unrecognized arguments: --no-such-flag")
 
 
@@ -47,7 +64,7 @@ def test_port_in_use():
 
 @pytest.mark.parametrize("flag", ["--max-streams", "--send-queue-bytes"])
 def test_limit_flags_must_be_positive(flag):
-    result = run_engine("--model", str(EMBEDDED_MODELS["tiny-llama"]), flag, "0")
+    result = refuse("--model", str(EMBEDDED_MODELS["tiny-llama"]), flag, "0")
     assert_one_line_error(result, f"{flag} must be > 0")
 
 
@@ -89,7 +106,7 @@ def test_the_router_timeouts_reach_the_router_link_and_are_checked():
                                       "--router-heartbeat-timeout", "30"])
     config = link_config(args, None)
     assert (config.router_timeout_s, config.heartbeat_timeout_s) == (10.0, 30.0)
-    result = run_engine("--model", str(EMBEDDED_MODELS["tiny-llama"]), "--router-heartbeat-timeout", "1")
+    result = refuse("--model", str(EMBEDDED_MODELS["tiny-llama"]), "--router-heartbeat-timeout", "1")
     assert_one_line_error(result, "--router-heartbeat-timeout must exceed the 2 s between heartbeats")
 
 
@@ -137,7 +154,7 @@ def test_consistent_node_flags_pass_and_one_node_needs_no_master_address():
 def test_node_flags_on_the_command_lines():
     """Both commands parse the same flags and refuse what contradicts their node's role."""
     model = str(EMBEDDED_MODELS["tiny-llama"])
-    result = run_engine("--model", model, "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1")
+    result = refuse("--model", model, "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1")
     assert_one_line_error(result, "engine_service: error: --node-rank 1", "engine_service.worker_node")
     worker = subprocess.run(
         [sys.executable, "-m", "engine_service.worker_node", "--model", model, "--nnodes", "2",
@@ -146,7 +163,7 @@ def test_node_flags_on_the_command_lines():
 
 
 def test_node_timeout_must_not_be_negative():
-    result = run_engine("--model", str(EMBEDDED_MODELS["tiny-llama"]), "--node-timeout", "-1")
+    result = refuse("--model", str(EMBEDDED_MODELS["tiny-llama"]), "--node-timeout", "-1")
     assert_one_line_error(result, "--node-timeout must be >= 0")
 
 
@@ -180,5 +197,5 @@ def test_the_engine_core_nice_defaults_to_auto():
 @pytest.mark.parametrize("value, reason", [("high", "expected auto or an integer from -20 to 19"),
                                            ("-21", "engine core nice -21: expected auto")])
 def test_a_bad_engine_core_nice_is_refused_by_name(value, reason):
-    result = run_engine("--model", str(EMBEDDED_MODELS["tiny-llama"]), f"--engine-core-nice={value}")
+    result = refuse("--model", str(EMBEDDED_MODELS["tiny-llama"]), f"--engine-core-nice={value}")
     assert_one_line_error(result, "--engine-core-nice", reason)
