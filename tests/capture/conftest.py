@@ -26,6 +26,24 @@ async def qwen3_engine(tiny_qwen3_path):
         yield engine_and_controller
 
 
+# Positions past its first unsettled one that the held engine's scheduler lets a
+# bounded request compute (--max-tokens-ahead).
+HELD_AHEAD = 1
+
+
+@pytest.fixture(scope="package")
+async def held_llama_engine(tiny_llama_path):
+    """(engine, controller, allowances): a one-worker engine whose scheduler holds
+    a bounded request HELD_AHEAD positions past its first unsettled one, as
+    --max-tokens-ahead runs it, and the publisher of its allowances."""
+    from engine_service.engine_core.tokens_ahead import AllowancePublisher
+
+    allowances = AllowancePublisher(HELD_AHEAD)
+    async with capture_engine(tiny_llama_path, allowances=allowances, **SMALL_STEPS) as (engine, controller):
+        yield engine, controller, allowances
+    allowances.close()
+
+
 @pytest.fixture(scope="package")
 def llama_oracle(tiny_llama_path):
     return TransformersOracle(tiny_llama_path)

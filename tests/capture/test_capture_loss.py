@@ -19,11 +19,9 @@ from undercurrent.v1 import types_pb2 as types_pb
 
 from engine_service.link import RouterLinkConfig
 from engine_service.service.runtime import EngineRuntime, EngineSettings
-from engine_service.engine_core.tokens_ahead import AllowancePublisher
-from tests.capture.conftest import SMALL_STEPS
+from tests.capture.conftest import HELD_AHEAD
 from tests.capture.workloads import prompt
 from tests.engine_link.helpers import FAST, until
-from tools.capture_engines import capture_engine
 from tools.router_double import PROBE, RouterDouble, of_client
 
 pytestmark = pytest.mark.vllm
@@ -118,34 +116,31 @@ async def test_real_capture_losing_a_positions_rows_stops_a_gated_fail_closed_re
 
 # -- the same loss with --max-tokens-ahead: vLLM holds the request at the lost rows --
 
-AHEAD = 1
 HELD_ROUTER_TIMEOUT_S = 1.0
 
 
 @pytest.fixture(scope="module")
-async def held_runtime_losing_rows(tiny_llama_path):
-    """A vLLM engine of its own whose scheduler holds requests AHEAD positions
-    past their first unsettled one, and the runtime that tells it how far."""
-    allowances = AllowancePublisher(AHEAD)
-    async with capture_engine(tiny_llama_path, allowances=allowances, **SMALL_STEPS) as (engine, controller):
-        router = await RouterDouble("r", threshold=1e9).start()
-        capture = LosingOnePosition(controller, LOST)
-        config = RouterLinkConfig(targets=router.address, engine_id="engine-held-loss",
-                                  **{**FAST, "router_timeout_s": HELD_ROUTER_TIMEOUT_S})
-        runtime = EngineRuntime(engine, capture, link_config=config, allowances=allowances,
-                                settings=EngineSettings(router_timeout_s=HELD_ROUTER_TIMEOUT_S))
-        await runtime.start()
-        try:
-            await runtime.link.wait_ready(timeout=10)
-            yield runtime, capture
-        finally:
-            await runtime.close()
-            await router.kill()
-            allowances.close()
+async def held_runtime_losing_rows(held_llama_engine):
+    """The runtime on the engine whose scheduler holds requests HELD_AHEAD
+    positions past their first unsettled one, telling it how far."""
+    engine, controller, allowances = held_llama_engine
+    router = await RouterDouble("r", threshold=1e9).start()
+    capture = LosingOnePosition(controller, LOST)
+    config = RouterLinkConfig(targets=router.address, engine_id="engine-held-loss",
+                              **{**FAST, "router_timeout_s": HELD_ROUTER_TIMEOUT_S})
+    runtime = EngineRuntime(engine, capture, link_config=config, allowances=allowances,
+                            settings=EngineSettings(router_timeout_s=HELD_ROUTER_TIMEOUT_S))
+    await runtime.start()
+    try:
+        await runtime.link.wait_ready(timeout=10)
+        yield runtime, capture
+    finally:
+        await runtime.close()
+        await router.kill()
 
 
 async def test_a_request_held_on_rows_capture_lost_is_ended_not_left_waiting(held_runtime_losing_rows):
-    """vLLM holds the request once it computed AHEAD positions past the lost one,
+    """vLLM holds the request once it computed HELD_AHEAD positions past the lost one,
     so only the engine's own watch can end it: after the router timeout plus a
     margin without progress it declares the rows lost, as at a request's end."""
     runtime, capture = held_runtime_losing_rows
@@ -155,9 +150,9 @@ async def test_a_request_held_on_rows_capture_lost_is_ended_not_left_waiting(hel
     assert finished.finish_reason == types_pb.FINISH_REASON_ROUTER_UNAVAILABLE, finished
     assert finished.verdict.token_position == LOST
     assert "capture delivered no rows or too few at 1 position(s), 1 rows missing" in finished.message
-    # Positions up to LOST were computed, then AHEAD more: the token sampled at
+    # Positions up to LOST were computed, then HELD_AHEAD more: the token sampled at
     # each. Without the hold vLLM runs to MAX_TOKENS first.
-    assert finished.generated_tokens == LOST + AHEAD - len(PROMPT) + 1 < MAX_TOKENS
+    assert finished.generated_tokens == LOST + HELD_AHEAD - len(PROMPT) + 1 < MAX_TOKENS
     assert len(tokens) == LOST - len(PROMPT)  # none at or after the lost position is shown
     assert (finished.unprobed_tokens, finished.dropped_records) == (1, 1)
     assert runtime.metrics.registry.get_sample_value(

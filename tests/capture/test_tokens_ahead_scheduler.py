@@ -13,12 +13,13 @@ import pytest
 
 from engine_service.engine_core.tokens_ahead import AllowancePublisher
 from engine_service.request.run import run_key
+from tests.capture.conftest import HELD_AHEAD
 from tests.capture.workloads import prompt
 from tools.capture_engines import capture_engine
 
 pytestmark = pytest.mark.vllm
 
-AHEAD = 2
+AHEAD = HELD_AHEAD
 PROMPT = prompt(9, 3)
 MAX_TOKENS = 16
 # Long enough for the tiny model to generate every token of the request several
@@ -26,13 +27,22 @@ MAX_TOKENS = 16
 HELD_S = 0.5
 
 
-@pytest.fixture(scope="module", params=["tp1", "pp2"])
-async def held_engine(request, tiny_llama_path):
+@pytest.fixture(scope="module")
+async def held_pp2_engine(tiny_llama_path):
     allowances = AllowancePublisher(AHEAD)
-    pp = 2 if request.param == "pp2" else 1
-    async with capture_engine(tiny_llama_path, pp=pp, allowances=allowances) as (engine, _):
-        yield engine, allowances
+    async with capture_engine(tiny_llama_path, pp=2, allowances=allowances) as (engine, controller):
+        yield engine, controller, allowances
     allowances.close()
+
+
+@pytest.fixture(scope="module", params=["tp1", "pp2"])
+def held_engine(request):
+    """(engine, allowances): one worker is the capture suite's held engine; PP=2
+    one of this module's own. Resolved here, synchronously, because async
+    fixtures cannot request fixtures by name."""
+    engine, _, allowances = request.getfixturevalue(
+        "held_llama_engine" if request.param == "tp1" else "held_pp2_engine")
+    return engine, allowances
 
 
 def sampling(**extra):

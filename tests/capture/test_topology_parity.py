@@ -4,8 +4,11 @@ within tolerance, for concurrent requests with different selectors. Qwen3 has
 one KV head, fewer than the TP ranks, so vLLM replicates it across them.
 
 The one-worker engines run compiled (vLLM's default on CPU); the Llama
-topologies run compiled too and the Qwen3 ones eager (`--enforce-eager`), so
-the parity also holds between the two modes."""
+topologies run compiled too and the Qwen3 one eager (`--enforce-eager`), so
+the parity also holds between the two modes. Each cell proves something of its
+own: Llama at TP=2, PP=2 and both, compiled; Qwen3 at TP=2 x PP=2, eager, its
+one KV head replicated across the TP ranks of both stages (TP=2 and PP=2 alone
+add nothing the other cells do not check)."""
 
 import pytest
 
@@ -20,8 +23,6 @@ TOPOLOGIES = [
     ("llama", 2, 1, False),
     ("llama", 1, 2, False),
     ("llama", 2, 2, False),
-    ("qwen3", 2, 1, True),
-    ("qwen3", 1, 2, True),
     ("qwen3", 2, 2, True),
 ]
 
