@@ -19,17 +19,27 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: run test install postgres proto check-contract models bench clean compose-check compose-test
+.PHONY: run test test-engines test-services install postgres proto check-contract models bench clean compose-check compose-test
 
 run: install models
 	$(PY) -m tools.run_demo --model $(MODELS)/tiny-llama $(RUN_ARGS)
 
-# The capture tests run their vLLM engines inside the pytest process; the
-# process-level tests run in a second pytest process so their timing (abort
-# latency) is measured on a process that never hosted an engine.
+# Two streams run side by side, each line of their output printed whole:
+# test-engines (the capture tests' vLLM engines inside the pytest process, then
+# tests/processes' engines of their own, in a second process so their abort
+# latency is measured on a process that never hosted an engine) and
+# test-services (everything else). An engine's start-up keeps one core busy, so
+# two streams use both. Each pytest process takes ports from a range of its own,
+# below the kernel's ephemeral ports (tools/processes.free_port).
 test: install models postgres
-	$(PY) -m pytest tests/capture $(PYTEST_ARGS)
-	$(PY) -m pytest --ignore=tests/capture $(PYTEST_ARGS)
+	@$(MAKE) --no-print-directory -j2 --output-sync=line test-engines test-services
+
+test-engines:
+	UNDERCURRENT_TEST_PORTS=20000-23999 $(PY) -m pytest tests/capture $(PYTEST_ARGS)
+	UNDERCURRENT_TEST_PORTS=24000-27999 $(PY) -m pytest tests/processes $(PYTEST_ARGS)
+
+test-services:
+	UNDERCURRENT_TEST_PORTS=28000-31999 $(PY) -m pytest --ignore=tests/capture --ignore=tests/processes $(PYTEST_ARGS)
 
 install: $(STAMP)
 

@@ -8,6 +8,7 @@ of the contract.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import shutil
 import subprocess
@@ -23,16 +24,18 @@ def install(timeout: float = 600) -> Path:
     if shutil.which("npm") is None:
         raise RuntimeError("npm is not installed; the Node client and buf need Node.js 20 and npm")
     digest = hashlib.sha256((NODE_CLIENT / "package-lock.json").read_bytes()).hexdigest()
-    if _STAMP.exists() and _STAMP.read_text() == digest:
+    with open(NODE_CLIENT / ".install.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent test processes install once
+        if _STAMP.exists() and _STAMP.read_text() == digest:
+            return _STAMP.parent
+        result = subprocess.run(
+            ["npm", "ci", "--no-audit", "--no-fund"], cwd=NODE_CLIENT, capture_output=True, text=True,
+            timeout=timeout,
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"npm ci failed in {NODE_CLIENT}:\n{result.stdout}\n{result.stderr}")
+        _STAMP.write_text(digest)
         return _STAMP.parent
-    result = subprocess.run(
-        ["npm", "ci", "--no-audit", "--no-fund"], cwd=NODE_CLIENT, capture_output=True, text=True,
-        timeout=timeout,
-    )
-    if result.returncode != 0:
-        raise RuntimeError(f"npm ci failed in {NODE_CLIENT}:\n{result.stdout}\n{result.stderr}")
-    _STAMP.write_text(digest)
-    return _STAMP.parent
 
 
 def buf() -> Path:

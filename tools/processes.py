@@ -26,12 +26,20 @@ LOGS = Path(__file__).resolve().parent.parent / ".cache" / "logs"
 
 
 _handed_out: set[int] = set()
+# LOW-HIGH: hand out ports from this range only. `make test` gives each of its
+# concurrent pytest processes a range of its own below the kernel's ephemeral
+# ports, so no process (nor the kernel, binding port 0) can be handed a port
+# another was given and has not bound yet.
+PORTS_ENV = "UNDERCURRENT_TEST_PORTS"
 
 
 def free_port() -> int:
     """A loopback port free now and not handed out before by this process. The
     kernel may give two binds in a row the same port, and a service told to
     listen on both (health and metrics) then fails to start."""
+    ports = os.environ.get(PORTS_ENV)
+    if ports:
+        return _free_port_in(ports)
     while True:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -39,6 +47,21 @@ def free_port() -> int:
         if port not in _handed_out:
             _handed_out.add(port)
             return port
+
+
+def _free_port_in(ports: str) -> int:
+    low, _, high = ports.partition("-")
+    for port in range(int(low), int(high) + 1):
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"{PORTS_ENV}={ports}: every port is busy or handed out")
 
 
 @dataclass

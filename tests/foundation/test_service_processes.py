@@ -4,6 +4,8 @@ import os
 import signal
 import socket
 
+import pytest
+
 from tools import processes
 from tools.processes import Service
 
@@ -33,3 +35,22 @@ def test_free_port_never_hands_out_a_port_twice(monkeypatch):
 
     monkeypatch.setattr(processes.socket, "socket", Socket)
     assert [processes.free_port(), processes.free_port()] == [1001, 1002]
+
+
+
+def test_free_port_keeps_to_the_range_it_is_given(monkeypatch):
+    """Concurrent test processes each take ports from a range of their own,
+    skipping ports something else holds."""
+    busy = {1001, 1003}
+
+    class Socket(socket.socket):
+        def bind(self, address):
+            if address[1] in busy:
+                raise OSError("in use")
+
+    monkeypatch.setattr(processes.socket, "socket", Socket)
+    monkeypatch.setattr(processes, "_handed_out", set())
+    monkeypatch.setenv(processes.PORTS_ENV, "1001-1004")
+    assert [processes.free_port(), processes.free_port()] == [1002, 1004]
+    with pytest.raises(RuntimeError, match=f"^{processes.PORTS_ENV}=1001-1004: every port is busy or handed out$"):
+        processes.free_port()
