@@ -1,10 +1,12 @@
 """The engine process on its own (in a package of its own, so the shared e2e
-engine is not left idle while these run): optional routers, metrics, graceful SIGTERM,
-a dead vLLM engine core, and `make run`'s demo."""
+engine is not left idle while these run): optional routers, threads kept off
+the workers' cores, metrics, graceful SIGTERM, a dead vLLM engine core, and
+`make run`'s demo."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import subprocess
 import sys
@@ -12,8 +14,10 @@ import time
 import urllib.request
 
 import grpc
+import psutil
 import pytest
 
+from engine_service.cpu_host.placement import core_list
 from tools import processes, stack
 from undercurrent.v1 import engine_pb2 as engine_pb
 from undercurrent.v1 import engine_pb2_grpc as engine_pb_grpc
@@ -27,13 +31,38 @@ def request(rid: str, max_tokens: int) -> engine_pb.GenerateRequest:
                                                          ignore_eos=True))
 
 
-async def test_routerless_engine_serves_reports_metrics_and_drains_on_sigterm(tiny_llama_path):
+def task_cores(pid: int) -> set[frozenset[int]]:
+    return {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
+def assert_kept_off_the_workers_cores(service: stack.Service, started_on: frozenset[int]) -> None:
+    """--keep-off-worker-cores: every thread of the service runs off the cores vLLM
+    bound its worker to; vLLM's engine core stays where it started."""
+    core = processes.vllm_engine_core(service)
+    children = core.children(recursive=True)
+    workers = [p for p in children if "VLLM::Worker" in " ".join(p.cmdline())]
+    assert len(workers) == 1, [p.cmdline() for p in children]
+    worker_cores = frozenset(os.sched_getaffinity(workers[0].pid))
+    assert worker_cores < started_on, "vLLM's CPU backend binds its worker to some of the cores"
+    assert task_cores(service.process.pid) == {started_on - worker_cores}
+    assert len(psutil.Process(service.process.pid).threads()) > 10  # gRPC's, vLLM's and ours: all moved
+    assert os.sched_getaffinity(core.pid) == started_on
+    expected = (f"vLLM's workers are bound to cores {core_list(worker_cores)}: the engine service's "
+                f"threads now run on {core_list(started_on - worker_cores)}")
+    assert expected in service.log_path.read_text(errors="replace"), service.log_tail()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores: one for the worker, one left")
+async def test_routerless_engine_off_its_workers_cores_serves_reports_metrics_and_drains_on_sigterm(
+        tiny_llama_path):
+    started_on = frozenset(os.sched_getaffinity(0))  # what the service inherits from this process
     metrics_port = stack.free_port()
     service = stack.engine(tiny_llama_path, "", "--metrics-port", str(metrics_port),
-                           "--grace-period", "60", max_model_len=1024).start()
+                           "--grace-period", "60", "--keep-off-worker-cores", max_model_len=1024).start()
     try:
         # Without --router the engine needs no router to be SERVING.
         await service.wait_health(want_serving=True, timeout=240)
+        assert_kept_off_the_workers_cores(service, started_on)
         async with stack.channel(service.address) as channel:
             engine = engine_pb_grpc.EngineServiceStub(channel)
             first = await stack.generate(engine, request("m1", 5))
@@ -66,18 +95,6 @@ async def test_routerless_engine_serves_reports_metrics_and_drains_on_sigterm(ti
         assert frozen and int(frozen[1]) > 100_000, service.log_tail()
     finally:
         service.kill()
-
-
-def test_make_run_norm_demo_prints_streamed_text(tiny_llama_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "tools.run_demo", "--model", tiny_llama_path, "--exit-after-demo",
-         "--max-tokens", "12", "--norm-demo"],
-        capture_output=True, text=True, timeout=400,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "router SERVING" in result.stdout and "engine SERVING" in result.stdout
-    assert "--- finished: LENGTH, 12 tokens ---" in result.stdout
-    assert "probe residual_norm: 11 scores" in result.stdout
 
 
 def test_make_run_shows_the_probe_lifecycle(tiny_llama_path):
