@@ -2,6 +2,7 @@
 # Each creates .venv if missing, installs the pinned environment, and makes the
 # embedded models; a second run reuses all of it.
 
+SHELL := /bin/bash
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -24,7 +25,7 @@ export TOKENIZERS_PARALLELISM := false
 run: install models
 	$(PY) -m tools.run_demo --model $(MODELS)/tiny-llama $(RUN_ARGS)
 
-# Two streams run side by side, each line of their output printed whole:
+# Two streams run side by side, each output line prefixed with its stream:
 # test-engines (the capture tests' vLLM engines inside the pytest process, then
 # tests/processes' engines of their own, in a second process so their abort
 # latency is measured on a process that never hosted an engine) and
@@ -32,14 +33,18 @@ run: install models
 # two streams use both. Each pytest process takes ports from a range of its own,
 # below the kernel's ephemeral ports (tools/processes.free_port).
 test: install models postgres
-	@$(MAKE) --no-print-directory -j2 --output-sync=line test-engines test-services
+	@$(MAKE) --no-print-directory -j2 test-engines test-services
 
 test-engines:
-	UNDERCURRENT_TEST_PORTS=20000-23999 $(PY) -m pytest tests/capture $(PYTEST_ARGS)
-	UNDERCURRENT_TEST_PORTS=24000-27999 $(PY) -m pytest tests/processes $(PYTEST_ARGS)
+	@set -o pipefail; { \
+		UNDERCURRENT_TEST_PORTS=20000-23999 $(PY) -m pytest tests/capture $(PYTEST_ARGS) && \
+		UNDERCURRENT_TEST_PORTS=24000-27999 $(PY) -m pytest tests/processes $(PYTEST_ARGS); \
+	} 2>&1 | sed -u 's/^/engines  | /'
 
 test-services:
-	UNDERCURRENT_TEST_PORTS=28000-31999 $(PY) -m pytest --ignore=tests/capture --ignore=tests/processes $(PYTEST_ARGS)
+	@set -o pipefail; \
+	UNDERCURRENT_TEST_PORTS=28000-31999 $(PY) -m pytest --ignore=tests/capture --ignore=tests/processes \
+		$(PYTEST_ARGS) 2>&1 | sed -u 's/^/services | /'
 
 install: $(STAMP)
 
