@@ -34,6 +34,7 @@ def test_free_port_never_hands_out_a_port_twice(monkeypatch):
             return ("127.0.0.1", next(kernel_ports))
 
     monkeypatch.setattr(processes.socket, "socket", Socket)
+    monkeypatch.delenv(processes.PORTS_ENV, raising=False)  # make test sets it
     assert [processes.free_port(), processes.free_port()] == [1001, 1002]
 
 
