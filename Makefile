@@ -27,24 +27,29 @@ run: install models
 
 # Two streams run side by side, each output line prefixed with its stream:
 # test-engines (the capture tests' vLLM engines inside the pytest process, then
-# tests/processes' engines of their own, in a second process so their abort
-# latency is measured on a process that never hosted an engine) and
-# test-services (everything else). An engine's start-up keeps one core busy, so
-# two streams use both. Each pytest process takes ports from a range of its own,
-# below the kernel's ephemeral ports (tools/processes.free_port).
+# the multi-worker, multi-node and half-precision engines of tests/processes, in
+# a second process so their abort latency is measured on a process that never
+# hosted an engine) and test-services (everything else, the rest of
+# tests/processes among it, so the two streams take about as long). An engine's
+# start-up keeps one core busy, so two streams use both. Each pytest process
+# takes ports from a range of its own, below the kernel's ephemeral ports
+# (tools/processes.free_port).
+ENGINE_PROCESS_TESTS := $(addprefix tests/processes/,test_half_precision.py test_multinode.py \
+	test_tokens_ahead.py test_topologies.py)
+
 test: install models postgres
 	@$(MAKE) --no-print-directory -j2 test-engines test-services
 
 test-engines:
 	@set -o pipefail; { \
 		UNDERCURRENT_TEST_PORTS=20000-23999 $(PY) -m pytest tests/capture $(PYTEST_ARGS) && \
-		UNDERCURRENT_TEST_PORTS=24000-27999 $(PY) -m pytest tests/processes $(PYTEST_ARGS); \
+		UNDERCURRENT_TEST_PORTS=24000-27999 $(PY) -m pytest $(ENGINE_PROCESS_TESTS) $(PYTEST_ARGS); \
 	} 2>&1 | sed -u 's/^/engines  | /'
 
 test-services:
 	@set -o pipefail; \
-	UNDERCURRENT_TEST_PORTS=28000-31999 $(PY) -m pytest --ignore=tests/capture --ignore=tests/processes \
-		$(PYTEST_ARGS) 2>&1 | sed -u 's/^/services | /'
+	UNDERCURRENT_TEST_PORTS=28000-31999 $(PY) -m pytest --ignore=tests/capture \
+		$(addprefix --ignore=,$(ENGINE_PROCESS_TESTS)) $(PYTEST_ARGS) 2>&1 | sed -u 's/^/services | /'
 
 install: $(STAMP)
 
