@@ -50,8 +50,11 @@ def free_port() -> int:
 
 
 def _free_port_in(ports: str) -> int:
-    low, _, high = ports.partition("-")
-    for port in range(int(low), int(high) + 1):
+    try:
+        low, high = (int(bound) for bound in ports.split("-"))
+    except ValueError:
+        raise RuntimeError(f"{PORTS_ENV}={ports!r}: expected LOW-HIGH, such as 20000-23999") from None
+    for port in range(low, high + 1):
         if port in _handed_out:
             continue
         with socket.socket() as s:

@@ -55,3 +55,10 @@ def test_free_port_keeps_to_the_range_it_is_given(monkeypatch):
     assert [processes.free_port(), processes.free_port()] == [1002, 1004]
     with pytest.raises(RuntimeError, match=f"^{processes.PORTS_ENV}=1001-1004: every port is busy or handed out$"):
         processes.free_port()
+
+
+@pytest.mark.parametrize("ports", ["20000", "20000-x", "1-2-3"])
+def test_a_malformed_port_range_is_named(monkeypatch, ports):
+    monkeypatch.setenv(processes.PORTS_ENV, ports)
+    with pytest.raises(RuntimeError, match=f"^{processes.PORTS_ENV}='{ports}': expected LOW-HIGH"):
+        processes.free_port()
